@@ -1,0 +1,1 @@
+"""The tap DSL grammar (Lark), shipped as package data."""

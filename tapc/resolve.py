@@ -1,0 +1,230 @@
+"""One TapSpec + a ModuleTree -> PlannedTaps: globs expanded, points checked, kinds assigned.
+
+Every way a tap can miss the model has its own message: the nearest real module paths for a
+typo, the `.source` ops that do exist, the elements a tuple output has, why an edit cannot run
+in-graph at a point and what would.
+"""
+from __future__ import annotations
+
+import difflib
+
+from tapc.errors import ResolveError
+from tapc.plan import BLOCK, EDIT, ENGINE, READ, Arg, PlannedTap, Point
+from tapc.spec import EDIT_SIGNATURES, AT, Param, Pick, Slice, Star, TapSpec
+from tapc.tree import ModuleTree, Node
+
+
+def resolve_tap(spec: TapSpec, tree: ModuleTree) -> list[PlannedTap]:
+    """All the taps one spec line stands for, in model order."""
+    if spec.is_engine_point:
+        return [_engine_tap(spec, tree)]
+    return [_module_tap(spec, tree, path) for path in expand(spec, tree)]
+
+
+def expand(spec: TapSpec, tree: ModuleTree) -> list[str]:
+    """Module paths the spec's path matches, in model order. Nothing matched is an error."""
+    prefixes = [""]
+    for depth, seg in enumerate(spec.path):
+        nxt: list[str] = []
+        for prefix in prefixes:
+            children = tree.children(prefix)
+            join = (lambda c: f"{prefix}.{c}") if prefix else (lambda c: c)
+            if isinstance(seg, str):
+                if seg in children:
+                    nxt.append(join(seg))
+            elif isinstance(seg, Star):
+                nxt.extend(join(c) for c in children)
+            else:
+                numbered = [c for c in children if c.isdigit()]
+                if not numbered:
+                    raise ResolveError(f"{_where(spec)}: `{prefix}` has no numbered children to select with "
+                                       f"{_show(seg)}; its children are {_listing(children)}")
+                picked = _select(seg, numbered, spec, prefix)
+                nxt.extend(join(c) for c in picked)
+        if not nxt:
+            raise ResolveError(_no_match(spec, tree, prefixes, seg, depth))
+        prefixes = nxt
+    return prefixes
+
+
+def _select(seg, numbered: list[str], spec: TapSpec, prefix: str) -> list[str]:
+    if isinstance(seg, Slice):
+        if seg.step == 0:
+            raise ResolveError(f"{_where(spec)}: a slice step cannot be 0")
+        return numbered[slice(seg.start, seg.stop, seg.step)]
+    missing = [i for i in seg.indices if str(i) not in numbered]
+    if missing:
+        raise ResolveError(f"{_where(spec)}: `{prefix}` has no {', '.join(map(str, missing))}: "
+                           f"it has {numbered[0]}..{numbered[-1]}")
+    return [str(i) for i in seg.indices]
+
+
+def _show(seg) -> str:
+    if isinstance(seg, Slice):
+        parts = ["" if v is None else str(v) for v in (seg.start, seg.stop, seg.step)]
+        return f"[{':'.join(parts if seg.step is not None else parts[:2])}]"
+    return f"[{','.join(map(str, seg.indices))}]"
+
+
+def _no_match(spec: TapSpec, tree: ModuleTree, prefixes: list[str], seg, depth: int) -> str:
+    shown = ".".join(s if isinstance(s, str) else "*" if isinstance(s, Star) else _show(s) for s in spec.path[: depth + 1])
+    if isinstance(seg, str):
+        numbered = [c for c in tree.children(prefixes[0]) if c.isdigit()]
+        if seg.isdigit() and numbered:
+            return f"{_where(spec)}: no module `{shown}`: `{prefixes[0]}` has {numbered[0]}..{numbered[-1]}"
+        wanted = [f"{p}.{seg}" if p else seg for p in prefixes]
+        level = [n.path for n in tree.nodes if n.path.count(".") == wanted[0].count(".")]
+        near = difflib.get_close_matches(wanted[0], level, n=3, cutoff=0.6)
+        if near:
+            return f"{_where(spec)}: no module `{shown}`; did you mean {_listing(near)}?"
+        return f"{_where(spec)}: no module `{shown}`; `{prefixes[0] or '(root)'}` has {_listing(tree.children(prefixes[0]))}"
+    if isinstance(seg, Slice):
+        return f"{_where(spec)}: the selection `{shown}` matches no module"
+    return f"{_where(spec)}: `{shown}` matches nothing: `{prefixes[0]}` has no children"
+
+
+def _listing(names) -> str:
+    names = list(names)
+    shown = ", ".join(f"`{n}`" for n in names[:8])
+    return shown + (f" and {len(names) - 8} more" if len(names) > 8 else "") if names else "nothing"
+
+
+def _where(spec: TapSpec) -> str:
+    return f"tap `{spec.text}`" + (f" (line {spec.line})" if spec.line > 1 else "")
+
+
+# ----------------------------------------------------------------------------- points
+
+
+def _module_tap(spec: TapSpec, tree: ModuleTree, path: str) -> PlannedTap:
+    node = tree.by_path[path]
+    point, width = _point(spec, node)
+    return _planned(spec, point, width, tree.dtype, node.layer)
+
+
+def _point(spec: TapSpec, node: Node) -> tuple[Point, int]:
+    where = f"{_where(spec)} at `{node.path}` ({node.cls})"
+    el = spec.element
+    if spec.site == "resid":
+        if node.output != "pair":
+            raise ResolveError(f"{where}: `.resid` is the residual stream after a decoder layer "
+                               "(hidden_states + residual); use it on the decoder layers, e.g. `model.layers.3.resid`")
+        return Point(node.path, "resid"), node.out_width
+    if spec.site == "input":
+        if el is not None:
+            raise ResolveError(f"{where}: `.input` is the module's activation argument; it takes no element")
+        if node.in_width is None:
+            raise ResolveError(f"{where}: its input is not an activation tapc can read "
+                               f"({'token ids' if node.output == 'tensor' else 'no known width'}); "
+                               "tap the output instead")
+        return Point(node.path, "input"), node.in_width
+    if spec.site == "output":
+        return _output_point(where, node, el)
+    return _source_point(spec, where, node)
+
+
+def _output_point(where: str, node: Node, el: int | None) -> tuple[Point, int]:
+    if node.output == "none" or node.out_width is None and node.output != "tuple":
+        raise ResolveError(f"{where}: this module's output is not tappable; for logits use the engine point `logits`")
+    if node.output == "tuple":
+        raise ResolveError(f"{where}: this module returns several tensors of sizes tapc cannot know ahead; "
+                           "tap its caller's `.source` op or the module that consumes them")
+    if node.output == "pair":
+        if el not in (0, 1):
+            raise ResolveError(f"{where}: a decoder layer outputs (hidden_states, residual): use `.output[0]`, "
+                               "`.output[1]`, or `.resid` for their sum, the residual stream")
+        return Point(node.path, "output", element=el), node.out_width
+    if node.output == "linear":
+        if el not in (None, 0):
+            raise ResolveError(f"{where}: a vLLM linear layer returns (output, bias) with bias None in the "
+                               "forward: `.output` (or `.output[0]`) is the output")
+        return Point(node.path, "output"), node.out_width
+    if el is not None:
+        if node.output == "norm" and el in (0, 1):
+            return Point(node.path, "output", element=el), node.out_width
+        raise ResolveError(f"{where}: its output is one tensor; drop `[{el}]`")
+    return Point(node.path, "output"), node.out_width
+
+
+def _source_point(spec: TapSpec, where: str, node: Node) -> tuple[Point, int]:
+    ops = {o.name: o for o in node.source_ops}
+    if spec.op not in ops:
+        near = difflib.get_close_matches(spec.op, list(ops), n=3, cutoff=0.5)
+        hint = f" did you mean {_listing(near)}?" if near else ""
+        raise ResolveError(f"{where}: no `.source` op {spec.op!r} in {node.cls}.forward.{hint} "
+                           f"Its ops are: {', '.join(ops) or 'none'}")
+    op = ops[spec.op]
+    point = Point(node.path, "source", op=op.name, io=spec.io, element=spec.element)
+    if spec.io == "input":
+        if op.in_width is None:
+            raise ResolveError(f"{where}: tapc cannot size the input of `{op.call}` ahead of time; ops it can "
+                               f"size: {_listing(o.name for o in node.source_ops if o.in_width)}")
+        if spec.element is not None:
+            raise ResolveError(f"{where}: `.input` is the op's first argument; it takes no element")
+        return point, op.in_width
+    if op.out_widths is None:
+        raise ResolveError(f"{where}: tapc cannot size the output of `{op.call}` ahead of time; ops it can "
+                           f"size: {_listing(o.name for o in node.source_ops if o.out_widths)}")
+    if len(op.out_widths) > 1:
+        if spec.element is None or not 0 <= spec.element < len(op.out_widths):
+            raise ResolveError(f"{where}: `{op.call}` returns {len(op.out_widths)} tensors "
+                               f"(widths {', '.join(map(str, op.out_widths))}): pick one with `.output[k]`, "
+                               f"k in 0..{len(op.out_widths) - 1}")
+        return point, op.out_widths[spec.element]
+    if spec.element not in (None, 0) or (spec.element == 0 and not op.linear):
+        raise ResolveError(f"{where}: `{op.call}` returns one tensor; drop `[{spec.element}]`")
+    return Point(node.path, "source", op=op.name, io="output"), op.out_widths[0]
+
+
+def _engine_tap(spec: TapSpec, tree: ModuleTree) -> PlannedTap:
+    where = _where(spec)
+    if spec.site == "samples":
+        if spec.action.op not in ("capture", "block"):
+            raise ResolveError(f"{where}: samples are token ids; capture them, or replace them in a Python block "
+                               "(`samples -> name`)")
+        return PlannedTap(source=spec.text, point=Point(site="samples"), action=spec.action.op,
+                          kind=ENGINE, block=spec.action.block, width=1, dtype="int64")
+    if spec.action.op in ("project_out",):
+        raise ResolveError(f"{where}: `{spec.action.op}` on logits has no meaning; use set/zero to mask tokens, "
+                           "add for a logit bias, scale for a temperature")
+    return _planned(spec, Point(site="logits"), tree.vocab_size, "float32", None, kind=ENGINE)
+
+
+# ----------------------------------------------------------------------------- actions
+
+
+def _planned(spec: TapSpec, point: Point, width: int, dtype: str, layer, kind: str | None = None) -> PlannedTap:
+    action = spec.action
+    if action.op == "block":
+        return PlannedTap(source=spec.text, point=point, action="block", kind=kind or BLOCK,
+                          block=action.block, width=width, dtype=dtype, layer=layer)
+    if action.op == "capture":
+        return PlannedTap(source=spec.text, point=point, action="capture", kind=kind or READ,
+                          width=width, dtype=dtype, layer=layer)
+    if point.site == "source" and point.io == "input":
+        raise ResolveError(f"{_where(spec)}: an edit at a `.source` op's input cannot run in-graph (the "
+                           "argument is shared with other uses); edit the output of the op that produces it, "
+                           "or use a Python block (`-> name`)")
+    kinds = {name: k for name, k, _ in EDIT_SIGNATURES[action.op] + (AT,)}
+    args = []
+    for name, value in action.args:
+        if isinstance(value, Param):
+            args.append(Arg(name=name, kind=kinds[name], param=value.name))
+            continue
+        _check_literal(spec, action.op, name, kinds[name], value, width)
+        args.append(Arg(name=name, kind=kinds[name], value=value))
+    return PlannedTap(source=spec.text, point=point, action=action.op, kind=kind or EDIT, args=tuple(args),
+                      width=width, dtype=dtype, layer=layer)
+
+
+def _check_literal(spec: TapSpec, op: str, name: str, kind: str, value, width: int) -> None:
+    if kind == "vector" and len(value) != width:
+        raise ResolveError(f"{_where(spec)}: {op}() {name} has {len(value)} numbers but the point is {width} wide")
+    if kind == "columns":
+        over = [c for c in value if c >= width]
+        if over:
+            raise ResolveError(f"{_where(spec)}: {op}() columns {over} are past the point's width {width}")
+    if kind == "values" and isinstance(value, tuple):
+        cols = dict(a for a in spec.action.args)["cols"]
+        if isinstance(cols, tuple) and len(cols) != len(value):
+            raise ResolveError(f"{_where(spec)}: {op}() gives {len(value)} values for {len(cols)} columns")

@@ -1,0 +1,354 @@
+"""Tap text -> tap AST (frozen dataclasses). Every parse error is a `TapSyntaxError`.
+
+A tap is one line: a point, then optionally an action (`| op(args)` or `-> block`).
+The grammar is data (`grammar/taps.lark`); this module turns its trees into plain values and
+translates Lark's errors into the tap's own terms. docs/dsl.md is the user's guide.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from typing import Iterable, Union
+
+import lark
+from lark import Lark, Transformer, v_args
+
+from tapc.errors import TapSyntaxError
+
+# ----------------------------------------------------------------------------- the AST
+
+
+@dataclass(frozen=True)
+class Star:
+    """`*`: every child of the module at that point of the path."""
+
+
+@dataclass(frozen=True)
+class Slice:
+    """`[start:stop:step]` over numbered children (a ModuleList), Python semantics."""
+
+    start: int | None = None
+    stop: int | None = None
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class Pick:
+    """`[1,5,9]`: these numbered children, in this order."""
+
+    indices: tuple[int, ...]
+
+
+Segment = Union[str, Star, Slice, Pick]
+
+
+@dataclass(frozen=True)
+class Param:
+    """A name in an argument list: a parameter bound per request or per engine."""
+
+    name: str
+
+
+Value = Union[float, int, str, tuple, Param]
+
+
+@dataclass(frozen=True)
+class Action:
+    """What to do at the point. op "capture" (the default), an edit, or "block"."""
+
+    op: str = "capture"
+    args: tuple[tuple[str, Value], ...] = ()  # (argument name, value), defaults filled in
+    block: str | None = None                   # the Python block's name for `-> name`
+
+
+@dataclass(frozen=True)
+class TapSpec:
+    """One parsed tap, before it meets a model."""
+
+    text: str                     # the tap as written (comment stripped)
+    path: tuple[Segment, ...] = ()
+    site: str = "output"          # output | input | resid | source | logits | samples
+    op: str | None = None         # `.source` op name
+    io: str = "output"            # `.source.<op>.output|input`
+    element: int | None = None
+    action: Action = Action()
+    line: int = 1                 # line in the spec the tap came from
+
+    @property
+    def is_engine_point(self) -> bool:
+        return self.site in ("logits", "samples")
+
+
+# ----------------------------------------------------------------------------- edit signatures
+
+REQUIRED = object()
+POSITIONS = ("all", "prompt", "generated", "last")
+
+# op -> ((argument, kind, default), ...). Kinds say what a value must be; "positions" takes a
+# keyword from POSITIONS. Every edit also takes `at=` (which rows of its request to edit).
+EDIT_SIGNATURES: dict[str, tuple[tuple[str, str, object], ...]] = {
+    "add": (("vector", "vector", REQUIRED), ("alpha", "scalar", 1.0)),
+    "scale": (("factor", "scalar", REQUIRED),),
+    "set": (("cols", "columns", REQUIRED), ("value", "values", REQUIRED)),
+    "zero": (("cols", "columns", REQUIRED),),
+    "project_out": (("direction", "vector", REQUIRED),),
+}
+AT = ("at", "positions", "all")
+ACTIONS = ("capture", *EDIT_SIGNATURES)
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+@lru_cache(maxsize=1)
+def _parser() -> Lark:
+    grammar = resources.files("tapc.grammar").joinpath("taps.lark").read_text()
+    return Lark(grammar, start="tap", parser="lalr", propagate_positions=True)
+
+
+class _ToAst(Transformer):
+    """One method per grammar rule; returns plain values."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    # path segments
+    def named(self, items):
+        name, *sel = items
+        return [str(name), *sel]
+
+    def index(self, items):
+        return [str(items[0])]
+
+    def star(self, _):
+        return [Star()]
+
+    def selected(self, items):
+        return [items[0]]
+
+    def selector(self, items):
+        return items[0]
+
+    def slice(self, items):
+        # the grammar keeps positions: INT? ":" INT? (":" INT)? -> None where absent
+        return items[0]
+
+    def pick(self, items):
+        return Pick(tuple(int(i) for i in items))
+
+    def element(self, items):
+        return int(items[0])
+
+    # sites
+    def output(self, items):
+        return {"site": "output", "element": items[1] if len(items) > 1 else None}
+
+    def input(self, items):
+        return {"site": "input", "element": items[1] if len(items) > 1 else None}
+
+    def resid(self, _):
+        return {"site": "resid"}
+
+    def source(self, items):
+        _, op, io, *element = items
+        return {"site": "source", "op": str(op), "io": str(io), "element": element[0] if element else None}
+
+    def step(self, items):
+        segment, tail = items
+        return {**tail, "path": segment + tail.get("path", [])}
+
+    def point(self, items):
+        segment, tail = items
+        tail = tail if "path" in tail else {**tail, "path": []}
+        return {**tail, "path": tuple(segment + tail["path"])}
+
+    def logits(self, _):
+        return {"site": "logits", "path": ()}
+
+    def samples(self, _):
+        return {"site": "samples", "path": ()}
+
+    # actions
+    def number(self, items):
+        text = str(items[0])
+        return int(text) if text.lstrip("+-").isdigit() else float(text)
+
+    def name(self, items):
+        return Param(str(items[0]))
+
+    def list(self, items):
+        return tuple(i for i in items if i is not None)
+
+    def arg(self, items):
+        return (str(items[0]), items[1]) if len(items) == 2 else (None, items[0])
+
+    def call(self, items):
+        return ("call", items[0], [a for a in items[1:] if a is not None])
+
+    def block(self, items):
+        return ("block", items[0], [])
+
+    @v_args(meta=True)
+    def tap(self, meta, items):
+        point = items[0]
+        action = items[1] if len(items) > 1 else ("call", None, [])
+        return point, action
+
+
+# Lark builds `slice` children without placeholders for absent INTs; rebuild from the text.
+def _slice_from_tree(tree: lark.Tree) -> Slice:
+    parts: list[int | None] = [None, None, None]
+    k = 0
+    for child in tree.children:
+        if isinstance(child, lark.Token) and child.type == "INT":
+            parts[k] = int(child)
+        elif isinstance(child, lark.Token):
+            k += 1
+    return Slice(*parts)
+
+
+_TERMINAL_WORDS = {
+    "NAME": "a name", "INT": "a number", "STAR": "`*`", "DOT": "`.`", "LSQB": "`[`",
+    "RSQB": "`]`", "LPAR": "`(`", "RPAR": "`)`", "COMMA": "`,`", "COLON": "`:`",
+    "VBAR": "`|` and an action", "__ANON_0": "`->` and a block name", "EQUAL": "`=`",
+    "SIGNED_NUMBER": "a number", "OUTPUT": "`output`", "INPUT": "`input`", "RESID": "`resid`",
+    "SOURCE": "`source`", "LOGITS": "`logits`", "SAMPLES": "`samples`", "$END": "the end of the tap",
+}
+
+
+def _expected(terminals: Iterable[str]) -> str:
+    words = sorted({_TERMINAL_WORDS.get(t, t) for t in terminals})
+    return ", ".join(words[:-1]) + (" or " if len(words) > 1 else "") + words[-1] if words else "nothing"
+
+
+def _syntax_error(text: str, column: int, what: str, line: int) -> TapSyntaxError:
+    caret = " " * (column - 1) + "^"
+    where = f"line {line}, " if line > 1 else ""
+    return TapSyntaxError(f"{what} ({where}column {column})\n  {text}\n  {caret}", text, column)
+
+
+def _explain_unexpected(e: lark.UnexpectedInput, text: str) -> str:
+    if isinstance(e, lark.UnexpectedCharacters):
+        got = f"unexpected character {text[e.pos_in_stream]!r}"
+        expected = getattr(e, "allowed", None) or ()
+    elif isinstance(e, lark.UnexpectedToken):
+        tok = e.token
+        got = "the tap ends too early" if tok.type == "$END" else f"unexpected {str(tok)!r}"
+        expected = e.expected
+    else:  # UnexpectedEOF
+        got, expected = "the tap ends too early", getattr(e, "expected", ())
+    if not text.strip():
+        return "empty tap"
+    return f"{got}: expected {_expected(expected)}"
+
+
+def parse_tap(text: str, line: int = 1) -> TapSpec:
+    """Parse one tap. Raises TapSyntaxError with the tap, a caret and what was expected."""
+    raw = text
+    text = text.split("#", 1)[0].rstrip()
+    if not text.strip():
+        raise _syntax_error(raw, 1, "empty tap", line)
+    try:
+        tree = _parser().parse(text)
+    except lark.UnexpectedInput as e:
+        column = getattr(e, "column", None)
+        column = column if isinstance(column, int) and column > 0 else len(text) + 1
+        raise _syntax_error(text, column, _explain_unexpected(e, text), line) from None
+    for sub in tree.iter_subtrees():
+        if sub.data == "slice":
+            sub.children = [_slice_from_tree(sub)]
+    point, (kind, name, args) = _ToAst(text).transform(tree)
+    if kind == "block":
+        action = Action(op="block", block=str(name))
+    else:
+        action = _bind_action(text, None if name is None else str(name), args, line)
+    return TapSpec(text=text.strip(), action=action, line=line, **point)
+
+
+def _bind_action(text: str, op: str | None, args: list, line: int) -> Action:
+    """Check an action call against its signature; fill in defaults."""
+    if op is None or op == "capture":
+        if args:
+            raise _syntax_error(text, text.index("capture") + 1, "capture takes no arguments", line)
+        return Action()
+    if op not in EDIT_SIGNATURES:
+        col = text.rindex("|") + 2
+        raise _syntax_error(text, col, f"unknown action {op!r}: the actions are {', '.join(ACTIONS)}, "
+                            "or `-> name` for a Python block", line)
+    signature = EDIT_SIGNATURES[op] + (AT,)
+    names = [a for a, _, _ in signature]
+    bound: dict[str, Value] = {}
+    for i, (name, value) in enumerate(args):
+        if name is None:
+            if bound and any(n is not None for n, _ in args[:i]):
+                raise _syntax_error(text, len(text), f"{op}(): a positional argument follows a named one", line)
+            if i >= len(EDIT_SIGNATURES[op]):
+                raise _syntax_error(text, len(text), f"{op}() takes {len(EDIT_SIGNATURES[op])} positional "
+                                    f"argument(s): {', '.join(names)}", line)
+            name = names[i]
+        if name not in names:
+            raise _syntax_error(text, text.index(name) + 1,
+                                f"{op}() has no argument {name!r}; it takes {', '.join(names)}", line)
+        if name in bound:
+            raise _syntax_error(text, len(text), f"{op}(): argument {name!r} given twice", line)
+        bound[name] = value
+    out = []
+    for name, kind, default in signature:
+        if name not in bound:
+            if default is REQUIRED:
+                raise _syntax_error(text, len(text), f"{op}() needs its argument {name!r} "
+                                    f"({op}({', '.join(n for n, _, d in signature if d is REQUIRED)}))", line)
+            value: Value = default  # type: ignore[assignment]
+        else:
+            value = _check_value(text, op, name, kind, bound[name], line)
+        out.append((name, value))
+    return Action(op=op, args=tuple(out))
+
+
+def _check_value(text: str, op: str, name: str, kind: str, value: Value, line: int) -> Value:
+    def bad(why: str) -> TapSyntaxError:
+        return _syntax_error(text, len(text), f"{op}(): argument {name!r} {why}", line)
+
+    if kind == "positions":
+        if not isinstance(value, Param) or value.name not in POSITIONS:
+            raise bad(f"must be one of {', '.join(POSITIONS)}")
+        return value.name
+    if isinstance(value, Param):
+        return value
+    if kind == "scalar" and not isinstance(value, (int, float)):
+        raise bad("must be a number or a parameter name")
+    if kind == "columns":
+        value = value if isinstance(value, tuple) else (value,)
+        if not value or not all(isinstance(v, int) and v >= 0 for v in value):
+            raise bad("must be column indices (a non-negative integer or a list of them) or a parameter name")
+        if len(set(value)) != len(value):
+            raise bad("names a column twice")
+    if kind == "values" and isinstance(value, tuple) and not all(isinstance(v, (int, float)) for v in value):
+        raise bad("must be a number, a list of numbers, or a parameter name")
+    if kind == "vector" and not (isinstance(value, tuple) and value and all(isinstance(v, (int, float)) for v in value)):
+        raise bad("must be a parameter name (a vector bound per request or per engine) or a list of numbers")
+    return value
+
+
+def parse_taps(lines: str | Iterable[str]) -> tuple[TapSpec, ...]:
+    """Parse many taps: a text (one per line, `#` comments, blank lines) or a list of strings."""
+    items = lines.splitlines() if isinstance(lines, str) else list(lines)
+    taps = []
+    for n, item in enumerate(items, start=1):
+        if not isinstance(item, str):
+            raise TapSyntaxError(f"tap {n} is a {type(item).__name__}, not a string: {item!r}", repr(item))
+        if item.split("#", 1)[0].strip():
+            taps.append(parse_tap(item, line=n))
+    return taps_without_duplicates(taps)
+
+
+def taps_without_duplicates(taps: Iterable[TapSpec]) -> tuple[TapSpec, ...]:
+    seen: dict[str, TapSpec] = {}
+    for tap in taps:
+        key = " ".join(tap.text.split())
+        if key in seen:
+            raise TapSyntaxError(f"the same tap twice (lines {seen[key].line} and {tap.line}): {tap.text}", tap.text)
+        seen[key] = tap
+    return tuple(seen.values())

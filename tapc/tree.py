@@ -1,0 +1,334 @@
+"""vLLM's module tree of a model, built on the meta device with no GPU, as plain data.
+
+`load_tree(model)` returns a `ModuleTree`: every module path vLLM names (`model.layers.0.mlp
+.gate_up_proj`), its role, its per-token widths, and the `.source` ops of its forward. The
+tree is built in a child process (vLLM's platform, distributed state and `torch.ops._C` are
+swapped for the build; a child keeps this process clean for a real engine later) and cached on
+disk by config, vLLM version and this file's contents.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+from tapc.errors import ResolveError
+
+CACHE_DIR = Path(os.environ.get("TAPC_CACHE", Path.home() / ".cache" / "tapc")) / "trees"
+
+
+@dataclass(frozen=True)
+class SourceOp:
+    """A call inside a module's forward, named as nnsight names it: `<receiver>_<callee>_<k>`."""
+
+    name: str                              # e.g. "qkv_split_0", "self_o_proj_0"
+    call: str                              # the call as written, e.g. "qkv.split([...], dim=-1)"
+    line: int                              # line in the forward's source file
+    out_widths: tuple[int, ...] | None     # one entry per output tensor (a tuple when > 1); None: unknown
+    in_width: int | None                   # width of the first positional argument; None: unknown
+    linear: bool = False                   # a call of a vLLM linear layer: returns (out, bias)
+
+
+@dataclass(frozen=True)
+class Node:
+    """One module of the tree.
+
+    output: "tensor" | "linear" (returns (out, bias): `.output` is `out`) | "pair" (a decoder
+    layer's (hidden_states, residual)) | "norm" (tensor, or (tensor, residual) when called with a
+    residual) | "tuple" (several tensors, e.g. rotary (q, k)) | "none" (not tappable: token ids in,
+    or not called in the forward).
+    """
+
+    path: str
+    cls: str
+    output: str
+    in_width: int | None
+    out_width: int | None
+    layer: int | None = None
+    source_ops: tuple[SourceOp, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModuleTree:
+    model: str
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    vocab_size: int
+    dtype: str
+    layers_path: str                 # the ModuleList of decoder layers, e.g. "model.layers"
+    vllm_version: str
+    nodes: tuple[Node, ...]
+
+    @cached_property
+    def by_path(self) -> dict[str, Node]:
+        return {n.path: n for n in self.nodes}
+
+    def children(self, path: str) -> list[str]:
+        """Direct children's last segment, in model order."""
+        prefix = f"{path}." if path else ""
+        out: dict[str, None] = {}
+        for n in self.nodes:
+            if n.path.startswith(prefix) and n.path != path:
+                out.setdefault(n.path[len(prefix):].split(".", 1)[0])
+        return list(out)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModuleTree":
+        d = json.loads(text)
+
+        def op(o):
+            return SourceOp(**{**o, "out_widths": None if o["out_widths"] is None else tuple(o["out_widths"])})
+
+        nodes = tuple(Node(**{**n, "source_ops": tuple(op(o) for o in n["source_ops"])}) for n in d["nodes"])
+        return cls(**{**d, "nodes": nodes})
+
+
+# ----------------------------------------------------------------------------- loading + cache
+
+
+def config_path(model: str) -> Path:
+    """config.json of a local directory, or of a hub id already in the local HF cache."""
+    local = Path(model).expanduser()
+    if local.is_dir():
+        if (local / "config.json").is_file():
+            return local / "config.json"
+        raise ResolveError(f"{model}: a directory without config.json")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, "config.json")
+    except Exception:  # an id that is not a valid repo name
+        found = None
+    if isinstance(found, str):
+        return Path(found)
+    raise ResolveError(f"{model}: no such directory, and no config.json for it in the local Hugging Face "
+                       "cache (tapc builds trees offline: give a local directory with config.json)")
+
+
+def load_tree(model: str) -> ModuleTree:
+    """The module tree of `model`, from the disk cache or built in a child process."""
+    cfg = config_path(model)
+    key = hashlib.sha256(cfg.read_bytes() + _vllm_version().encode() + Path(__file__).read_bytes()).hexdigest()[:20]
+    cached = CACHE_DIR / f"{key}.json"
+    if cached.is_file():
+        return dataclasses.replace(ModuleTree.from_json(cached.read_text()), model=model)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "tapc.tree", str(cfg.parent)], capture_output=True,
+                          text=True, env=env)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
+        raise ResolveError(f"could not build vLLM's module tree for {model}:\n{tail}")
+    text = proc.stdout.strip().splitlines()[-1]
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(cached)
+    return dataclasses.replace(ModuleTree.from_json(text), model=model)
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import version
+
+    return version("vllm")
+
+
+# ----------------------------------------------------------------------------- building (child process)
+
+
+def build_tree(model_dir: str) -> ModuleTree:
+    """Build vLLM's model for `model_dir` on the meta device and describe it. Needs no GPU."""
+    import torch
+
+    model = _meta_model(model_dir)
+    hf = model.config if hasattr(model, "config") else None
+    layers_path, layers = _find_layers(model)
+    layer_of = {id(m): i for i, m in enumerate(layers)}
+    hidden = int(getattr(hf, "hidden_size"))
+    widths = _Widths(hidden)
+    nodes = []
+    for path, mod in model.named_modules(remove_duplicate=False):
+        if not path:
+            continue
+        layer = next((layer_of[id(m)] for p, m in _ancestors(model, path) if id(m) in layer_of), None)
+        output, w_in, w_out = widths.of(mod, path, model, id(mod) in layer_of)
+        nodes.append(Node(path=path, cls=type(mod).__name__, output=output, in_width=w_in, out_width=w_out,
+                          layer=layer, source_ops=_source_ops(mod, model, path, widths)))
+    arch = (getattr(hf, "architectures", None) or [type(model).__name__])[0]
+    dtype = str(getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None) or torch.bfloat16)
+    return ModuleTree(model=model_dir, architecture=arch, hidden_size=hidden, num_layers=len(layers),
+                      vocab_size=int(getattr(hf, "vocab_size", 0)), dtype=dtype.replace("torch.", ""),
+                      layers_path=layers_path, vllm_version=_vllm_version(), nodes=tuple(nodes))
+
+
+def _meta_model(model_dir: str):
+    """vLLM's model on meta: CPU platform for the config, a one-rank gloo group, `_C` stood in for."""
+    import torch
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    platforms._current_platform = CpuPlatform()
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    config = EngineArgs(model=model_dir, skip_tokenizer_init=True, load_format="dummy", enforce_eager=True,
+                        max_model_len=256).create_engine_config()
+
+    class _KernelStub:  # layers look kernels up while constructing; the meta tree never runs them
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+    torch.ops.__dict__["_C"] = _KernelStub()
+    with set_current_vllm_config(config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='tapc-tree-')}")
+        initialize_model_parallel(1, 1)
+        with torch.device("meta"):
+            model = initialize_model(vllm_config=config)
+    model.config = config.model_config.hf_config
+    return model
+
+
+def _find_layers(model):
+    """The ModuleList of decoder layers: the longest numbered ModuleList in the model."""
+    import torch
+
+    best = ("", [])
+    for path, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > len(best[1]):
+            best = (path, list(mod))
+    if not best[1]:
+        raise ResolveError(f"{type(model).__name__}: no ModuleList of decoder layers found")
+    return best
+
+
+def _ancestors(model, path: str):
+    parts = path.split(".")
+    for i in range(1, len(parts) + 1):
+        p = ".".join(parts[:i])
+        yield p, model.get_submodule(p)
+
+
+class _Widths:
+    """Per-token widths by module role; containers (attention block, MLP, MoE block) map hidden -> hidden."""
+
+    def __init__(self, hidden: int):
+        self.hidden = hidden
+
+    def of(self, mod, path: str, model, is_layer: bool) -> tuple[str, int | None, int | None]:
+        from vllm.model_executor.layers.linear import LinearBase
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        name = type(mod).__name__
+        if is_layer:
+            return "pair", self.hidden, self.hidden
+        if isinstance(mod, LinearBase):
+            return "linear", int(mod.input_size_per_partition), int(mod.output_size_per_partition)
+        if isinstance(mod, VocabParallelEmbedding):
+            return ("none", None, None) if "LMHead" in name else ("tensor", None, int(mod.embedding_dim))
+        if name.endswith("Norm"):
+            w = getattr(mod, "weight", None)
+            width = int(w.shape[0]) if w is not None and w.dim() == 1 else self.hidden
+            return "norm", width, width
+        if name in ("Attention", "EncoderOnlyAttention") or hasattr(mod, "num_kv_heads") and hasattr(mod, "head_size"):
+            width = int(mod.num_heads * mod.head_size)
+            return "tensor", width, width
+        if name.endswith("AndMul"):
+            parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else None
+            up = getattr(parent, "gate_up_proj", None)
+            if up is not None:
+                out = int(up.output_size_per_partition) // 2
+                return "tensor", 2 * out, out
+            return "tensor", None, None
+        if "Rotary" in name or name == "ApplyRotaryEmb":
+            return "tuple", None, None
+        if name in ("LogitsProcessor", "ModuleList") or name.endswith("Sampler"):
+            return "none", None, None
+        return "tensor", self.hidden, self.hidden
+
+    def of_child(self, owner, attr: str, model, path: str):
+        child = getattr(owner, attr, None)
+        import torch
+
+        if not isinstance(child, torch.nn.Module):
+            return None
+        return self.of(child, f"{path}.{attr}", model, False)
+
+
+def _call_name(func: ast.expr) -> str:
+    """`self.qkv_proj` -> "self_qkv_proj"; `qkv.split` -> "qkv_split"; `f(x).view` -> "view"."""
+    parts = []
+    while isinstance(func, ast.Attribute):
+        parts.append(func.attr)
+        func = func.value
+    if isinstance(func, ast.Name):
+        parts.append(func.id)
+    return "_".join(reversed(parts))
+
+
+def _source_ops(mod, model, path: str, widths: _Widths) -> tuple[SourceOp, ...]:
+    """The calls in `type(mod).forward`, in source order, with widths where they can be known."""
+    try:
+        lines, start = inspect.getsourcelines(type(mod).forward)
+    except (OSError, TypeError):
+        return ()
+    try:
+        tree = ast.parse(textwrap.dedent("".join(lines)))
+    except SyntaxError:
+        return ()
+    calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
+    counts: dict[str, int] = {}
+    ops = []
+    for call in calls:
+        base = _call_name(call.func)
+        if not base:
+            continue
+        k = counts.get(base, 0)
+        counts[base] = k + 1
+        out_widths, in_width, linear = _call_widths(mod, model, path, call, widths)
+        text = ast.unparse(call)
+        ops.append(SourceOp(name=f"{base}_{k}", call=text if len(text) <= 80 else text[:77] + "...",
+                            line=start + call.lineno - 1, out_widths=out_widths, in_width=in_width, linear=linear))
+    return tuple(ops)
+
+
+def _call_widths(mod, model, path: str, call: ast.Call, widths: _Widths):
+    """Widths of a call's output(s) and first input: submodule calls and `x.split([sizes])`."""
+    func = call.func
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
+        role = widths.of_child(mod, func.attr, model, path)
+        if role is not None:
+            output, w_in, w_out = role
+            if output in ("tuple", "none") or w_out is None:
+                return None, w_in, False
+            return (w_out,), w_in, output == "linear"
+    if isinstance(func, ast.Attribute) and func.attr == "split" and call.args:
+        try:  # sizes are usually attributes of self: qkv.split([self.q_size, self.kv_size, self.kv_size])
+            sizes = eval(compile(ast.Expression(call.args[0]), "<split>", "eval"), {"__builtins__": {}}, {"self": mod})
+        except Exception:
+            return None, None, False
+        if isinstance(sizes, (list, tuple)) and all(isinstance(s, int) for s in sizes):
+            return tuple(int(s) for s in sizes), int(sum(sizes)), False
+    return None, None, False
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.disable(logging.WARNING)
+    print(build_tree(sys.argv[1]).to_json())
