@@ -1,0 +1,82 @@
+"""What the kernel tests share: device, per-dtype tolerances, random data and tables.
+
+Not a test module. On a machine without CUDA the kernels run through Triton's interpreter,
+which must be switched on before tapc.kernels is first imported.
+"""
+import os
+import zlib
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tapc.kernels.common import INTERPRET  # noqa: E402  (after the switch above)
+
+if not ON_GPU and not INTERPRET:
+    raise RuntimeError(
+        "no CUDA and tapc.kernels was imported before TRITON_INTERPRET=1 was set: the kernel "
+        "tests would compare the torch references with themselves. Run pytest with "
+        "TRITON_INTERPRET=1 in the environment."
+    )
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# One rounding apart at most (the interpreter truncates to bf16 where GPUs round to nearest).
+TOL = {
+    torch.float32: dict(rtol=1e-6, atol=1e-6),
+    torch.float16: dict(rtol=1e-3, atol=1e-3),
+    torch.bfloat16: dict(rtol=1e-2, atol=1e-2),
+}
+# Widths the models use, for the full-size GPU tests.
+MODEL_WIDTHS = [896, 2560, 3584, 5120, 8192, 14336]
+EXTRA = 3  # table entries past the last row: valid targets, which the kernels must not read
+SLOTS = 3
+
+
+def seed(*key) -> None:
+    """Seed from the test's parameters: each case its own data, the same on every run."""
+    torch.manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def randn(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(rows, width, device=DEVICE, dtype=torch.float32).to(dtype)
+
+
+def skipped_rows(num_tokens: int) -> torch.Tensor:
+    """Rows marked -1: every third row from the second on, so row 0 is always kept."""
+    return torch.arange(num_tokens, device=DEVICE) % 3 == 1
+
+
+def dst_table(num_tokens: int, out_rows: int) -> torch.Tensor:
+    """Distinct destinations in shuffled order, -1 on `skipped_rows`; entries past the rows
+    point at real buffer rows nobody else writes, so reading them would show."""
+    table = torch.randperm(out_rows, device=DEVICE)[: num_tokens + EXTRA].to(torch.int32)
+    table[:num_tokens][skipped_rows(num_tokens)] = -1
+    return table
+
+
+def slot_table(num_tokens: int, slots: int = SLOTS) -> torch.Tensor:
+    table = torch.randint(0, slots, (num_tokens + EXTRA,), device=DEVICE, dtype=torch.int32)
+    table[:num_tokens][skipped_rows(num_tokens)] = -1
+    return table
+
+
+def poisoned(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((rows, width), float("nan"), device=DEVICE, dtype=dtype)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str):
+    torch.testing.assert_close(
+        actual, expected, equal_nan=True, **TOL[dtype],
+        msg=lambda m: f"{what}: {m}",
+    )
+
+
+def assert_rows_untouched(new: torch.Tensor, old: torch.Tensor, rows: torch.Tensor, what: str):
+    """Rows `rows` (bool mask) of `new` are bit for bit those of `old` (NaN poison included)."""
+    a, b = new[rows], old[rows]
+    same = (a == b) | (a.isnan() & b.isnan())
+    bad = rows.nonzero().squeeze(1)[~same.all(dim=1)]
+    assert bad.numel() == 0, f"{what}: rows {bad.tolist()[:10]} were written but must not be"

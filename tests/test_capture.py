@@ -1,0 +1,134 @@
+"""Capture kernels against their torch references (kernels/capture.py)."""
+import pytest
+import torch
+from kernel_cases import (
+    DEVICE, DTYPES, EXTRA, MODEL_WIDTHS, ON_GPU, assert_close, assert_rows_untouched, dst_table,
+    poisoned, randn, seed, skipped_rows,
+)
+
+from tapc.kernels.capture import capture, capture_ref, capture_sum, capture_sum_ref
+
+# Odd widths, one past a column block (2560 = 2048 + 512), one and many rows.
+SHAPES = [(1, 5), (7, 123), (37, 896), (5, 2560)]
+
+
+def run_capture(x, dst, out_dtype, out_rows):
+    out = poisoned(out_rows, x.shape[1], out_dtype)
+    expected = out.clone()
+    capture(x, dst, out)
+    capture_ref(x, dst, expected)
+    return out, expected
+
+
+def check_untouched(out, dst, num_tokens, what):
+    """Buffer rows no kept row points at still hold the poison (skipped rows, table extras)."""
+    written = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+    kept = dst[:num_tokens][~skipped_rows(num_tokens)].long()
+    written[kept] = True
+    assert_rows_untouched(out, torch.full_like(out, float("nan")), ~written, what)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_capture_copies_kept_rows_exactly(shape, dtype):
+    seed("capture", shape, dtype)
+    num_tokens, width = shape
+    x = randn(num_tokens, width, dtype)
+    dst = dst_table(num_tokens, num_tokens + 2 * EXTRA)
+    out, expected = run_capture(x, dst, dtype, num_tokens + 2 * EXTRA)
+    assert torch.equal(out.isnan(), expected.isnan()), "written rows differ from the reference"
+    assert_close(out, expected, torch.float32, "capture, same dtype, must be exact")
+    check_untouched(out, dst, num_tokens, "capture")
+
+
+@pytest.mark.parametrize(
+    "src,dst_dtype",
+    [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16)],
+    ids=str,
+)
+def test_capture_converts_on_store(src, dst_dtype):
+    seed("convert", src, dst_dtype)
+    x = randn(37, 123, src)
+    dst = dst_table(37, 45)
+    out, expected = run_capture(x, dst, dst_dtype, 45)
+    assert_close(out, expected, dst_dtype, f"capture {src} -> {dst_dtype}")
+    check_untouched(out, dst, 37, "capture with conversion")
+
+
+@pytest.mark.parametrize("columns", [slice(3, 3 + 123), slice(1, None, 2)], ids=["slice", "step2"])
+def test_capture_reads_strided_views(columns):
+    seed("strided", columns)
+    full = randn(7, 250, torch.bfloat16)
+    x = full[:, columns]
+    dst = dst_table(7, 12)
+    out, expected = run_capture(x, dst, torch.bfloat16, 12)
+    assert torch.equal(out[~out.isnan()], expected[~expected.isnan()])
+    assert torch.equal(out[~out.isnan()].sort().values, x[dst[:7] >= 0].flatten().sort().values)
+    check_untouched(out, dst, 7, "capture of a column view")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_capture_sum_adds_in_fp32(shape, dtype):
+    seed("capture_sum", shape, dtype)
+    num_tokens, width = shape
+    a, b = randn(num_tokens, width, dtype), randn(num_tokens, width, dtype)
+    dst = dst_table(num_tokens, num_tokens + 2 * EXTRA)
+    out = poisoned(num_tokens + 2 * EXTRA, width, dtype)
+    expected = out.clone()
+    capture_sum(a, b, dst, out)
+    capture_sum_ref(a, b, dst, expected)
+    assert_close(out, expected, dtype, "capture_sum")
+    check_untouched(out, dst, num_tokens, "capture_sum")
+
+
+def test_capture_sum_stores_fp32_sum_of_bf16():
+    seed("sum_fp32")
+    a, b = randn(5, 123, torch.bfloat16), randn(5, 123, torch.bfloat16)
+    dst = torch.arange(5 + EXTRA, dtype=torch.int32, device=DEVICE)
+    out = poisoned(5 + EXTRA, 123, torch.float32)
+    capture_sum(a, b, dst, out)
+    # The sum of two bf16 values is exact in fp32: no rounding to bf16 in between.
+    assert torch.equal(out[:5], a.float() + b.float())
+
+
+def test_capture_of_padding_only_writes_nothing():
+    x = randn(5, 123, torch.float32)
+    out = poisoned(8, 123, torch.float32)
+    capture(x, torch.full((8,), -1, dtype=torch.int32, device=DEVICE), out)
+    assert out.isnan().all()
+
+
+@pytest.mark.parametrize(
+    "dst,out_shape,words",
+    [
+        (torch.zeros(5, dtype=torch.int64), (8, 123), "dst must be int32"),
+        (torch.zeros(4, dtype=torch.int32), (8, 123), "dst has 4 entries for 5 rows"),
+        (torch.zeros(5, dtype=torch.int32), (8, 122), "out must be [rows, 123]"),
+    ],
+    ids=["dtype", "short", "width"],
+)
+def test_capture_rejects_bad_arguments(dst, out_shape, words):
+    with pytest.raises(ValueError, match=words.replace("[", r"\[")):
+        capture(randn(5, 123, torch.float32), dst.to(DEVICE), poisoned(*out_shape, torch.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("num_tokens", [1, 16384])
+@pytest.mark.parametrize("width", MODEL_WIDTHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_capture_full_size(num_tokens, width, dtype):
+    seed("capture_full", num_tokens, width, dtype)
+    a, b = randn(num_tokens, width, dtype), randn(num_tokens, width, dtype)
+    dst = dst_table(num_tokens, num_tokens + 2 * EXTRA)
+    out, expected = run_capture(a, dst, dtype, num_tokens + 2 * EXTRA)
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert_close(out, expected, torch.float32, "capture, same dtype, must be exact")
+    check_untouched(out, dst, num_tokens, "capture")
+    out = poisoned(num_tokens + 2 * EXTRA, width, torch.float32)
+    expected = out.clone()
+    capture_sum(a, b, dst, out)
+    capture_sum_ref(a, b, dst, expected)
+    assert_close(out, expected, torch.float32, "capture_sum into fp32")
+    check_untouched(out, dst, num_tokens, "capture_sum")
