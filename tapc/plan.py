@@ -194,9 +194,11 @@ def build_plan(model: str, taps, *, max_num_batched_tokens: int = 8192, max_num_
 
 
 def _with_cost(tap: PlannedTap, rows: int, slots: int) -> PlannedTap:
-    """Captures: a [rows, width] buffer. Edits: their per-slot parameter tables."""
-    if tap.kind == READ or (tap.kind == ENGINE and tap.action == "capture"):
+    """Captures: a [rows, width] buffer (engine points: one row per request). Edits: per-slot tables."""
+    if tap.kind == READ:
         return dataclasses.replace(tap, buffer_bytes=rows * tap.width * _ITEMSIZE[tap.dtype])
+    if tap.kind == ENGINE and tap.action == "capture":
+        return dataclasses.replace(tap, buffer_bytes=slots * tap.width * _ITEMSIZE[tap.dtype])
     per_slot = 0
     for a in tap.args:
         per_slot += _SLOT_KIND_BYTES[a.kind] * (tap.width if a.kind == "vector" else 1)

@@ -52,11 +52,12 @@ def _select(seg, numbered: list[str], spec: TapSpec, prefix: str) -> list[str]:
         if seg.step == 0:
             raise ResolveError(f"{_where(spec)}: a slice step cannot be 0")
         return numbered[slice(seg.start, seg.stop, seg.step)]
-    missing = [i for i in seg.indices if str(i) not in numbered]
+    n = len(numbered)
+    missing = [i for i in seg.indices if not -n <= i < n]
     if missing:
         raise ResolveError(f"{_where(spec)}: `{prefix}` has no {', '.join(map(str, missing))}: "
                            f"it has {numbered[0]}..{numbered[-1]}")
-    return [str(i) for i in seg.indices]
+    return [numbered[i] for i in seg.indices]
 
 
 def _show(seg) -> str:
@@ -67,7 +68,9 @@ def _show(seg) -> str:
 
 
 def _no_match(spec: TapSpec, tree: ModuleTree, prefixes: list[str], seg, depth: int) -> str:
-    shown = ".".join(s if isinstance(s, str) else "*" if isinstance(s, Star) else _show(s) for s in spec.path[: depth + 1])
+    shown = ""
+    for s in spec.path[: depth + 1]:  # selectors attach to the name before them: layers[0:4]
+        shown += (f".{s}" if isinstance(s, str) else ".*" if isinstance(s, Star) else _show(s)) if shown else str(s)
     if isinstance(seg, str):
         numbered = [c for c in tree.children(prefixes[0]) if c.isdigit()]
         if seg.isdigit() and numbered:

@@ -202,7 +202,7 @@ def _slice_from_tree(tree: lark.Tree) -> Slice:
     parts: list[int | None] = [None, None, None]
     k = 0
     for child in tree.children:
-        if isinstance(child, lark.Token) and child.type == "INT":
+        if isinstance(child, lark.Token) and child.type == "SINT":
             parts[k] = int(child)
         elif isinstance(child, lark.Token):
             k += 1
@@ -210,7 +210,7 @@ def _slice_from_tree(tree: lark.Tree) -> Slice:
 
 
 _TERMINAL_WORDS = {
-    "NAME": "a name", "INT": "a number", "STAR": "`*`", "DOT": "`.`", "LSQB": "`[`",
+    "NAME": "a name", "INT": "a number", "SINT": "a number", "STAR": "`*`", "DOT": "`.`", "LSQB": "`[`",
     "RSQB": "`]`", "LPAR": "`(`", "RPAR": "`)`", "COMMA": "`,`", "COLON": "`:`",
     "VBAR": "`|` and an action", "__ANON_0": "`->` and a block name", "EQUAL": "`=`",
     "SIGNED_NUMBER": "a number", "OUTPUT": "`output`", "INPUT": "`input`", "RESID": "`resid`",
@@ -254,7 +254,8 @@ def parse_tap(text: str, line: int = 1) -> TapSpec:
         tree = _parser().parse(text)
     except lark.UnexpectedInput as e:
         column = getattr(e, "column", None)
-        column = column if isinstance(column, int) and column > 0 else len(text) + 1
+        at_end = isinstance(e, lark.UnexpectedToken) and e.token.type == "$END"
+        column = column if isinstance(column, int) and column > 0 and not at_end else len(text) + 1
         raise _syntax_error(text, column, _explain_unexpected(e, text), line) from None
     for sub in tree.iter_subtrees():
         if sub.data == "slice":

@@ -238,7 +238,9 @@ class _Widths:
         if is_layer:
             return "pair", self.hidden, self.hidden
         if isinstance(mod, LinearBase):
-            return "linear", int(mod.input_size_per_partition), int(mod.output_size_per_partition)
+            # ReplicatedLinear (MoE gates) has no per-partition sizes: it is not sharded
+            w_in = getattr(mod, "input_size_per_partition", mod.input_size)
+            return "linear", int(w_in), int(getattr(mod, "output_size_per_partition", mod.output_size))
         if isinstance(mod, VocabParallelEmbedding):
             return ("none", None, None) if "LMHead" in name else ("tensor", None, int(mod.embedding_dim))
         if name.endswith("Norm"):
@@ -252,7 +254,7 @@ class _Widths:
             parent = model.get_submodule(path.rsplit(".", 1)[0]) if "." in path else None
             up = getattr(parent, "gate_up_proj", None)
             if up is not None:
-                out = int(up.output_size_per_partition) // 2
+                out = int(getattr(up, "output_size_per_partition", up.output_size)) // 2
                 return "tensor", 2 * out, out
             return "tensor", None, None
         if "Rotary" in name or name == "ApplyRotaryEmb":

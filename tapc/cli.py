@@ -1,0 +1,50 @@
+"""`tapc` on the command line. `tapc explain MODEL TAP...` / `tapc explain SPEC.yaml [--json]`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tapc.errors import TapcError
+
+EXIT_SPEC_ERROR = 2
+
+
+def _explain(args) -> int:
+    from tapc.explain import render
+    from tapc.plan import build_plan
+
+    if args.target.endswith((".yaml", ".yml")):
+        if args.taps:
+            raise TapcError(f"give taps either in {args.target} or on the command line, not both")
+        from tapc.specfile import load_spec
+
+        spec = load_spec(args.target)
+        plan = spec.plan()
+    else:
+        if not args.taps:
+            raise TapcError("no taps: `tapc explain MODEL TAP [TAP ...]`, e.g. `tapc explain ./llama 'model.layers.*.resid'`")
+        plan = build_plan(args.target, args.taps, max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_num_seqs=args.max_num_seqs)
+    print(plan.to_json(indent=2) if args.json else render(plan), end="\n" if args.json else "")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tapc", description="A declarative tap compiler for vLLM.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("explain", help="show what a tap plan does: points, buffers, graph splits (no GPU)")
+    ex.add_argument("target", help="a model (directory with config.json, or a cached hub id) or a spec .yaml")
+    ex.add_argument("taps", nargs="*", help="tap strings, e.g. 'model.layers.*.resid'")
+    ex.add_argument("--json", action="store_true", help="print the plan as JSON")
+    ex.add_argument("--max-num-batched-tokens", type=int, default=8192, help="rows each buffer holds (default 8192)")
+    ex.add_argument("--max-num-seqs", type=int, default=256, help="request slots in parameter tables (default 256)")
+    args = parser.parse_args(argv)
+    try:
+        return _explain(args)
+    except TapcError as e:
+        print(f"tapc: {type(e).__name__}: {e}", file=sys.stderr)
+        return EXIT_SPEC_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

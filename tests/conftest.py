@@ -1,0 +1,40 @@
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+# Module trees are cached on disk; tests build their own in a fresh folder.
+os.environ.setdefault("TAPC_CACHE", tempfile.mkdtemp(prefix="tapc-test-cache-"))
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def trees():
+    """vLLM module trees of the test configs, built once per session (no GPU)."""
+    from tapc.tree import load_tree
+
+    cache: dict[str, object] = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            cache[arch] = load_tree(str(CONFIGS / arch))
+        return cache[arch]
+
+    return get
