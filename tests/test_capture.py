@@ -2,7 +2,7 @@
 import pytest
 import torch
 from kernel_cases import (
-    DEVICE, DTYPES, EXTRA, MODEL_WIDTHS, ON_GPU, assert_close, assert_rows_untouched, dst_table,
+    DEVICE, DTYPES, EXTRA, GPU_WIDTHS, ON_GPU, assert_close, assert_rows_untouched, dst_table,
     poisoned, randn, seed, skipped_rows,
 )
 
@@ -116,7 +116,7 @@ def test_capture_rejects_bad_arguments(dst, out_shape, words):
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("num_tokens", [1, 16384])
-@pytest.mark.parametrize("width", MODEL_WIDTHS)
+@pytest.mark.parametrize("width", GPU_WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_capture_full_size(num_tokens, width, dtype):
     seed("capture_full", num_tokens, width, dtype)

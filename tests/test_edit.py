@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_cases import (
-    DEVICE, DTYPES, MODEL_WIDTHS, ON_GPU, SLOTS, assert_close, assert_rows_untouched, randn, seed,
+    DEVICE, DTYPES, GPU_WIDTHS, ON_GPU, SLOTS, assert_close, assert_rows_untouched, randn, seed,
     skipped_rows, slot_table,
 )
 
@@ -101,7 +101,7 @@ def test_edit_rejects_a_bad_slot_table():
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("num_tokens", [1, 16384])
-@pytest.mark.parametrize("width", MODEL_WIDTHS)
+@pytest.mark.parametrize("width", GPU_WIDTHS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("edit", list(KERNELS))
 def test_edit_full_size(edit, dtype, width, num_tokens):
