@@ -1,0 +1,63 @@
+"""The vLLM engine arguments a tap plan needs, merged into the user's own.
+
+- `worker_cls`: tapc's worker, which installs the taps after the model loads (a qualified
+  name, so it resolves in the engine-core and worker processes).
+- `additional_config["tapc"]`: the plan (JSON) and a digest of the plan and of the code that
+  runs inside the graphs. vLLM hashes `additional_config` into its compile-cache key, so a new
+  plan or changed tap code never reuses stale compiled graphs.
+- prefix caching off: tokens served from the prefix cache skip the forward, so their rows
+  would be missing from a capture and would not carry a request's edit. tapc refuses to run a
+  tapped engine with it rather than return short captures.
+- one GPU per engine for now (no tensor or pipeline parallelism).
+The plan's cudagraph mode is vLLM's default (FULL_AND_PIECEWISE) when it has no Python blocks,
+so compilation settings are left as the user gave them.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+
+from tapc.errors import EngineError
+from tapc.plan import TapPlan
+
+WORKER = "tapc.engine.worker.TapWorker"
+
+# Code that ends up inside the compiled graphs: a change must invalidate vLLM's compile cache.
+_GRAPH_CODE = Path(__file__).resolve().parent / "install.py"
+
+
+def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
+    """vLLM `LLM(...)` keyword arguments for `plan`, from the user's `kwargs`."""
+    out = dict(kwargs)
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
+        raise EngineError("VLLM_USE_V2_MODEL_RUNNER=0 selects vLLM's V1 model runner; tapc instruments the "
+                          "V2 runner that vLLM 0.26 uses for dense models. Unset the variable")
+    if out.get("enable_prefix_caching"):
+        raise EngineError("enable_prefix_caching=True: tokens served from the prefix cache skip the forward, so "
+                          "their rows would be missing from captures and edits; tapped engines run without it")
+    out["enable_prefix_caching"] = False
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if out.get(name, 1) != 1:
+            raise EngineError(f"{name}={out[name]}: tapped engines run on one GPU for now")
+    if out.get("worker_cls", "auto") not in ("auto", WORKER):
+        raise EngineError(f"worker_cls={out['worker_cls']!r}: a tapped engine runs tapc's worker ({WORKER})")
+    out["worker_cls"] = WORKER
+    for name in ("max_num_batched_tokens", "max_num_seqs"):
+        if out.get(name, getattr(plan, name)) != getattr(plan, name):
+            raise EngineError(f"{name}={out[name]} but the plan was built for {getattr(plan, name)}")
+        out[name] = getattr(plan, name)
+    additional = dict(out.get("additional_config") or {})
+    additional["tapc"] = {"plan": plan.to_json(), "digest": digest(plan)}
+    out["additional_config"] = additional
+    return out
+
+
+def digest(plan: TapPlan) -> str:
+    """The plan's digest and the source of everything that runs inside the graphs."""
+    h = hashlib.sha256(plan.digest.encode())
+    kernels = Path(importlib.util.find_spec("tapc.kernels").submodule_search_locations[0])
+    for path in [_GRAPH_CODE, *sorted(kernels.glob("*.py"))]:
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]

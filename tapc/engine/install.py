@@ -1,0 +1,125 @@
+"""Patch module forwards so that the tap ops land in vLLM's compiled graphs.
+
+vLLM's `@support_torch_compile` traces the inner model once, on the first forward (memory
+profiling), and Dynamo inlines an instance-level `forward` of a submodule. So, after the model
+is loaded and before that first forward, each tapped module gets a forward that calls the
+original one and the `torch.ops.tapc.*` ops around it. The ops read device tables that are
+registered on the module as non-persistent buffers: Dynamo lifts them as graph inputs with
+fixed addresses (no per-layer Python constants, so Inductor still reuses one compiled piece
+for all layers), and the host refills their contents every step.
+
+Sites: `input` (the module's activation argument, edited before the call), `output` (the
+tensor, or element k of a tuple; a vLLM linear returns (out, bias), `.output` is out) and
+`resid` (a decoder layer's hidden_states + residual; an edit writes hidden_states so that the
+sum is the edited value). Taps at one module run in plan order.
+"""
+from __future__ import annotations
+
+import inspect
+import types
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+from tapc.engine.tables import Layout
+from tapc.errors import EngineError
+
+# An op bound to its tables: f(x, b), b the residual for `resid` points (else None).
+TapOp = Callable[[torch.Tensor, "torch.Tensor | None"], None]
+
+
+def install(model: torch.nn.Module, layout: Layout, buffers) -> None:
+    """Patch every tapped module of `model`. `buffers` has `table` (row tables), `pools`
+    (capture pools) and `params.tables` (per-edit parameter tables); see `buffers.Buffers`."""
+    import tapc.kernels  # noqa: F401  registers torch.ops.tapc.*
+
+    by_module: dict[str, list] = defaultdict(list)
+    for c, tap in enumerate(layout.captures):
+        by_module[tap.point.module].append((tap, ("capture", c)))
+    for e, tap in enumerate(layout.edits):
+        by_module[tap.point.module].append((tap, ("edit", e)))
+    for path, taps in by_module.items():
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            raise EngineError(f"the plan taps `{path}`, which this engine's model does not have: "
+                              "was the plan built for another model?") from None
+        taps.sort(key=lambda te: layout.plan_order[id(te[0])])
+        _patch(module, path, [(tap, _bind(module, i, tap, what, layout, buffers)) for i, (tap, what) in enumerate(taps)])
+
+
+def _bind(module: torch.nn.Module, i: int, tap, what: tuple[str, int], layout: Layout, buffers) -> TapOp:
+    """Register the tap's tables on `module` and return the op call that reads them."""
+    kind, index = what
+
+    def reg(name: str, tensor: torch.Tensor) -> str:
+        attr = f"_tapc_{i}_{name}"
+        module.register_buffer(attr, tensor, persistent=False)
+        return attr
+
+    if kind == "capture":
+        dst = reg("dst", buffers.table[index])
+        pool = reg("pool", buffers.pools[int(layout.cap_group[index])])
+
+        def capture(x, b):
+            if b is None:
+                torch.ops.tapc.capture(x, getattr(module, dst), getattr(module, pool))
+            else:
+                torch.ops.tapc.capture_sum(x, b, getattr(module, dst), getattr(module, pool))
+        return capture
+
+    slot = reg("slot", buffers.table[layout.edit_row(index)])
+    t = {name: reg(name, tensor) for name, tensor in buffers.params.tables[index].items()}
+    g = lambda name: getattr(module, t[name])  # noqa: E731
+    if tap.action == "add":
+        return lambda x, b: torch.ops.tapc.add_(x, b, getattr(module, slot), g("vector"), g("alpha"))
+    if tap.action == "scale":
+        return lambda x, b: torch.ops.tapc.scale_(x, b, getattr(module, slot), g("factor"))
+    if tap.action in ("set", "zero"):
+        return lambda x, b: torch.ops.tapc.set_cols_(x, b, getattr(module, slot), g("cols"), g("vals"))
+    if tap.action == "project_out":
+        return lambda x, b: torch.ops.tapc.project_out_(x, b, getattr(module, slot), g("direction"))
+    raise EngineError(f"`{tap.source}`: no in-graph op for action {tap.action!r}")
+
+
+def _patch(module: torch.nn.Module, path: str, taps: list) -> None:
+    if "forward" in module.__dict__:
+        raise EngineError(f"`{path}` already has a patched forward: taps were installed twice on this model")
+    original = module.forward
+    before = [op for tap, op in taps if tap.point.site == "input"]
+    after = [(tap.point, op) for tap, op in taps if tap.point.site != "input"]
+    width = {tap.point.site: tap.width for tap, _ in taps}.get("input")
+    pick_input = _input_picker(original, width) if before else None
+
+    def forward(self, *args, **kwargs):
+        if before:
+            x = pick_input(args, kwargs)
+            for op in before:
+                op(x, None)
+        out = original(*args, **kwargs)
+        for point, op in after:
+            if point.site == "resid":
+                op(out[0], out[1])
+            elif isinstance(out, tuple):
+                op(out[point.element or 0], None)
+            else:
+                op(out, None)
+        return out
+
+    module.forward = types.MethodType(forward, module)
+
+
+def _input_picker(forward, width: int):
+    """The module's activation argument: the first float [tokens, width] tensor it is called with
+    (a decoder layer's `hidden_states`, not `positions`; a linear's `x`)."""
+    params = list(inspect.signature(forward).parameters)
+
+    def pick(args, kwargs):
+        bound = list(args) + [kwargs[p] for p in params[len(args):] if p in kwargs]
+        for a in bound:
+            if isinstance(a, torch.Tensor) and a.dim() == 2 and a.is_floating_point() and a.shape[-1] == width:
+                return a
+        raise EngineError(f"no [tokens, {width}] activation among the arguments of {forward.__qualname__}")
+    return pick
+

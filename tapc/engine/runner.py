@@ -1,0 +1,135 @@
+"""Hooks on vLLM 0.26's V2 model runner (`vllm/v1/worker/gpu/model_runner.py`).
+
+`execute_model(scheduler_output)` is one step. Around it:
+- before: requests that finished or were preempted give back their parameter slot; new
+  requests carrying `extra_args["tapc"]` get a `Record` (and a slot, with their parameter values
+  written to the device tables) -- a preempted request that comes back keeps its record;
+- `prepare_inputs` (called inside, before the forward, with the batch's final row layout):
+  the host fills the row tables and uploads them;
+- after (the forward is enqueued): the captured rows start their way to host memory.
+Dummy runs (profiling, warmup without requests) see tables that own no rows.
+
+`collect(ids)` hands finished requests' captures back, by the ids the API put in extra_args.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tapc.engine.buffers import Buffers
+from tapc.engine.tables import Alloc, Layout, Record, Slots, fill_step
+from tapc.errors import RequestError
+
+log = logging.getLogger("tapc")
+
+
+class RunnerHooks:
+    def __init__(self, runner, layout: Layout, buffers: Buffers, slots: int, alloc: Alloc):
+        self.runner = runner
+        self.layout = layout
+        self.buffers = buffers
+        self.alloc = alloc
+        self.slots = Slots(slots)
+        self.records: dict[str, Record] = {}     # vLLM request id -> record, while vLLM has it
+        self.by_id: dict[str, Record] = {}       # tapc id -> record, until collected
+        self.errors: dict[str, str] = {}         # tapc id -> why its taps were not served
+        self._step = None
+        self._execute = runner.execute_model
+        self._prepare = runner.prepare_inputs
+        runner.execute_model = self.execute_model
+        runner.prepare_inputs = self.prepare_inputs
+
+    def execute_model(self, scheduler_output, *args, dummy_run: bool = False, **kwargs):
+        if dummy_run:
+            self.buffers.reset()
+            return self._execute(scheduler_output, *args, dummy_run=True, **kwargs)
+        self._retire(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids or ())
+        self._admit(scheduler_output.scheduled_new_reqs)
+        self._step = None
+        out = self._execute(scheduler_output, *args, **kwargs)
+        if self._step is not None and self._step[0]:
+            self.buffers.copy_out(*self._step)
+        self._step = None
+        return out
+
+    def prepare_inputs(self, scheduler_output, batch_desc):
+        batch = self._prepare(scheduler_output, batch_desc)
+        padded = batch.num_tokens_after_padding
+        prompt_lens = self.runner.req_states.prompt_len.np[batch.idx_mapping_np] if self.layout.always else None
+        self._step = fill_step(self.layout, self.buffers.host_table(padded), self.records, batch.req_ids,
+                               batch.query_start_loc_np, batch.num_computed_tokens_np, prompt_lens, padded)
+        self.buffers.upload(padded)
+        return batch
+
+    def _retire(self, finished, preempted) -> None:
+        for rid in (*finished, *preempted):
+            rec = self.records.get(rid)
+            if rec is None:
+                continue
+            self._release(rec)
+            if rid in finished:
+                rec.finished = True
+                del self.records[rid]
+
+    def _admit(self, new_reqs) -> None:
+        for req in new_reqs:
+            wire = (req.sampling_params.extra_args or {}).get("tapc") if req.sampling_params else None
+            if wire is None:
+                continue
+            rec = self.records.get(req.req_id)
+            if rec is None:
+                try:
+                    rec = Record(self.layout, req.req_id, wire, len(req.prompt_token_ids), self.alloc)
+                except RequestError as e:
+                    # Only the API submits tapc requests, and it checks them first; a request that
+                    # came another way runs untapped and its caller gets the reason at collect.
+                    log.warning("tapc: request %s runs untapped: %s", req.req_id, e)
+                    self.errors[wire["id"]] = str(e)
+                    continue
+                self.records[req.req_id] = rec
+                self.by_id[rec.id] = rec
+            if rec.edits and rec.slot < 0:
+                rec.slot = self.slots.take()
+                self.buffers.params.write(rec.slot, rec.edits, rec.params)
+
+    def _release(self, rec: Record) -> None:
+        if rec.slot >= 0:
+            self.slots.give(rec.slot)
+            rec.slot = -1
+
+    def collect(self, ids: list[str]) -> dict[str, dict]:
+        """Captures of the given tapc ids, as plain data: per group of captures of one width,
+        `{"keys", "dtype", "width", "rows", "chunks": [bytes-like [rows_i, keys, width]]}`.
+        Each record is dropped once collected."""
+        self.buffers.wait_copies()
+        out: dict[str, dict] = {}
+        for tid in ids:
+            if tid in self.errors:
+                out[tid] = {"error": self.errors.pop(tid)}
+                continue
+            rec = self.by_id.pop(tid, None)
+            if rec is None:
+                out[tid] = {"error": "the engine has no captures for this request (it never ran, or was "
+                                     "collected already)"}
+                continue
+            if not rec.finished:  # vLLM tells the worker only with its next step
+                self._release(rec)
+                self.records.pop(rec.rid, None)
+            out[tid] = {"stores": [_store_wire(self.layout, st) for st in rec.stores]}
+        return out
+
+
+def _store_wire(layout: Layout, store) -> dict:
+    return {
+        "keys": [layout.captures[c].key for c in store.caps],
+        "dtype": str(store.dtype).removeprefix("torch."),
+        "width": store.width,
+        "rows": store.rows,
+        "chunks": [_raw(c) for c in store.filled()],
+    }
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    """Bytes of a contiguous CPU tensor, without a copy (msgpack sends them as binary)."""
+    return t.contiguous().view(torch.uint8).reshape(-1).numpy().data

@@ -1,0 +1,55 @@
+"""The vLLM worker of a tapped engine: vLLM's GPU worker plus the taps, installed at load.
+
+`config.engine_kwargs` names this class as `worker_cls` and puts the plan in
+`additional_config["tapc"]`, so it reaches every worker process (the engine core runs in a
+child process by default) and its digest is part of vLLM's compile-cache key. `load_model`
+runs before vLLM's first forward (memory profiling, where torch.compile traces), which is when
+the taps must be in place.
+"""
+from __future__ import annotations
+
+import torch
+from vllm.v1.worker.gpu_worker import Worker
+
+from tapc.engine.buffers import Buffers
+from tapc.engine.install import install
+from tapc.engine.runner import RunnerHooks
+from tapc.engine.tables import Layout
+from tapc.errors import EngineError
+from tapc.plan import TapPlan
+
+# Parameter slots per scheduled request: a finished request's slot comes back with the next
+# step, so a full batch of new requests can briefly need more than max_num_seqs.
+SLOTS_PER_SEQ = 2
+
+
+class TapWorker(Worker):
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        config = (self.vllm_config.additional_config or {}).get("tapc")
+        if config is None:
+            raise EngineError("tapc's worker runs without a plan: build engines with tapc.VLLM(...)")
+        plan = TapPlan.from_json(config["plan"])
+        runner = self.model_runner
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+        if not isinstance(runner, V2Runner):
+            raise EngineError(
+                f"tapc instruments vLLM's V2 model runner (vllm/v1/worker/gpu/), but this engine runs "
+                f"{type(runner).__module__}.{type(runner).__name__}: vLLM picks V1 for MoE, hybrid and "
+                "pooling models and when VLLM_USE_V2_MODEL_RUNNER=0. Unset that variable, or use a dense "
+                "decoder model")
+        layout = Layout(plan)
+        sched = self.vllm_config.scheduler_config
+        slots = SLOTS_PER_SEQ * sched.max_num_seqs
+        buffers = Buffers(layout, runner.max_num_tokens, slots, self.vllm_config.max_concurrent_batches,
+                          self.device)
+        install(runner.get_model(), layout, buffers)
+        self.tapc = RunnerHooks(runner, layout, buffers, slots, _pinned)
+
+    def tapc_collect(self, ids: list[str]) -> dict[str, dict]:
+        return self.tapc.collect(ids)
+
+
+def _pinned(rows: int, caps: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty((rows, caps, width), dtype=dtype, pin_memory=True)

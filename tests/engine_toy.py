@@ -1,0 +1,253 @@
+"""A toy model, runner and scheduler that stand in for vLLM on the CPU (not a test module).
+
+The toy model has vLLM's shapes where the engine looks: a flat [tokens, hidden] slab, decoder
+layers `model.layers.i` returning (hidden_states, residual), a linear returning (out, bias).
+It has no attention, so a row depends only on its own token and position: the reference for a
+request is the model run on that request's tokens alone.
+
+`ToyRunner` plays vLLM's V2 runner (execute_model calls self.prepare_inputs, which the hooks
+replace), `ToyBuffers` plays `tapc.engine.buffers.Buffers` on the CPU, and `run` plays the
+scheduler: a token budget per step (chunked prefill), decode one token per step, requests
+arriving late, finishing at max_tokens, and optionally one preemption (recompute from 0).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace as NS
+
+import numpy as np
+import torch
+
+from tapc.engine.buffers import ParamTables
+from tapc.engine.runner import RunnerHooks
+from tapc.engine.tables import copy_segments
+from tapc.plan import build_plan
+from tapc.tree import ModuleTree, Node
+
+HIDDEN, INTER, LAYERS, VOCAB = 16, 24, 3, 50
+
+
+class Linear(torch.nn.Module):
+    """Like vLLM's linear layers: returns (out, bias)."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(d_out, d_in) / d_in ** 0.5)
+
+    def forward(self, x):
+        return x @ self.weight.T, None
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up_proj = Linear(HIDDEN, INTER)
+        self.down_proj = Linear(INTER, HIDDEN)
+
+    def forward(self, x):
+        h, _ = self.up_proj(x)
+        out, _ = self.down_proj(torch.tanh(h))
+        return out
+
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLP()
+
+    def forward(self, positions, hidden_states, residual):
+        residual = hidden_states if residual is None else hidden_states + residual
+        return self.mlp(residual * 0.5), residual
+
+
+class Inner(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.layers = torch.nn.ModuleList(Layer() for _ in range(LAYERS))
+
+    def forward(self, input_ids, positions):
+        h = self.embed_tokens(input_ids) + 0.01 * positions[:, None].float()
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual)
+        return h + residual
+
+
+class ToyModel(torch.nn.Module):
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.model = Inner()
+
+    def forward(self, input_ids, positions):
+        return self.model(input_ids, positions)
+
+
+def toy_tree() -> ModuleTree:
+    nodes = [Node("model", "Inner", "tensor", HIDDEN, HIDDEN),
+             Node("model.embed_tokens", "VocabParallelEmbedding", "tensor", None, HIDDEN),
+             Node("model.layers", "ModuleList", "none", None, None)]
+    for i in range(LAYERS):
+        p = f"model.layers.{i}"
+        nodes += [Node(p, "Layer", "pair", HIDDEN, HIDDEN, layer=i),
+                  Node(f"{p}.mlp", "MLP", "tensor", HIDDEN, HIDDEN, layer=i),
+                  Node(f"{p}.mlp.up_proj", "Linear", "linear", HIDDEN, INTER, layer=i),
+                  Node(f"{p}.mlp.down_proj", "Linear", "linear", INTER, HIDDEN, layer=i)]
+    return ModuleTree(model="toy", architecture="ToyForCausalLM", hidden_size=HIDDEN, num_layers=LAYERS,
+                      vocab_size=VOCAB, dtype="float32", layers_path="model.layers", vllm_version="0.26.0",
+                      nodes=tuple(nodes))
+
+
+def toy_plan(taps, rows: int = 64, slots: int = 8):
+    return build_plan("toy", taps, max_num_batched_tokens=rows, max_num_seqs=slots, tree=toy_tree())
+
+
+class ToyBuffers:
+    """`Buffers` on the CPU: the same tables and pools, copies done at once."""
+
+    def __init__(self, layout, rows: int, slots: int):
+        self.layout = layout
+        self.table = torch.full((layout.num_tables, rows), -1, dtype=torch.int32)
+        self.pools = [torch.zeros(len(g.caps) * rows, g.width, dtype=getattr(torch, g.dtype)) for g in layout.groups]
+        self.params = ParamTables(layout, slots, torch.device("cpu"))
+        self._host = np.empty((layout.num_tables, rows), dtype=np.int32)
+        self.uploads = 0
+
+    def host_table(self, padded):
+        return self._host[:, :padded]
+
+    def upload(self, padded):
+        self.table[:, :padded] = torch.from_numpy(self._host[:, :padded].copy())
+        self.uploads += 1
+
+    def reset(self):
+        self.table.fill_(-1)
+
+    def copy_out(self, segments, used):
+        copy_segments(segments, self.pools)
+
+    def wait_copies(self):
+        pass
+
+
+class ToyRunner:
+    """The parts of vLLM's V2 runner the hooks use; batches ordered decode first like V2."""
+
+    def __init__(self, model, pad: int = 8):
+        self.model = model
+        self.pad = pad
+        self.prompt_lens: dict[str, int] = {}
+        self.index: dict[str, int] = {}
+        self.req_states = NS(prompt_len=NS(np=np.zeros(64, dtype=np.int32)))
+        self.last = None
+
+    def get_model(self):
+        return self.model
+
+    def execute_model(self, so, dummy_run: bool = False):
+        for r in so.scheduled_new_reqs:
+            i = self.index.setdefault(r.req_id, len(self.index))
+            self.req_states.prompt_len.np[i] = len(r.prompt_token_ids)
+        if dummy_run:
+            return None
+        batch = self.prepare_inputs(so, None)
+        padded = batch.num_tokens_after_padding
+        ids = torch.zeros(padded, dtype=torch.long)
+        pos = torch.zeros(padded, dtype=torch.long)
+        for i, rid in enumerate(batch.req_ids):
+            a, b = batch.query_start_loc_np[i], batch.query_start_loc_np[i + 1]
+            c = batch.num_computed_tokens_np[i]
+            ids[a:b] = torch.tensor(so.tokens[rid][c:c + b - a])
+            pos[a:b] = torch.arange(c, c + b - a)
+        self.last = self.model(ids, pos)
+        return None
+
+    def prepare_inputs(self, so, batch_desc):
+        n = so.num_scheduled_tokens
+        req_ids = sorted(n, key=lambda r: (n[r] != 1, n[r]))
+        qsl = np.zeros(len(req_ids) + 1, dtype=np.int32)
+        np.cumsum([n[r] for r in req_ids], out=qsl[1:])
+        total = int(qsl[-1])
+        return NS(req_ids=req_ids, query_start_loc_np=qsl,
+                  num_computed_tokens_np=np.array([so.num_computed[r] for r in req_ids], dtype=np.int32),
+                  num_tokens_after_padding=-(-total // self.pad) * self.pad,
+                  idx_mapping_np=np.array([self.index[r] for r in req_ids], dtype=np.int64))
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt: list[int]
+    max_tokens: int
+    wire: dict | None = None
+    arrive: int = 0
+    preempt_at: int | None = None   # preempted (recomputed from 0) once, at this step
+    tokens: list[int] = field(default_factory=list)
+    computed: int = 0
+
+
+def next_token(tokens: list[int]) -> int:
+    return (7 * len(tokens) + 3 * tokens[-1]) % VOCAB
+
+
+def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
+    """Schedule `reqs` to completion like vLLM's scheduler would, one execute_model per step."""
+    for r in reqs:
+        r.tokens = list(r.prompt)
+    added, finished, preempted, done = set(), set(), set(), set()
+    step = 0
+    while len(done) < len(reqs):
+        new, sched, computed = [], {}, {}
+        left = budget
+        for r in reqs:
+            if r.rid in done or r.arrive > step:
+                continue
+            if r.preempt_at == step and r.rid in added:
+                preempted.add(r.rid)
+                added.discard(r.rid)
+                r.computed = 0
+                continue
+            if r.rid not in added:
+                new.append(NS(req_id=r.rid, prompt_token_ids=list(r.prompt),
+                              sampling_params=NS(extra_args=None if r.wire is None else {"tapc": r.wire})))
+                added.add(r.rid)
+            n = min(len(r.tokens) - r.computed, left)
+            if n > 0:
+                sched[r.rid], computed[r.rid] = n, r.computed
+                left -= n
+        if sched:  # like vLLM, the worker hears of finished and preempted requests with a step
+            runner.execute_model(NS(scheduled_new_reqs=new, finished_req_ids=set(finished),
+                                    preempted_req_ids=set(preempted), num_scheduled_tokens=sched,
+                                    num_computed=computed, tokens={r.rid: r.tokens for r in reqs}))
+            finished.clear()
+            preempted.clear()
+        for r in reqs:
+            if r.rid in sched:
+                r.computed += sched[r.rid]
+                if r.computed == len(r.tokens):
+                    r.tokens.append(next_token(r.tokens))
+                    if len(r.tokens) - len(r.prompt) == r.max_tokens:
+                        done.add(r.rid)
+                        finished.add(r.rid)
+                        added.discard(r.rid)
+        step += 1
+
+
+def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8):
+    from tapc.engine.install import install
+    from tapc.engine.tables import Layout
+
+    layout = Layout(plan)
+    buffers = ToyBuffers(layout, rows, slots)
+    install(model, layout, buffers)
+    runner = ToyRunner(model, pad)
+    hooks = RunnerHooks(runner, layout, buffers, slots,
+                        lambda rows, caps, width, dtype: torch.full((rows, caps, width), float("nan"), dtype=dtype))
+    return runner, hooks
+
+
+def output_of(req: Req):
+    """What vLLM's RequestOutput carries that assembly reads."""
+    return NS(request_id=req.rid, prompt_token_ids=req.prompt,
+              outputs=[NS(token_ids=req.tokens[len(req.prompt):])])

@@ -1,0 +1,191 @@
+"""The engine end to end on the CPU: install, per-step tables, request bookkeeping, assembly.
+
+A toy model and scheduler (tests/engine_toy.py) stand in for vLLM; the tap ops run their torch
+references. Every capture is compared with the toy model run on that request's tokens alone,
+with plain forward hooks, and edits with the same edit applied by hand.
+"""
+import numpy as np
+import pytest
+import torch
+from engine_toy import HIDDEN, LAYERS, Req, ToyModel, hooks_for, output_of, run, toy_plan
+
+from tapc.api import _assemble
+from tapc.engine.requests import TapRequest, select, to_wire
+from tapc.errors import RequestError
+
+
+def reference(req: Req, keys: list[str], edits=()) -> dict[str, torch.Tensor]:
+    """Activations of every row `req` sent through the model: the model alone on its tokens.
+    edits: (layer, vector, alpha, at) added to that layer's residual stream."""
+    model = ToyModel()
+    toks = req.tokens[:-1]
+    seen: dict[str, torch.Tensor] = {}
+    handles = []
+    plen = len(req.prompt)
+    pos = torch.arange(len(toks))
+    for i, layer in enumerate(model.model.layers):
+        def hook(mod, args, out, i=i):
+            h, r = out
+            for layer_i, vec, alpha, at in edits:
+                if layer_i == i:
+                    rows = torch.from_numpy(select(at, pos.numpy(), plen))
+                    h[rows] += alpha * torch.as_tensor(vec, dtype=h.dtype)
+            seen[f"model.layers.{i}.resid"] = (h + r).detach().clone()
+            seen[f"model.layers.{i}.output[0]"] = h.detach().clone()
+            seen[f"model.layers.{i}.output[1]"] = r.detach().clone()
+        handles.append(layer.register_forward_hook(hook))
+        handles.append(layer.mlp.down_proj.register_forward_hook(
+            lambda m, a, out, i=i: seen.__setitem__(f"model.layers.{i}.mlp.down_proj.output", out[0].detach().clone())))
+        handles.append(layer.mlp.down_proj.register_forward_pre_hook(
+            lambda m, a, i=i: seen.__setitem__(f"model.layers.{i}.mlp.down_proj.input", a[0].detach().clone())))
+    with torch.no_grad():
+        model(torch.tensor(toks), pos)
+    return {k: seen[k] for k in keys}
+
+
+def rows_of(req: Req, positions) -> np.ndarray:
+    pos = np.arange(len(req.tokens) - 1)
+    return pos[select(positions, pos, len(req.prompt))]
+
+
+def check(req: Req, got: dict, positions, edits=()):
+    ref = reference(req, list(got), edits)
+    rows = rows_of(req, positions)
+    for key, value in got.items():
+        assert value.shape == (len(rows), ref[key].shape[1]), f"{req.rid} {key}: shape {tuple(value.shape)}"
+        torch.testing.assert_close(value, ref[key][rows], rtol=1e-5, atol=1e-5, msg=lambda m: f"{req.rid} {key}: {m}")
+
+
+TAPS = ["model.layers.*.resid", "model.layers.1.output[0]", "model.layers.2.mlp.down_proj.output",
+        "model.layers.0.mlp.down_proj.input"]
+
+
+def make_requests(plan):
+    asks = [
+        ("a", 3, 5, 0, None, TapRequest(capture="*")),
+        ("b", 11, 3, 0, None, TapRequest(capture=["model.layers.*.resid"], positions="prompt")),
+        ("c", 25, 6, 2, 6, TapRequest(capture=["model.layers.1.output[0]", "model.layers.0.mlp.down_proj.input"],
+                                      positions="generated")),
+        ("d", 7, 4, 5, None, TapRequest(capture=["model.layers.2.resid"], positions="last")),
+        ("e", 9, 4, 1, None, TapRequest(capture="*", positions=[0, 4, 8, 9, 11, 40])),
+        ("f", 5, 3, 0, None, None),
+    ]
+    rng = np.random.default_rng(0)
+    reqs = []
+    for rid, plen, max_tokens, arrive, preempt, ask in asks:
+        wire = None if ask is None else to_wire(plan, ask, rid)
+        reqs.append(Req(rid, rng.integers(0, 50, plen).tolist(), max_tokens, wire, arrive, preempt))
+    return reqs
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_captures_equal_reference_under_continuous_batching(compiled):
+    """Chunked prefill (budget 16 < a 25-token prompt), late arrivals, decode, padding to 8,
+    a preemption with recompute, and five position options."""
+    plan = toy_plan(TAPS)
+    model = ToyModel()
+    runner, hooks = hooks_for(plan, model)
+    if compiled:  # Dynamo must inline the patched forwards and keep the ops, without breaks
+        runner.model = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
+    reqs = make_requests(plan)
+    run(runner, reqs, budget=16)
+    tapped = [r for r in reqs if r.wire is not None]
+    got = hooks.collect([r.wire["id"] for r in tapped])
+    for r in tapped:
+        taps = _assemble(output_of(r), r.wire, got[r.wire["id"]])
+        assert sorted(taps) == sorted(r.wire["capture"])
+        check(r, taps, r.wire["positions"])
+    assert not hooks.by_id and not hooks.records
+
+
+def test_steering_per_request_and_untouched_others():
+    """Two requests with different vectors in one batch, one steered only while generating
+    (a second tap on the same layer), one unsteered: each equals its own reference."""
+    # Taps at one module run in plan order: the edits first, so layer 1's capture sees them.
+    plan = toy_plan(["model.layers.1.resid | add(steer, alpha=2.0)",
+                     "model.layers.1.resid | add(late, alpha=-1.5, at=generated)", "model.layers.*.resid"])
+    model = ToyModel()
+    runner, hooks = hooks_for(plan, model)
+    rng = np.random.default_rng(1)
+    v1, v2, v3 = (rng.standard_normal(HIDDEN) for _ in range(3))
+    asks = {"s1": {"steer": v1}, "s2": {"steer": v2}, "plain": {}, "gen": {"late": v3}}
+    reqs = []
+    for i, (rid, params) in enumerate(asks.items()):
+        wire = to_wire(plan, TapRequest(capture="*", params=params), rid)
+        reqs.append(Req(rid, rng.integers(0, 50, 6 + 3 * i).tolist(), 4, wire))
+    run(runner, reqs, budget=64)
+    got = hooks.collect([r.wire["id"] for r in reqs])
+    edits = {"s1": [(1, v1, 2.0, "all")], "s2": [(1, v2, 2.0, "all")], "plain": [], "gen": [(1, v3, -1.5, "generated")]}
+    for r in reqs:
+        taps = _assemble(output_of(r), r.wire, got[r.wire["id"]])
+        check(r, taps, "all", edits[r.rid])
+    # The steering reached the layers after it, and the plain request is the unsteered model.
+    s1 = _assemble(output_of(reqs[0]), reqs[0].wire, got[reqs[0].wire["id"]])
+    assert not torch.allclose(s1[f"model.layers.{LAYERS - 1}.resid"],
+                              reference(reqs[0], [f"model.layers.{LAYERS - 1}.resid"])[f"model.layers.{LAYERS - 1}.resid"])
+    assert sorted(hooks.slots.free) == list(range(8)), "every parameter slot is back"
+
+
+def test_parameterless_edit_applies_to_every_request():
+    plan = toy_plan(["model.layers.0.resid | scale(0.5, at=prompt)", "model.layers.2.resid"])
+    runner, hooks = hooks_for(plan, ToyModel())
+    rng = np.random.default_rng(2)
+    reqs = [Req("x", rng.integers(0, 50, 5).tolist(), 3, to_wire(plan, TapRequest(capture="*"), "x")),
+            Req("y", rng.integers(0, 50, 8).tolist(), 3, None)]
+    run(runner, reqs, budget=64)
+    got = hooks.collect([reqs[0].wire["id"]])
+    taps = _assemble(output_of(reqs[0]), reqs[0].wire, got[reqs[0].wire["id"]])
+    # scale(0.5) of the residual stream, hand-made: add -0.5 * (h + r) on prompt rows.
+    ref_model = ToyModel()
+    toks = reqs[0].tokens[:-1]
+    out = {}
+
+    def hook(m, a, o):
+        h, r = o
+        h[:5] -= 0.5 * (h[:5] + r[:5])
+
+    ref_model.model.layers[0].register_forward_hook(hook)
+    ref_model.model.layers[2].register_forward_hook(lambda m, a, o: out.__setitem__("r", (o[0] + o[1]).detach()))
+    with torch.no_grad():
+        ref_model(torch.tensor(toks), torch.arange(len(toks)))
+    torch.testing.assert_close(taps["model.layers.2.resid"], out["r"], rtol=1e-5, atol=1e-5)
+
+
+def test_dummy_runs_see_tables_that_own_no_rows():
+    plan = toy_plan(TAPS)
+    runner, hooks = hooks_for(plan, ToyModel())
+    reqs = make_requests(plan)[:2]
+    reqs[0].max_tokens = 50
+    run(runner, [reqs[1]], budget=64)
+    hooks.buffers.table.fill_(7)
+    hooks.execute_model(_empty(), dummy_run=True)
+    assert (hooks.buffers.table == -1).all()
+
+
+def test_untapped_batches_upload_tables_but_copy_nothing():
+    plan = toy_plan(TAPS)
+    runner, hooks = hooks_for(plan, ToyModel())
+    rng = np.random.default_rng(3)
+    run(runner, [Req("u", rng.integers(0, 50, 9).tolist(), 3, None)], budget=64)
+    assert hooks.buffers.uploads == 3 and not hooks.by_id
+    assert all((p == 0).all() for p in hooks.buffers.pools), "no pool row written"
+
+
+def test_worker_side_request_error_is_reported_at_collect():
+    plan = toy_plan(TAPS)
+    runner, hooks = hooks_for(plan, ToyModel())
+    wire = to_wire(plan, TapRequest(capture="*"), "r")
+    wire["capture"] = ["model.layers.9.resid"]  # as if sent by something other than the API
+    rng = np.random.default_rng(4)
+    req = Req("bad", rng.integers(0, 50, 4).tolist(), 2, wire)
+    run(runner, [req], budget=64)
+    result = hooks.collect([wire["id"]])[wire["id"]]
+    assert "model.layers.9.resid" in result["error"]
+    with pytest.raises(RequestError, match="not in this engine's plan"):
+        _assemble(output_of(req), wire, result)
+
+
+def _empty():
+    from types import SimpleNamespace as NS
+
+    return NS(scheduled_new_reqs=[], finished_req_ids=set(), preempted_req_ids=set(), num_scheduled_tokens={})
