@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tapc.errors import TapcError
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--max-num-batched-tokens", type=int, default=8192, help="rows each buffer holds (default 8192)")
     ex.add_argument("--max-num-seqs", type=int, default=256, help="request slots in parameter tables (default 256)")
     args = parser.parse_args(argv)
+    # vLLM logs to stdout at import; `--json` output must stay clean
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
         return _explain(args)
     except TapcError as e:

@@ -223,9 +223,9 @@ def _expected(terminals: Iterable[str]) -> str:
     return ", ".join(words[:-1]) + (" or " if len(words) > 1 else "") + words[-1] if words else "nothing"
 
 
-def _syntax_error(text: str, column: int, what: str, line: int) -> TapSyntaxError:
+def _syntax_error(text: str, column: int, what: str, where: str) -> TapSyntaxError:
+    """`where` is "" or a place in a longer input, e.g. "line 3, "."""
     caret = " " * (column - 1) + "^"
-    where = f"line {line}, " if line > 1 else ""
     return TapSyntaxError(f"{what} ({where}column {column})\n  {text}\n  {caret}", text, column)
 
 
@@ -244,19 +244,23 @@ def _explain_unexpected(e: lark.UnexpectedInput, text: str) -> str:
     return f"{got}: expected {_expected(expected)}"
 
 
-def parse_tap(text: str, line: int = 1) -> TapSpec:
-    """Parse one tap. Raises TapSyntaxError with the tap, a caret and what was expected."""
+def parse_tap(text: str, line: int = 1, unit: str = "line") -> TapSpec:
+    """Parse one tap. Raises TapSyntaxError with the tap, a caret and what was expected.
+
+    `line`/`unit` place the tap in a longer input for messages: "line 3" of a text, "entry 2" of a list.
+    """
     raw = text
+    where = f"{unit} {line}, " if line > 1 else ""
     text = text.split("#", 1)[0].rstrip()
     if not text.strip():
-        raise _syntax_error(raw, 1, "empty tap", line)
+        raise _syntax_error(raw, 1, "empty tap", where)
     try:
         tree = _parser().parse(text)
     except lark.UnexpectedInput as e:
         column = getattr(e, "column", None)
         at_end = isinstance(e, lark.UnexpectedToken) and e.token.type == "$END"
         column = column if isinstance(column, int) and column > 0 and not at_end else len(text) + 1
-        raise _syntax_error(text, column, _explain_unexpected(e, text), line) from None
+        raise _syntax_error(text, column, _explain_unexpected(e, text), where) from None
     for sub in tree.iter_subtrees():
         if sub.data == "slice":
             sub.children = [_slice_from_tree(sub)]
@@ -264,53 +268,53 @@ def parse_tap(text: str, line: int = 1) -> TapSpec:
     if kind == "block":
         action = Action(op="block", block=str(name))
     else:
-        action = _bind_action(text, None if name is None else str(name), args, line)
+        action = _bind_action(text, None if name is None else str(name), args, where)
     return TapSpec(text=text.strip(), action=action, line=line, **point)
 
 
-def _bind_action(text: str, op: str | None, args: list, line: int) -> Action:
+def _bind_action(text: str, op: str | None, args: list, where: str) -> Action:
     """Check an action call against its signature; fill in defaults."""
     if op is None or op == "capture":
         if args:
-            raise _syntax_error(text, text.index("capture") + 1, "capture takes no arguments", line)
+            raise _syntax_error(text, text.index("capture") + 1, "capture takes no arguments", where)
         return Action()
     if op not in EDIT_SIGNATURES:
         col = text.rindex("|") + 2
         raise _syntax_error(text, col, f"unknown action {op!r}: the actions are {', '.join(ACTIONS)}, "
-                            "or `-> name` for a Python block", line)
+                            "or `-> name` for a Python block", where)
     signature = EDIT_SIGNATURES[op] + (AT,)
     names = [a for a, _, _ in signature]
     bound: dict[str, Value] = {}
     for i, (name, value) in enumerate(args):
         if name is None:
             if bound and any(n is not None for n, _ in args[:i]):
-                raise _syntax_error(text, len(text), f"{op}(): a positional argument follows a named one", line)
+                raise _syntax_error(text, len(text), f"{op}(): a positional argument follows a named one", where)
             if i >= len(EDIT_SIGNATURES[op]):
                 raise _syntax_error(text, len(text), f"{op}() takes {len(EDIT_SIGNATURES[op])} positional "
-                                    f"argument(s): {', '.join(names)}", line)
+                                    f"argument(s): {', '.join(names)}", where)
             name = names[i]
         if name not in names:
             raise _syntax_error(text, text.index(name) + 1,
-                                f"{op}() has no argument {name!r}; it takes {', '.join(names)}", line)
+                                f"{op}() has no argument {name!r}; it takes {', '.join(names)}", where)
         if name in bound:
-            raise _syntax_error(text, len(text), f"{op}(): argument {name!r} given twice", line)
+            raise _syntax_error(text, len(text), f"{op}(): argument {name!r} given twice", where)
         bound[name] = value
     out = []
     for name, kind, default in signature:
         if name not in bound:
             if default is REQUIRED:
                 raise _syntax_error(text, len(text), f"{op}() needs its argument {name!r} "
-                                    f"({op}({', '.join(n for n, _, d in signature if d is REQUIRED)}))", line)
+                                    f"({op}({', '.join(n for n, _, d in signature if d is REQUIRED)}))", where)
             value: Value = default  # type: ignore[assignment]
         else:
-            value = _check_value(text, op, name, kind, bound[name], line)
+            value = _check_value(text, op, name, kind, bound[name], where)
         out.append((name, value))
     return Action(op=op, args=tuple(out))
 
 
-def _check_value(text: str, op: str, name: str, kind: str, value: Value, line: int) -> Value:
+def _check_value(text: str, op: str, name: str, kind: str, value: Value, where: str) -> Value:
     def bad(why: str) -> TapSyntaxError:
-        return _syntax_error(text, len(text), f"{op}(): argument {name!r} {why}", line)
+        return _syntax_error(text, len(text), f"{op}(): argument {name!r} {why}", where)
 
     if kind == "positions":
         if not isinstance(value, Param) or value.name not in POSITIONS:
@@ -341,15 +345,15 @@ def parse_taps(lines: str | Iterable[str]) -> tuple[TapSpec, ...]:
         if not isinstance(item, str):
             raise TapSyntaxError(f"tap {n} is a {type(item).__name__}, not a string: {item!r}", repr(item))
         if item.split("#", 1)[0].strip():
-            taps.append(parse_tap(item, line=n))
-    return taps_without_duplicates(taps)
+            taps.append(parse_tap(item, line=n, unit="line" if isinstance(lines, str) else "entry"))
+    return taps_without_duplicates(taps, "lines" if isinstance(lines, str) else "entries")
 
 
-def taps_without_duplicates(taps: Iterable[TapSpec]) -> tuple[TapSpec, ...]:
+def taps_without_duplicates(taps: Iterable[TapSpec], units: str = "entries") -> tuple[TapSpec, ...]:
     seen: dict[str, TapSpec] = {}
     for tap in taps:
         key = " ".join(tap.text.split())
         if key in seen:
-            raise TapSyntaxError(f"the same tap twice (lines {seen[key].line} and {tap.line}): {tap.text}", tap.text)
+            raise TapSyntaxError(f"the same tap twice ({units} {seen[key].line} and {tap.line}): {tap.text}", tap.text)
         seen[key] = tap
     return tuple(seen.values())

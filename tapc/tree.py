@@ -74,14 +74,17 @@ class ModuleTree:
     def by_path(self) -> dict[str, Node]:
         return {n.path: n for n in self.nodes}
 
-    def children(self, path: str) -> list[str]:
-        """Direct children's last segment, in model order."""
-        prefix = f"{path}." if path else ""
-        out: dict[str, None] = {}
+    @cached_property
+    def _children(self) -> dict[str, list[str]]:
+        index: dict[str, list[str]] = {}
         for n in self.nodes:
-            if n.path.startswith(prefix) and n.path != path:
-                out.setdefault(n.path[len(prefix):].split(".", 1)[0])
-        return list(out)
+            parent, _, name = n.path.rpartition(".")
+            index.setdefault(parent, []).append(name)
+        return index
+
+    def children(self, path: str) -> list[str]:
+        """Direct children's last segment, in model order ("" is the root)."""
+        return self._children.get(path, [])
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

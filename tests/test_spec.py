@@ -93,7 +93,7 @@ def test_many_taps_comments_blank_lines_and_duplicates():
     """)
     assert [t.site for t in taps] == ["resid", "resid"]
     assert [t.line for t in taps] == [3, 5]
-    with pytest.raises(TapSyntaxError, match=r"the same tap twice \(lines 1 and 2\)"):
+    with pytest.raises(TapSyntaxError, match=r"the same tap twice \(entries 1 and 2\)"):
         parse_taps(["model.layers.3.resid", "model.layers.3.resid   # again"])
     with pytest.raises(TapSyntaxError, match="tap 1 is a int"):
         parse_taps([3])

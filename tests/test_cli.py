@@ -1,0 +1,59 @@
+"""`tapc explain`: the plan for people and for machines, and its exit codes."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tapc.cli import main
+from tapc.plan import TapPlan
+
+from conftest import CONFIGS
+
+ROOT = Path(__file__).parent.parent
+LLAMA = str(CONFIGS / "llama")
+
+
+def test_explain_table_graph_and_totals(capsys):
+    rc = main(["explain", LLAMA, "model.layers.*.resid", "model.layers.2.mlp.output -> probe",
+               "model.layers[1:3].resid | add(steer, alpha=4, at=generated)", "--max-num-batched-tokens", "1024"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for words in ["model.layers.0.resid", "read", "256 x bfloat16", "512.0 KiB",  # 1024 rows x 256 x 2 bytes
+                  "add(vector=$steer, alpha=4, at=generated)", "block -> probe",
+                  "graph: 5 compiled pieces without the plan, 6 with it; cudagraph mode PIECEWISE",
+                  "splitting ops added: tapc::boundary", "✂ boundary block model.layers.2.mlp.output -> probe",
+                  "taps: 7 (4 read, 1 block, 2 edit)", "parameters: steer (vector of 256)"]:
+        assert words in out, words
+    lines = out.splitlines()
+    # the block is drawn inside the piece after layer 2's attention
+    assert lines.index("  [piece 3] layer 2 after attention .. layer 3 attention") + 1 == \
+        lines.index("     ✂ boundary block model.layers.2.mlp.output -> probe")
+
+
+def test_explain_json_is_the_plan(capsys):
+    assert main(["explain", LLAMA, "model.layers[0:2].resid", "--json"]) == 0
+    plan = TapPlan.from_json(capsys.readouterr().out)
+    assert [t.key for t in plan.taps] == ["model.layers.0.resid", "model.layers.1.resid"]
+    assert plan.cudagraph_mode == "FULL_AND_PIECEWISE"
+
+
+def test_explain_errors_exit_2(capsys):
+    assert main(["explain", LLAMA, "model.layer.1.resid"]) == 2
+    err = capsys.readouterr().err
+    assert "ResolveError" in err and "did you mean `model.layers`" in err
+    assert main(["explain", LLAMA, "model.layers.1.resid |"]) == 2
+    assert "TapSyntaxError" in capsys.readouterr().err
+    assert main(["explain", LLAMA]) == 2
+    assert "no taps" in capsys.readouterr().err
+
+
+def test_explain_shipped_example_spec_in_a_subprocess():
+    proc = subprocess.run([sys.executable, "-m", "tapc.cli", "explain", str(ROOT / "examples" / "steer.yaml"), "--json"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["architecture"] == "LlamaForCausalLM" and plan["max_num_batched_tokens"] == 2048
+    assert [t["kind"] for t in plan["taps"]] == ["read"] * 5 + ["edit", "engine"]
+    bad = subprocess.run([sys.executable, "-m", "tapc.cli", "explain", str(ROOT / "examples" / "missing.yaml")],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "no such spec file" in bad.stderr
