@@ -40,6 +40,8 @@ def graph_us(fn) -> list[float]:
     """p50, p20, p80 in microseconds of fn replayed from a CUDA graph."""
     if not ON_GPU:
         return wall_us(fn)
+    # The inputs were made on the default stream and do_bench_cudagraph runs fn on its own.
+    torch.cuda.synchronize()
     return [ms * 1e3 for ms in triton.testing.do_bench_cudagraph(fn, rep=10, quantiles=QUANTILES)]
 
 

@@ -3,8 +3,8 @@
 A per-row destination table `dst` (int32, at least one entry per row of the padded batch) says
 where row i goes: out[dst[i]] = x[i]. -1 marks padding rows and rows of requests that did not
 ask; those are neither read nor written. The host fills `dst` before each step, so one captured
-CUDA graph serves every batch the engine forms. `dst` entries must be < out.shape[0]: the
-kernel cannot check that without a host synchronization, and the references raise on it.
+CUDA graph serves every batch the engine forms. Entries >= out.shape[0] are skipped like -1: a
+host bug must not write past the buffer, and the op cannot report it without synchronizing.
 
 Variants: `capture_sum` stores a + b (hidden_states + residual: the residual stream) in one
 pass, adding in fp32; a column slice is a strided view of x (strides are respected); the store
@@ -14,18 +14,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check, check_activation, check_partner, check_row_table, col_block, warps_for
+from .common import check_activation, check_buffer, check_partner, check_row_table, col_block, warps_for
 
 
 @triton.jit
 def _capture_kernel(
-    x_ptr, y_ptr, dst_ptr, out_ptr, width,
+    x_ptr, y_ptr, dst_ptr, out_ptr, width, out_rows,
     stride_x, stride_xc, stride_y, stride_yc, stride_out, stride_outc,
     HAS_Y: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     d = tl.load(dst_ptr + row)
-    if d < 0:
+    if (d < 0) | (d >= out_rows):
         return
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -47,16 +47,14 @@ def _launch(x: torch.Tensor, y: torch.Tensor | None, dst: torch.Tensor, out: tor
     if y is not None:
         check_partner(x, y)
     check_row_table(dst, x, "dst")
-    check(out.dim() == 2 and out.shape[1] == x.shape[1],
-          f"out must be [rows, {x.shape[1]}] like x's width, got {tuple(out.shape)}")
-    check(out.device == x.device, f"out is on {out.device}, x on {x.device}")
+    check_buffer(out, x)
     num_tokens, width = x.shape
     if num_tokens == 0:
         return
     block = col_block(width)
     other = x if y is None else y
     _capture_kernel[(num_tokens, triton.cdiv(width, block))](
-        x, other, dst, out, width,
+        x, other, dst, out, width, out.shape[0],
         x.stride(0), x.stride(1), other.stride(0), other.stride(1), out.stride(0), out.stride(1),
         HAS_Y=y is not None, BLOCK=block, num_warps=warps_for(block),
     )
@@ -72,13 +70,18 @@ def capture_sum(a: torch.Tensor, b: torch.Tensor, dst: torch.Tensor, out: torch.
     _launch(a, b, dst, out)
 
 
+def _kept_rows(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    d = dst[: x.shape[0]]
+    return ((d >= 0) & (d < out.shape[0])).nonzero().squeeze(1)
+
+
 def capture_ref(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
     """Plain-torch reference of `capture`."""
-    rows = (dst[: x.shape[0]] >= 0).nonzero().squeeze(1)
+    rows = _kept_rows(x, dst, out)
     out[dst[rows].long()] = x[rows].to(out.dtype)
 
 
 def capture_sum_ref(a: torch.Tensor, b: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
     """Plain-torch reference of `capture_sum`."""
-    rows = (dst[: a.shape[0]] >= 0).nonzero().squeeze(1)
+    rows = _kept_rows(a, dst, out)
     out[dst[rows].long()] = (a[rows].float() + b[rows].float()).to(out.dtype)

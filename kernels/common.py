@@ -31,36 +31,51 @@ def warps_for(block: int) -> int:
     return 8 if block >= 4096 else 4
 
 
-def check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
+# The checks below build their messages only on failure: an eager op call runs them every step.
 
 
 def check_activation(x: torch.Tensor, name: str = "x") -> None:
-    check(x.dim() == 2, f"{name} must be [num_tokens, width], got shape {tuple(x.shape)}")
-    check(x.is_floating_point(), f"{name} must be floating point, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be [num_tokens, width], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got {x.dtype}")
 
 
 def check_partner(x: torch.Tensor, b: torch.Tensor, name: str = "b") -> None:
-    check(b.shape == x.shape, f"{name} must have x's shape {tuple(x.shape)}, got {tuple(b.shape)}")
-    check(b.device == x.device, f"{name} is on {b.device}, x on {x.device}")
+    if b.shape != x.shape:
+        raise ValueError(f"{name} must have x's shape {tuple(x.shape)}, got {tuple(b.shape)}")
+    if b.device != x.device:
+        raise ValueError(f"{name} is on {b.device}, x on {x.device}")
 
 
 def check_row_table(table: torch.Tensor, x: torch.Tensor, name: str) -> None:
-    check(table.dtype == torch.int32, f"{name} must be int32, got {table.dtype}")
-    check(table.dim() == 1, f"{name} must be 1-D, got shape {tuple(table.shape)}")
-    check(
-        table.shape[0] >= x.shape[0],
-        f"{name} has {table.shape[0]} entries for {x.shape[0]} rows; it needs one per row",
-    )
-    check(table.device == x.device, f"{name} is on {table.device}, x on {x.device}")
+    if table.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {table.dtype}")
+    if table.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(table.shape)}")
+    if table.shape[0] < x.shape[0]:
+        raise ValueError(
+            f"{name} has {table.shape[0]} entries for {x.shape[0]} rows; it needs one per row"
+        )
+    if table.device != x.device:
+        raise ValueError(f"{name} is on {table.device}, x on {x.device}")
 
 
-def check_slot_table(table: torch.Tensor, x: torch.Tensor, slots: int, width: int | None,
+def check_buffer(out: torch.Tensor, x: torch.Tensor) -> None:
+    if out.dim() != 2 or out.shape[1] != x.shape[1]:
+        raise ValueError(
+            f"out must be [rows, {x.shape[1]}] like x's width, got {tuple(out.shape)}"
+        )
+    if out.device != x.device:
+        raise ValueError(f"out is on {out.device}, x on {x.device}")
+
+
+def check_slot_table(table: torch.Tensor, x: torch.Tensor, shape: tuple,
                      dtype: torch.dtype | None, name: str) -> None:
-    """A per-slot parameter table: `slots` rows (of `width` entries, if given) on x's device."""
-    shape = (slots,) if width is None else (slots, width)
-    check(tuple(table.shape) == shape, f"{name} must have shape {shape}, got {tuple(table.shape)}")
-    if dtype is not None:
-        check(table.dtype == dtype, f"{name} must be {dtype}, got {table.dtype}")
-    check(table.device == x.device, f"{name} is on {table.device}, x on {x.device}")
+    """A per-slot parameter table of the given shape (and dtype, if given) on x's device."""
+    if table.shape != shape:
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(table.shape)}")
+    if dtype is not None and table.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {table.dtype}")
+    if table.device != x.device:
+        raise ValueError(f"{name} is on {table.device}, x on {x.device}")

@@ -3,7 +3,8 @@
 A per-row slot table `slot` (int32, at least one entry per row of the padded batch) names the
 slot of the request that owns row i; -1 leaves the row untouched (padding, requests without
 this edit, or rows the request's edit does not cover, e.g. prompt rows of a "generated only"
-edit). Parameters live in per-slot device tables indexed by that slot. The host fills all of
+edit), and so does a slot past the tables (a host bug must not read outside them). Parameters
+live in per-slot device tables indexed by that slot. The host fills all of
 them before each step; nothing the ops read on the host changes between steps.
 
 Residual-stream points: when `b` (the residual) is given, the edited quantity is s = x + b and
@@ -15,20 +16,20 @@ import triton
 import triton.language as tl
 
 from .common import (
-    MAX_ROW_BLOCK, check_activation, check_partner, check_row_table, check_slot_table,
-    col_block, warps_for,
+    MAX_ROW_BLOCK, check_activation, check_partner, check_row_table, check_slot_table, col_block,
+    warps_for,
 )
 
 
 @triton.jit
 def _add_kernel(
-    x_ptr, slot_ptr, vec_ptr, alpha_ptr, width,
+    x_ptr, slot_ptr, vec_ptr, alpha_ptr, width, num_slots,
     stride_x, stride_xc, stride_vec,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     s = tl.load(slot_ptr + row)
-    if s < 0:
+    if (s < 0) | (s >= num_slots):
         return
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -41,13 +42,13 @@ def _add_kernel(
 
 @triton.jit
 def _scale_kernel(
-    x_ptr, b_ptr, slot_ptr, factor_ptr, width,
+    x_ptr, b_ptr, slot_ptr, factor_ptr, width, num_slots,
     stride_x, stride_xc, stride_b, stride_bc,
     HAS_B: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
     s = tl.load(slot_ptr + row)
-    if s < 0:
+    if (s < 0) | (s >= num_slots):
         return
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -65,13 +66,13 @@ def _scale_kernel(
 
 @triton.jit
 def _set_cols_kernel(
-    x_ptr, b_ptr, slot_ptr, cols_ptr, vals_ptr, width, num_cols,
+    x_ptr, b_ptr, slot_ptr, cols_ptr, vals_ptr, width, num_slots, num_cols,
     stride_x, stride_xc, stride_b, stride_bc, stride_cols, stride_vals,
     HAS_B: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     row = tl.program_id(0)
     s = tl.load(slot_ptr + row)
-    if s < 0:
+    if (s < 0) | (s >= num_slots):
         return
     j = tl.arange(0, BLOCK_C)
     s64 = s.to(tl.int64)
@@ -87,14 +88,14 @@ def _set_cols_kernel(
 
 @triton.jit
 def _project_out_kernel(
-    x_ptr, b_ptr, slot_ptr, dirs_ptr, width,
+    x_ptr, b_ptr, slot_ptr, dirs_ptr, width, num_slots,
     stride_x, stride_xc, stride_b, stride_bc, stride_dirs,
     HAS_B: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # One program per row: the dot product needs the whole row before any column is written.
     row = tl.program_id(0)
     s = tl.load(slot_ptr + row)
-    if s < 0:
+    if (s < 0) | (s >= num_slots):
         return
     r = row.to(tl.int64)
     x_row = x_ptr + r * stride_x
@@ -138,14 +139,15 @@ def add_(x: torch.Tensor, b: torch.Tensor | None, slot: torch.Tensor, vec: torch
     b plays no part: adding to x adds the same to x + b.
     """
     _check_common(x, b, slot)
-    check_slot_table(vec, x, vec.shape[0], x.shape[1], None, "vec")
-    check_slot_table(alpha, x, vec.shape[0], None, torch.float32, "alpha")
+    slots = vec.shape[0]
+    check_slot_table(vec, x, (slots, x.shape[1]), None, "vec")
+    check_slot_table(alpha, x, (slots,), torch.float32, "alpha")
     num_tokens, width = x.shape
     if num_tokens == 0:
         return
     block = col_block(width)
     _add_kernel[(num_tokens, triton.cdiv(width, block))](
-        x, slot, vec, alpha, width, x.stride(0), x.stride(1), vec.stride(0),
+        x, slot, vec, alpha, width, slots, x.stride(0), x.stride(1), vec.stride(0),
         BLOCK=block, num_warps=warps_for(block),
     )
 
@@ -154,14 +156,15 @@ def scale_(x: torch.Tensor, b: torch.Tensor | None, slot: torch.Tensor,
            factor: torch.Tensor) -> None:
     """s = x (+ b) becomes factor[slot[i]] * s; only x is written (Triton)."""
     _check_common(x, b, slot)
-    check_slot_table(factor, x, factor.shape[0], None, torch.float32, "factor")
+    slots = factor.shape[0]
+    check_slot_table(factor, x, (slots,), torch.float32, "factor")
     num_tokens, width = x.shape
     if num_tokens == 0:
         return
     block = col_block(width)
     other, stride_b, stride_bc = _b_args(x, b)
     _scale_kernel[(num_tokens, triton.cdiv(width, block))](
-        x, other, slot, factor, width, x.stride(0), x.stride(1), stride_b, stride_bc,
+        x, other, slot, factor, width, slots, x.stride(0), x.stride(1), stride_b, stride_bc,
         HAS_B=b is not None, BLOCK=block, num_warps=warps_for(block),
     )
 
@@ -174,15 +177,17 @@ def set_cols_(x: torch.Tensor, b: torch.Tensor | None, slot: torch.Tensor, cols:
     unspecified); columns >= width are ignored.
     """
     _check_common(x, b, slot)
-    check_slot_table(cols, x, cols.shape[0], cols.shape[1], torch.int32, "cols")
-    check_slot_table(vals, x, cols.shape[0], cols.shape[1], torch.float32, "vals")
+    if cols.dim() != 2:
+        raise ValueError(f"cols must be [slots, C], got shape {tuple(cols.shape)}")
+    check_slot_table(cols, x, cols.shape, torch.int32, "cols")
+    check_slot_table(vals, x, cols.shape, torch.float32, "vals")
     num_tokens, width = x.shape
-    num_cols = cols.shape[1]
+    slots, num_cols = cols.shape
     if num_tokens == 0 or num_cols == 0:
         return
     other, stride_b, stride_bc = _b_args(x, b)
     _set_cols_kernel[(num_tokens,)](
-        x, other, slot, cols, vals, width, num_cols,
+        x, other, slot, cols, vals, width, slots, num_cols,
         x.stride(0), x.stride(1), stride_b, stride_bc, cols.stride(0), vals.stride(0),
         HAS_B=b is not None, BLOCK_C=triton.next_power_of_2(num_cols), num_warps=1,
     )
@@ -192,34 +197,36 @@ def project_out_(x: torch.Tensor, b: torch.Tensor | None, slot: torch.Tensor,
                  dirs: torch.Tensor) -> None:
     """s -= (s . d) d with d = dirs[slot[i]] (a unit vector), dot in fp32; x written (Triton)."""
     _check_common(x, b, slot)
-    check_slot_table(dirs, x, dirs.shape[0], x.shape[1], None, "dirs")
+    slots = dirs.shape[0]
+    check_slot_table(dirs, x, (slots, x.shape[1]), None, "dirs")
     num_tokens, width = x.shape
     if num_tokens == 0:
         return
     block = col_block(width, MAX_ROW_BLOCK)
     other, stride_b, stride_bc = _b_args(x, b)
     _project_out_kernel[(num_tokens,)](
-        x, other, slot, dirs, width, x.stride(0), x.stride(1), stride_b, stride_bc, dirs.stride(0),
+        x, other, slot, dirs, width, slots, x.stride(0), x.stride(1), stride_b, stride_bc,
+        dirs.stride(0),
         HAS_B=b is not None, BLOCK=block, num_warps=warps_for(block),
     )
 
 
-def _edited_rows(x: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices of the rows with a slot, and their slots (long), for the references."""
+def _edited_rows(x: torch.Tensor, slot: torch.Tensor, slots: int) -> tuple:
+    """Indices of the rows with a slot in [0, slots), and their slots (long), for the refs."""
     s = slot[: x.shape[0]].long()
-    rows = (s >= 0).nonzero().squeeze(1)
+    rows = ((s >= 0) & (s < slots)).nonzero().squeeze(1)
     return rows, s[rows]
 
 
 def add_ref(x, b, slot, vec, alpha) -> None:
     """Plain-torch reference of `add_`."""
-    rows, s = _edited_rows(x, slot)
+    rows, s = _edited_rows(x, slot, vec.shape[0])
     x[rows] = (x[rows].float() + alpha[s, None] * vec[s].float()).to(x.dtype)
 
 
 def scale_ref(x, b, slot, factor) -> None:
     """Plain-torch reference of `scale_`."""
-    rows, s = _edited_rows(x, slot)
+    rows, s = _edited_rows(x, slot, factor.shape[0])
     xs = x[rows].float()
     f = factor[s, None]
     if b is None:
@@ -231,7 +238,7 @@ def scale_ref(x, b, slot, factor) -> None:
 
 def set_cols_ref(x, b, slot, cols, vals) -> None:
     """Plain-torch reference of `set_cols_`."""
-    rows, s = _edited_rows(x, slot)
+    rows, s = _edited_rows(x, slot, cols.shape[0])
     c = cols[s].long()
     r = rows[:, None].expand_as(c)
     keep = (c >= 0) & (c < x.shape[1])
@@ -243,7 +250,7 @@ def set_cols_ref(x, b, slot, cols, vals) -> None:
 
 def project_out_ref(x, b, slot, dirs) -> None:
     """Plain-torch reference of `project_out_`."""
-    rows, s = _edited_rows(x, slot)
+    rows, s = _edited_rows(x, slot, dirs.shape[0])
     xs = x[rows].float()
     d = dirs[s].float()
     total = xs if b is None else xs + b[rows].float()

@@ -1,4 +1,4 @@
-"""The tap ops as `torch.library` custom ops in the `tapc` namespace, registered on import.
+"""The tap ops, registered in the `tapc` namespace of `torch.library` on import.
 
 Each op declares what it mutates and has a fake implementation that returns nothing, so that
 Dynamo puts it in the graph as one node and Inductor calls it in place (no copy of the buffer
@@ -9,8 +9,9 @@ graph replays them correctly with whatever the tables hold at replay time.
 `tapc::boundary` is different: the engine lists it in vLLM's splitting ops, so it runs eagerly
 between graph pieces and calls back into tapc's runtime (see `set_boundary_handler`).
 
-No `from __future__ import annotations` here: torch.library reads the schema from the
-annotations and needs them as real types.
+Registered through `torch.library.Library` rather than `torch.library.custom_op`: the same
+schema and fake, but about a tenth of the dispatch cost per call, which counts in batches
+that run the compiled graph without CUDA graphs (vLLM does the same for its own ops).
 """
 from typing import Callable, Optional
 
@@ -20,41 +21,47 @@ from . import capture as _capture
 from . import edit as _edit
 from .common import runs_triton
 
+# Kept alive for the life of the process: the ops are unregistered when it is collected.
+_LIB = torch.library.Library("tapc", "DEF")
 
-@torch.library.custom_op("tapc::capture", mutates_args=("out",))
+
+def _register(schema: str, impl: Callable) -> None:
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    # One Python implementation for every device; it picks Triton or the torch reference.
+    _LIB.impl(name, impl, "CompositeExplicitAutograd")
+    # The ops return nothing and only write their declared arguments: tracing needs no shapes.
+    torch.library.register_fake(f"tapc::{name}", lambda *args, **kwargs: None, lib=_LIB)
+
+
 def capture(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
     """out[dst[i]] = x[i].to(out.dtype) for rows i < x.shape[0] with dst[i] >= 0."""
     (_capture.capture if runs_triton(x) else _capture.capture_ref)(x, dst, out)
 
 
-@torch.library.custom_op("tapc::capture_sum", mutates_args=("out",))
 def capture_sum(a: torch.Tensor, b: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
     """out[dst[i]] = a[i] + b[i] (fp32 add, stored in out.dtype) for rows with dst[i] >= 0."""
     (_capture.capture_sum if runs_triton(a) else _capture.capture_sum_ref)(a, b, dst, out)
 
 
-@torch.library.custom_op("tapc::add_", mutates_args=("x",))
 def add_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor, vec: torch.Tensor,
          alpha: torch.Tensor) -> None:
     """x[i] += alpha[slot[i]] * vec[slot[i]] for rows with slot[i] >= 0."""
     (_edit.add_ if runs_triton(x) else _edit.add_ref)(x, b, slot, vec, alpha)
 
 
-@torch.library.custom_op("tapc::scale_", mutates_args=("x",))
 def scale_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor,
            factor: torch.Tensor) -> None:
     """s = x (+ b) becomes factor[slot[i]] * s, written through x."""
     (_edit.scale_ if runs_triton(x) else _edit.scale_ref)(x, b, slot, factor)
 
 
-@torch.library.custom_op("tapc::set_cols_", mutates_args=("x",))
 def set_cols_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor, cols: torch.Tensor,
               vals: torch.Tensor) -> None:
     """s[cols[k, j]] = vals[k, j] with k = slot[i], entries cols >= 0; written through x."""
     (_edit.set_cols_ if runs_triton(x) else _edit.set_cols_ref)(x, b, slot, cols, vals)
 
 
-@torch.library.custom_op("tapc::project_out_", mutates_args=("x",))
 def project_out_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor,
                  dirs: torch.Tensor) -> None:
     """s -= (s . d) d with d = dirs[slot[i]], dot in fp32; written through x."""
@@ -75,7 +82,6 @@ def set_boundary_handler(fn: Optional[BoundaryHandler]) -> None:
     _boundary_handler = fn
 
 
-@torch.library.custom_op("tapc::boundary", mutates_args=("x", "b"))
 def boundary(x: torch.Tensor, b: Optional[torch.Tensor], point: int) -> None:
     """Hand x (and b) to tapc's runtime at tap point `point`, a constant of the call site."""
     if _boundary_handler is None:
@@ -87,7 +93,11 @@ def boundary(x: torch.Tensor, b: Optional[torch.Tensor], point: int) -> None:
     _boundary_handler(point, x, b)
 
 
-# Fake implementations: the ops return nothing and only write their declared arguments, so
-# tracing needs no shape logic.
-for _op in (capture, capture_sum, add_, scale_, set_cols_, project_out_, boundary):
-    _op.register_fake(lambda *args, **kwargs: None)
+_register("capture(Tensor x, Tensor dst, Tensor(a!) out) -> ()", capture)
+_register("capture_sum(Tensor a, Tensor b, Tensor dst, Tensor(a!) out) -> ()", capture_sum)
+_register("add_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor vec, Tensor alpha) -> ()", add_)
+_register("scale_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor factor) -> ()", scale_)
+_register("set_cols_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor cols, Tensor vals) -> ()",
+          set_cols_)
+_register("project_out_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor dirs) -> ()", project_out_)
+_register("boundary(Tensor(a!) x, Tensor(b!)? b, int point) -> ()", boundary)

@@ -99,6 +99,15 @@ def test_capture_of_padding_only_writes_nothing():
     assert out.isnan().all()
 
 
+def test_capture_skips_destinations_past_the_buffer():
+    # A host bug must not write outside the buffer: such entries act like -1.
+    x = randn(6, 123, torch.float32)
+    out = poisoned(8, 123, torch.float32)
+    capture(x, torch.tensor([8, 2, 1000, -1, 7, 0], dtype=torch.int32, device=DEVICE), out)
+    assert torch.equal(out[[2, 7, 0]], x[[1, 4, 5]])
+    assert out[[1, 3, 4, 5, 6]].isnan().all()
+
+
 @pytest.mark.parametrize(
     "dst,out_shape,words",
     [

@@ -88,6 +88,19 @@ def test_set_cols_sets_the_residual_stream_through_x():
         torch.testing.assert_close(got, vals[s][used], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("edit", list(KERNELS))
+def test_edit_skips_slots_past_the_tables(edit):
+    # A host bug must not read outside the per-slot tables: such rows are left alone.
+    seed("past", edit)
+    kernel, _ = KERNELS[edit]
+    x = randn(4, 123, torch.float32)
+    actual = x.clone()
+    kernel(actual, None, torch.tensor([SLOTS, 0, SLOTS + 100, -1], dtype=torch.int32,
+                                      device=DEVICE), *params(edit, 123))
+    assert_rows_untouched(actual, x, torch.tensor([True, False, True, True], device=DEVICE), edit)
+    assert not torch.equal(actual[1], x[1]), f"{edit}: the row with a valid slot was not edited"
+
+
 def test_edit_rejects_a_bad_slot_table():
     x = randn(5, 123, torch.float32)
     with pytest.raises(ValueError, match="slot must be int32"):
