@@ -1,0 +1,146 @@
+"""tapc's engine beside vanilla vLLM and enforce_eager, on a Llama-3.1-8B-shaped model.
+
+    python3 benchmarks/bench_engine.py --out bench_engine.md
+
+One process, one GPU. Dummy weights (`load_format="dummy"`, the real 8B config), greedy,
+ignore_eos, token-id prompts. Vanilla vLLM (default torch.compile + FULL_AND_PIECEWISE graphs)
+and one tapc engine (taps: every layer's residual stream, and an `add(steer)` on layer 16) run
+side by side and their runs are interleaved, `--repeats` rounds, the first round discarded as
+warmup; the table shows medians. enforce_eager runs last, once after a warmup, alone.
+
+Workloads: decode at batch 1 and 64 (512 prompt tokens, 128 generated; output tokens/s) and a
+prefill harvest (1024 prompts of 128 tokens, 1 generated token; seconds). tapc variants, all
+on the same engine: requests asking for nothing; capturing every layer's residual stream at
+every position (prompt and generated) or at generated positions only; steering every request
+at layer 16; for the harvest, one layer's residual stream at every prompt position. Times
+include bringing the captures back to the caller as CPU tensors.
+"""
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
+}
+TAPS = ["model.layers.*.resid", "model.layers.16.resid | add(steer, alpha=4.0)"]
+HARVEST_LAYER = "model.layers.16.resid"
+ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, max_num_batched_tokens=8192,
+              max_num_seqs=256, seed=0)
+WORKLOADS = {  # name: (prompts, prompt tokens, generated tokens)
+    "decode bs1": (1, 512, 128),
+    "decode bs64": (64, 512, 128),
+    "harvest 1024x128": (1024, 128, 1),
+}
+
+
+def prompts(n: int, length: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(0, 128000, length).tolist()} for _ in range(n)]
+
+
+def timed(generate, workload: str, seed: int):
+    """(output tokens/s for decode, seconds for the harvest) of one run."""
+    from vllm import SamplingParams
+
+    n, plen, gen = WORKLOADS[workload]
+    ps = prompts(n, plen, seed)
+    sp = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = generate(ps, sp)
+    dt = time.perf_counter() - t0
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == n * gen
+    return dt if workload.startswith("harvest") else n * gen / dt
+
+
+def tapc_variants(llm, workload: str):
+    from tapc.api import TapRequest
+
+    if workload.startswith("harvest"):
+        return {"tapc, nothing asked": None,
+                "tapc, capture 1 layer (prompt rows)": TapRequest(capture=HARVEST_LAYER, positions="prompt")}
+    steer = np.random.default_rng(0).standard_normal(4096).tolist()
+    return {"tapc, nothing asked": None,
+            "tapc, capture 32 layers (generated rows)": TapRequest(capture="model.layers.*.resid", positions="generated"),
+            "tapc, capture 32 layers (all rows)": TapRequest(capture="model.layers.*.resid"),
+            "tapc, steer 1 layer": TapRequest(params={"steer": steer})}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_engine.md")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds; the first is warmup")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+    import torch
+    import vllm
+    from vllm import LLM
+
+    from tapc import VLLM
+
+    model = tempfile.mkdtemp(prefix="llama-3.1-8b-")
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(LLAMA_31_8B, f)
+    common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"))
+
+    t0 = time.perf_counter()
+    vanilla = LLM(model, gpu_memory_utilization=0.42, **common)
+    t_vanilla = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    tapped = VLLM(model, taps=TAPS, gpu_memory_utilization=0.42, **common)
+    t_tapc = time.perf_counter() - t0
+    print(f"engine start: vanilla {t_vanilla:.0f} s, tapc {t_tapc:.0f} s", flush=True)
+
+    results: dict[tuple[str, str], list[float]] = {}
+    for rnd in range(args.repeats):
+        for w in WORKLOADS:
+            runs = {"vanilla": lambda ps, sp: vanilla.generate(ps, sp, use_tqdm=False)}
+            for name, ask in tapc_variants(tapped, w).items():
+                runs[name] = lambda ps, sp, ask=ask: tapped.generate(ps, sp, taps=ask, use_tqdm=False)
+            for name, gen in runs.items():
+                value = timed(gen, w, seed=rnd)
+                print(f"round {rnd} {w:18s} {name:42s} {value:10.2f}", flush=True)
+                if rnd > 0 or args.repeats == 1:
+                    results.setdefault((w, name), []).append(value)
+    del vanilla, tapped
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    eager = LLM(model, enforce_eager=True, gpu_memory_utilization=0.85, **common)
+    for w in WORKLOADS:
+        timed(lambda ps, sp: eager.generate(ps, sp, use_tqdm=False), w, seed=0)
+        results[(w, "vanilla enforce_eager")] = [timed(lambda ps, sp: eager.generate(ps, sp, use_tqdm=False), w, seed=1)]
+
+    lines = [f"# bench_engine: {torch.cuda.get_device_name()}, vLLM {vllm.__version__}, torch {torch.__version__}, "
+             f"Python {platform.python_version()}",
+             "", f"Llama-3.1-8B shape, dummy weights, bf16; medians of {max(args.repeats - 1, 1)} rounds "
+             f"(enforce_eager: 1). Decode: output tok/s (higher is better); harvest: seconds (lower is better).",
+             "", "| workload | variant | value | ratio to vanilla |", "|---|---|---:|---:|"]
+    for w in WORKLOADS:
+        base = statistics.median(results[(w, "vanilla")])
+        for (wl, name), values in results.items():
+            if wl != w:
+                continue
+            v = statistics.median(values)
+            unit = "s" if w.startswith("harvest") else "tok/s"
+            lines.append(f"| {w} | {name} | {v:.2f} {unit} | {v / base:.3f}x |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(args.out, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()

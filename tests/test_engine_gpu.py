@@ -1,0 +1,186 @@
+"""The engine on a GPU, against HF transformers on the same weights (bf16 tolerance).
+
+Small random checkpoints with realistic init (std 0.02), Llama and Qwen3 architectures,
+written as safetensors. vLLM runs its defaults: multi-process engine core, torch.compile,
+FULL_AND_PIECEWISE CUDA graphs, async scheduling, chunked prefill. max_num_seqs=3 and a
+128-token budget force continuous batching (requests start while others decode, a 300-token
+prompt is split over steps, decode batches are padded up to graph sizes).
+"""
+import gc
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+
+SMALL = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=4,
+             num_hidden_layers=4, vocab_size=1024, max_position_embeddings=2048, rms_norm_eps=1e-5,
+             initializer_range=0.02, tie_word_embeddings=False)
+PROMPT_LENS = [5, 37, 300, 12, 90, 3]
+MAX_TOKENS = [6, 12, 4, 9, 7, 10]
+CAPTURES = ["model.layers.*.resid", "model.layers.1.output[0]", "model.layers.2.mlp.down_proj.output"]
+STEER = "model.layers.2.resid | add(steer, alpha=8.0)"
+ENGINE = dict(max_num_seqs=3, max_num_batched_tokens=128, gpu_memory_utilization=0.25, skip_tokenizer_init=True,
+              max_model_len=1024, seed=0)
+
+
+def write_checkpoint(path, arch: str) -> str:
+    import transformers
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**SMALL)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen3Config(**SMALL, head_dim=32)
+        model = transformers.Qwen3ForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def checkpoint(request, tmp_path_factory):
+    return request.param, write_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def engine_args():
+    return dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"))
+
+
+def prompts(seed: int = 1):
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(0, SMALL["vocab_size"], n).tolist()} for n in PROMPT_LENS]
+
+
+def sampling():
+    from vllm import SamplingParams
+
+    return [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
+
+
+def hf_reference(path: str, tokens: list[int], steer=None) -> dict[str, torch.Tensor]:
+    """Activations of HF transformers on `tokens`, keyed like tapc's points. steer: (layer,
+    vector, alpha) added to that layer's output (after it is recorded, like the plan's order)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    seen = {}
+
+    def layer_hook(i):
+        def hook(mod, args, out):
+            h = out[0] if isinstance(out, tuple) else out
+            seen[f"model.layers.{i}.resid"] = h.float().clone()
+            if steer is not None and steer[0] == i:
+                h = h + steer[2] * torch.as_tensor(steer[1], device=h.device, dtype=h.dtype)
+                return (h, *out[1:]) if isinstance(out, tuple) else h
+        return hook
+
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(layer_hook(i))
+        layer.mlp.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.output[0]", o.float()))
+        layer.mlp.down_proj.register_forward_hook(
+            lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.mlp.down_proj.output", o.float()))
+    with torch.no_grad():
+        model(torch.tensor([tokens], device="cuda"))
+    del model
+    return {k: v[0].cpu() for k, v in seen.items()}
+
+
+def assert_matches(got: torch.Tensor, ref: torch.Tensor, what: str):
+    """bf16 through a few layers: whole-tensor relative error under 3%, every row pointing the
+    same way (cosine > 0.995)."""
+    got = got.float()
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} vs reference {tuple(ref.shape)}"
+    rel = ((got - ref).norm() / ref.norm()).item()
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=1).min().item()
+    assert rel < 3e-2 and cos > 0.995, f"{what}: relative error {rel:.4f}, worst row cosine {cos:.5f}"
+
+
+def rows_for(positions: str, prompt_len: int, n_gen: int) -> slice:
+    total = prompt_len + n_gen - 1
+    return {"all": slice(0, total), "prompt": slice(0, prompt_len), "generated": slice(prompt_len, total),
+            "last": slice(prompt_len - 1, prompt_len)}[positions]
+
+
+@pytest.fixture(scope="module")
+def tapped(checkpoint):
+    from tapc import VLLM
+
+    arch, path = checkpoint
+    llm = VLLM(path, taps=CAPTURES + [STEER], **engine_args())
+    yield arch, path, llm
+    del llm
+    gc.collect()
+
+
+def test_captures_equal_hf_under_continuous_batching(tapped):
+    from tapc.api import TapRequest
+
+    arch, path, llm = tapped
+    positions = ["all", "prompt", "all", "generated", "last", "all"]
+    asks = [TapRequest(capture="*", positions=p) for p in positions]
+    asks[3] = None  # one request captures nothing in the middle of the others
+    outs = llm.generate(prompts(), sampling(), taps=asks)
+    for i, (out, ask) in enumerate(zip(outs, asks)):
+        n_gen = len(out.outputs[0].token_ids)
+        assert n_gen == MAX_TOKENS[i]
+        if ask is None:
+            assert out.taps == {}
+            continue
+        tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        ref = hf_reference(path, tokens[:-1])
+        rows = rows_for(ask.positions, PROMPT_LENS[i], n_gen)
+        assert set(out.taps) == set(llm.plan.capture_keys)
+        for key, value in out.taps.items():
+            assert_matches(value, ref[key][rows], f"{arch} request {i} ({ask.positions}) {key}")
+        gen = out.taps["model.layers.3.resid"][PROMPT_LENS[i]:] if ask.positions == "all" else None
+        if gen is not None and len(gen) > 1:
+            assert not torch.equal(gen[0], gen[1]), "decode rows repeat: stale graph memory"
+
+
+def test_steering_per_request(tapped):
+    """Two steered requests with different vectors and two plain ones in one batch: the plain
+    ones generate exactly what an untapped engine does; the steered ones change; the steered
+    residual stream equals HF's with the same vector added."""
+    from vllm import LLM
+
+    from tapc.api import TapRequest
+
+    arch, path, llm = tapped
+    if arch != "llama":
+        pytest.skip("steering against an untapped engine is checked on Llama (one engine start less)")
+    rng = np.random.default_rng(7)
+    v1, v2 = (rng.standard_normal(SMALL["hidden_size"]).tolist() for _ in range(2))
+    asks = [TapRequest(capture="model.layers.3.resid", params={"steer": v1}), None,
+            TapRequest(params={"steer": v2}), TapRequest(capture="model.layers.3.resid"), None, None]
+    outs = llm.generate(prompts(2), sampling(), taps=asks)
+    tapped_tokens = [list(o.outputs[0].token_ids) for o in outs]
+
+    vanilla = LLM(path, **engine_args())
+    plain_tokens = [list(o.outputs[0].token_ids) for o in vanilla.generate(prompts(2), sampling())]
+    del vanilla
+    gc.collect()
+    for i in (1, 3, 4, 5):
+        assert tapped_tokens[i] == plain_tokens[i], f"{arch}: unsteered request {i} differs from an untapped engine"
+    for i in (0, 2):
+        assert tapped_tokens[i] != plain_tokens[i], f"{arch}: steering request {i} did not change its tokens"
+    tokens = list(outs[0].prompt_token_ids) + tapped_tokens[0]
+    ref = hf_reference(path, tokens[:-1], steer=(2, v1, 8.0))
+    assert_matches(outs[0].taps["model.layers.3.resid"], ref["model.layers.3.resid"], f"{arch} steered capture")
+
+
+def test_bad_request_fails_alone(tapped):
+    from tapc.api import TapRequest
+    from tapc.errors import RequestError
+
+    arch, path, llm = tapped
+    with pytest.raises(RequestError, match="request 1: 'model.layers.9.resid' is not a capture"):
+        llm.generate(prompts()[:2], sampling()[:2], taps=[TapRequest(capture="*"), TapRequest(capture="model.layers.9.resid")])
+    with pytest.raises(RequestError, match="parameter 'stear'"):
+        llm.generate(prompts()[:1], sampling()[:1], taps=TapRequest(params={"stear": [0.0] * 256}))
+    out = llm.generate(prompts()[:1], sampling()[:1], taps=TapRequest(capture="model.layers.0.resid"))[0]
+    assert out.taps["model.layers.0.resid"].shape == (PROMPT_LENS[0] + MAX_TOKENS[0] - 1, 256)
