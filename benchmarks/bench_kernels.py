@@ -135,6 +135,12 @@ def gbps(nbytes: int, us: float) -> float:
     return nbytes / us / 1e3
 
 
+def _vs_copy(nbytes: int, kernel_us: float, copy_us: float) -> tuple:
+    """Kernel GB/s, copy GB/s, and the kernel's share of the copy's bandwidth."""
+    return (f"{gbps(nbytes, kernel_us):.0f}", f"{gbps(nbytes, copy_us):.0f}",
+            f"{copy_us / kernel_us:.2f}")
+
+
 def bandwidth_rows(tokens_list, widths):
     yield ("kernel", "tokens", "width", "elements", "MB", "graph p50 us (p20-p80)",
            "graph GB/s", "copy GB/s", "ratio", "eager GB/s", "eager copy GB/s", "eager ratio")
@@ -148,8 +154,7 @@ def bandwidth_rows(tokens_list, widths):
                 yield (
                     kernel, tokens, width, tokens * width, f"{nbytes / 1e6:.3g}",
                     f"{g[0]:.2f} ({g[1]:.2f}-{g[2]:.2f})",
-                    f"{gbps(nbytes, g[0]):.0f}", f"{gbps(nbytes, gc[0]):.0f}", f"{gc[0] / g[0]:.2f}",
-                    f"{gbps(nbytes, e[0]):.0f}", f"{gbps(nbytes, ec[0]):.0f}", f"{ec[0] / e[0]:.2f}",
+                    *_vs_copy(nbytes, g[0], gc[0]), *_vs_copy(nbytes, e[0], ec[0]),
                 )
 
 
@@ -178,7 +183,7 @@ def main() -> None:
     parser.add_argument("--launch-width", type=int, default=4096)
     parser.add_argument("--out", help="also write the tables here, as markdown")
     args = parser.parse_args()
-    gpu = torch.cuda.get_device_name() if ON_GPU else f"CPU ({platform.processor() or 'interpreter'})"
+    gpu = torch.cuda.get_device_name() if ON_GPU else f"CPU {platform.processor()} (interpreter)"
     header = (f"gpu: {gpu}; torch {torch.__version__}; triton {triton.__version__}; dtype {DTYPE}; "
               f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
     print(header, flush=True)

@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import check_activation, check_buffer, check_partner, check_row_table, col_block, warps_for
+from .common import (
+    check_activation, check_buffer, check_partner, check_row_table, col_block, warps_for,
+)
 
 
 @triton.jit

@@ -106,7 +106,8 @@ def _project_out_kernel(
         mask = cols < width
         v = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
         if HAS_B:
-            v += tl.load(b_ptr + r * stride_b + cols * stride_bc, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + r * stride_b + cols * stride_bc, mask=mask, other=0.0)
+            v += b.to(tl.float32)
         acc += v * tl.load(d_row + cols, mask=mask, other=0.0).to(tl.float32)
     dot = tl.sum(acc, axis=0)
     # Second pass re-reads x and d, mostly from L1/L2 (a row is at most tens of KiB).

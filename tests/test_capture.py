@@ -43,7 +43,11 @@ def test_capture_copies_kept_rows_exactly(shape, dtype):
 
 @pytest.mark.parametrize(
     "src,dst_dtype",
-    [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16), (torch.float32, torch.float16)],
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+    ],
     ids=str,
 )
 def test_capture_converts_on_store(src, dst_dtype):

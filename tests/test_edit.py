@@ -16,7 +16,9 @@ SHAPES = [(1, 5), (7, 123), (37, 896), (5, 2560), (2, 4100)]
 NUM_COLS = 5  # set_cols entries per slot: not a power of two
 
 # Triton's interpreter warns on its own `range` over a runtime bound (numpy 1.25+).
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 
 
 def params(edit: str, width: int) -> tuple:
@@ -106,7 +108,8 @@ def test_edit_rejects_a_bad_slot_table():
     with pytest.raises(ValueError, match="slot must be int32"):
         add_(x, None, torch.zeros(5, device=DEVICE), *params("add", 123))
     with pytest.raises(ValueError, match=r"vec must have shape \(3, 123\)"):
-        add_(x, None, slot_table(5), randn(SLOTS, 124, torch.float32), torch.ones(SLOTS))
+        add_(x, None, slot_table(5), randn(SLOTS, 124, torch.float32),
+             torch.ones(SLOTS, device=DEVICE))
     with pytest.raises(ValueError, match="b must have x's shape"):
         scale_(x, randn(5, 122, torch.float32), slot_table(5), *params("scale", 123))
 

@@ -16,7 +16,9 @@ from tapc.kernels import edit as edit_kernels
 from tapc.kernels.capture import capture_ref, capture_sum_ref
 from tapc.kernels.edit import add_ref, project_out_ref, scale_ref, set_cols_ref
 
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 
 NUM_COLS = 3
 
@@ -40,7 +42,10 @@ class Tables:
     @classmethod
     def new(cls, num_tokens: int, width: int, dtype: torch.dtype) -> "Tables":
         rows = num_tokens + 2 * EXTRA
-        empty = lambda *shape, dt=torch.float32: torch.empty(*shape, device=DEVICE, dtype=dt)  # noqa: E731
+
+        def empty(*shape, dt=torch.float32):
+            return torch.empty(*shape, device=DEVICE, dtype=dt)
+
         return cls(
             dst=empty(num_tokens + EXTRA, dt=torch.int32),
             slot=empty(num_tokens + EXTRA, dt=torch.int32),
@@ -124,13 +129,14 @@ def opcheck_cases():
     seed("opcheck")
     x, b = randn(5, 7, torch.float32), randn(5, 7, torch.float32)
     dst, slot = dst_table(5, 11), slot_table(5)
-    cols = torch.tensor([[0, -1], [3, 6], [1, 2]], dtype=torch.int32, device=DEVICE)
+    on = dict(device=DEVICE)
+    cols = torch.tensor([[0, -1], [3, 6], [1, 2]], dtype=torch.int32, **on)
     return {
         "capture": (x, dst, randn(11, 7, torch.float32)),
         "capture_sum": (x, b, dst, randn(11, 7, torch.float32)),
-        "add_": (x.clone(), b, slot, randn(SLOTS, 7, torch.float32), torch.randn(SLOTS)),
-        "scale_": (x.clone(), None, slot, torch.randn(SLOTS)),
-        "set_cols_": (x.clone(), b, slot, cols, torch.randn(SLOTS, 2)),
+        "add_": (x.clone(), b, slot, randn(SLOTS, 7, torch.float32), torch.randn(SLOTS, **on)),
+        "scale_": (x.clone(), None, slot, torch.randn(SLOTS, **on)),
+        "set_cols_": (x.clone(), b, slot, cols, randn(SLOTS, 2, torch.float32)),
         "project_out_": (x.clone(), b, slot, F.normalize(randn(SLOTS, 7, torch.float32), dim=1)),
     }
 
@@ -241,7 +247,8 @@ def handler():
 
 
 def test_boundary_without_handler_says_how_to_set_one():
-    with pytest.raises(RuntimeError, match=r"tap point 4 but no boundary handler.*set_boundary_handler\(fn\)"):
+    words = r"tap point 4 but no boundary handler.*set_boundary_handler\(fn\)"
+    with pytest.raises(RuntimeError, match=words):
         torch.ops.tapc.boundary(randn(3, 5, torch.float32), None, 4)
 
 
