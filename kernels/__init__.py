@@ -8,7 +8,12 @@ tapc's kernels can run graphs that call them. This package imports nothing else 
 - `ops`: the custom ops, and `set_boundary_handler` for `tapc::boundary`.
 See docs/kernels.md for the tables the engine fills.
 """
-from . import ops
-from .ops import set_boundary_handler
+if __name__ == "tapc.kernels":
+    from . import ops
+    from .ops import set_boundary_handler
 
-__all__ = ["ops", "set_boundary_handler"]
+    __all__ = ["ops", "set_boundary_handler"]
+# Otherwise this folder was found as a top-level `kernels` (the repo root on sys.path), e.g. by
+# transformers probing for Hugging Face's `kernels` package: register nothing (the ops belong
+# to `tapc.kernels`, and a second registration of the namespace would fail); having no
+# __version__, it reads as "not installed" to such probes.
