@@ -84,6 +84,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the first is warmup")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the parent touches CUDA between engines
     import torch
     import vllm
     from vllm import LLM

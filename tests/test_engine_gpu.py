@@ -16,6 +16,9 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+# torch.cuda.is_available() above already touched the driver: fork would give the engine core a
+# poisoned CUDA, so vLLM must spawn it.
+os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 SMALL = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=4,
              num_hidden_layers=4, vocab_size=1024, max_position_embeddings=2048, rms_norm_eps=1e-5,
