@@ -59,6 +59,14 @@ def check_row_table(table: torch.Tensor, x: torch.Tensor, name: str) -> None:
         )
     if table.device != x.device:
         raise ValueError(f"{name} is on {table.device}, x on {x.device}")
+    check_unit_stride(table, name)
+
+
+def check_unit_stride(table: torch.Tensor, name: str) -> None:
+    # The kernels index tables by position along their last dimension.
+    if table.numel() > 1 and table.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride along its last dimension (make it "
+                         f"contiguous), got strides {table.stride()}")
 
 
 def check_buffer(out: torch.Tensor, x: torch.Tensor) -> None:
@@ -79,3 +87,4 @@ def check_slot_table(table: torch.Tensor, x: torch.Tensor, shape: tuple,
         raise ValueError(f"{name} must be {dtype}, got {table.dtype}")
     if table.device != x.device:
         raise ValueError(f"{name} is on {table.device}, x on {x.device}")
+    check_unit_stride(table, name)

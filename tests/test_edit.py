@@ -110,6 +110,8 @@ def test_edit_rejects_a_bad_slot_table():
     with pytest.raises(ValueError, match=r"vec must have shape \(3, 123\)"):
         add_(x, None, slot_table(5), randn(SLOTS, 124, torch.float32),
              torch.ones(SLOTS, device=DEVICE))
+    with pytest.raises(ValueError, match="dirs must have unit stride"):
+        project_out_(x, None, slot_table(5), randn(123, SLOTS, torch.float32).t())
     with pytest.raises(ValueError, match="b must have x's shape"):
         scale_(x, randn(5, 122, torch.float32), slot_table(5), *params("scale", 123))
 
