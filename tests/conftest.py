@@ -7,17 +7,26 @@ import pytest
 # Module trees are cached on disk; tests build their own in a fresh folder.
 os.environ.setdefault("TAPC_CACHE", tempfile.mkdtemp(prefix="tapc-test-cache-"))
 
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+# Without a GPU, Triton kernels run in its interpreter. Triton reads this when a kernel is
+# defined, so it must be set before anything imports tapc.kernels.
+if not _cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 CONFIGS = Path(__file__).parent / "configs"
 
 
 def pytest_collection_modifyitems(config, items):
-    try:
-        import torch
-
-        has_gpu = torch.cuda.is_available()
-    except ImportError:
-        has_gpu = False
-    if has_gpu:
+    if _cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
     for item in items:
