@@ -33,3 +33,7 @@ class EngineError(TapcError, RuntimeError):
 
 class RequestError(TapcError, ValueError):
     """One request asked for something the engine's plan does not have; only that request fails."""
+
+
+class BlockFailed(TapcError, RuntimeError):
+    """A Python block raised an exception that could not be carried back as itself."""

@@ -1,0 +1,175 @@
+"""Python blocks at graph boundaries: per-request views, contexts, saved values, error capture.
+
+A tap `point -> name` puts `torch.ops.tapc.boundary(x, b, k)` at the point; vLLM's piecewise
+backend splits the graph there, so the op runs eagerly at every replay and calls
+`BlockRuntime.__call__(k, x, b)`. Before each forward the runner tells the runtime which rows
+of the step's slab belong to which request (`begin_step`); the runtime then calls each
+request's block on a view of only its rows:
+
+    def probe(ctx, x):            # x: [rows of this request in this step, width], on the GPU
+        ctx.save("norm", x.norm(dim=-1))    # comes back with the request's output
+        x.mul_(0.5)                          # in-place edits reach the model
+        return None                          # or a tensor of x's shape and dtype, to replace x
+
+`ctx` says whose rows these are: `request_id`, `step` (0 at the request's first step),
+`positions` (a range of token positions), `prompt_len`, `point`. At a `.resid` point the view is
+hidden_states + residual, and edits are written back so that the sum is the edited value.
+
+A block that raises, or returns the wrong shape, fails its own request only: the error (type,
+message, traceback) is kept for that request, its blocks stop running, and every other request
+in the batch goes on. Blocks run in the worker process: see docs/blocks.md for what a block may
+close over.
+"""
+from __future__ import annotations
+
+import pickle
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+Block = Callable[["BlockContext", torch.Tensor], "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class BlockPoint:
+    """One boundary op call site: what the plan taps there and which block runs."""
+
+    key: str          # the point's key, e.g. "model.layers.3.mlp.output"
+    block: str        # the block's name in the tap (`-> name`)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One request's rows in one step's slab: rows [start, end) at positions first_pos.."""
+
+    rid: str
+    start: int
+    end: int
+    first_pos: int
+
+
+@dataclass
+class BlockContext:
+    request_id: str
+    point: str
+    step: int
+    positions: range
+    prompt_len: int
+    saved: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def is_prompt(self) -> bool:
+        """Whether these rows are (all) prompt tokens."""
+        return self.positions.stop <= self.prompt_len
+
+    def save(self, name: str, value: Any) -> None:
+        """Keep `value` for the request's output (tensors are copied to CPU); one entry per call."""
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to("cpu", copy=True)
+        self.saved.setdefault(name, []).append(value)
+
+
+@dataclass
+class BlockError:
+    """A block's failure, as it crosses the process boundary: the exception if it pickles."""
+
+    block: str
+    point: str
+    type_name: str
+    message: str
+    traceback: str
+    exception: bytes | None = None
+
+    @classmethod
+    def capture(cls, block: str, point: str, exc: BaseException) -> "BlockError":
+        try:
+            raw = pickle.dumps(exc)
+            pickle.loads(raw)
+        except Exception:  # an exception that does not round-trip: keep its words
+            raw = None
+        return cls(block, point, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc),
+                   "".join(traceback.format_exception(exc)), raw)
+
+    def exception_for_caller(self) -> BaseException:
+        """The original exception (its type preserved where it can be), with the worker's traceback."""
+        from tapc.errors import BlockFailed
+
+        if self.exception is not None:
+            exc = pickle.loads(self.exception)
+        else:
+            exc = BlockFailed(f"{self.type_name}: {self.message}")
+        note = f"in tapc block `{self.block}` at {self.point}; worker traceback:\n{self.traceback}"
+        exc.add_note(note)
+        return exc
+
+
+class Request:
+    """What the runtime keeps about one request that runs blocks."""
+
+    def __init__(self, rid: str, prompt_len: int, blocks: dict[str, Block]):
+        self.rid = rid
+        self.prompt_len = prompt_len
+        self.blocks = blocks               # per-request overrides, by block name
+        self.steps: dict[int, int] = {}    # point -> how many times its block ran for this request
+        self.saved: dict = {}
+        self.error: BlockError | None = None
+
+
+class BlockRuntime:
+    """The handler of `tapc::boundary`: runs each request's block on its own rows."""
+
+    def __init__(self, points: list[BlockPoint]):
+        self.points = points
+        self.blocks: dict[str, Block] = {}     # engine-wide, by name
+        self.requests: dict[str, Request] = {}
+        self.spans: list[Span] = []
+
+    def register(self, blocks: dict[str, Block]) -> None:
+        self.blocks.update(blocks)
+
+    def admit(self, rid: str, prompt_len: int, blocks: dict[str, Block] | None = None) -> None:
+        self.requests.setdefault(rid, Request(rid, prompt_len, dict(blocks or {})))
+
+    def begin_step(self, spans: list[Span]) -> None:
+        """The rows of this step's requests that run blocks (others: not in `spans`)."""
+        self.spans = [s for s in spans if s.rid in self.requests]
+
+    def take(self, rid: str) -> tuple[dict, BlockError | None]:
+        """A finished request's saved values and error, once."""
+        req = self.requests.pop(rid, None)
+        return (req.saved, req.error) if req else ({}, None)
+
+    def __call__(self, point: int, x: torch.Tensor, b: torch.Tensor | None) -> None:
+        bp = self.points[point]
+        for span in self.spans:
+            req = self.requests[span.rid]
+            if req.error is not None:
+                continue
+            fn = req.blocks.get(bp.block, self.blocks.get(bp.block))
+            try:
+                if fn is None:
+                    raise LookupError(f"no block named {bp.block!r}: register it on the engine "
+                                      f"(VLLM(..., blocks={{{bp.block!r}: fn}})) or pass it with the request")
+                self._run(fn, point, req, span, x, b)
+            except Exception as exc:  # the request fails; the batch goes on
+                req.error = BlockError.capture(bp.block, bp.key, exc)
+
+    def _run(self, fn: Block, point: int, req: Request, span: Span, x: torch.Tensor, b: torch.Tensor | None) -> None:
+        bp = self.points[point]
+        rows = slice(span.start, span.end)
+        view = x[rows] if b is None else x[rows] + b[rows]
+        step = req.steps.get(point, 0)
+        req.steps[point] = step + 1
+        ctx = BlockContext(req.rid, bp.key, step, range(span.first_pos, span.first_pos + span.end - span.start),
+                           req.prompt_len, req.saved)
+        out = fn(ctx, view)
+        if out is not None:
+            if not isinstance(out, torch.Tensor) or out.shape != view.shape:
+                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                raise ValueError(f"block `{bp.block}` returned {got}; return None (edit x in place) or a "
+                                 f"tensor of x's shape {tuple(view.shape)}")
+            view.copy_(out)
+        if b is not None:
+            x[rows] = view - b[rows]

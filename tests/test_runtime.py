@@ -1,0 +1,166 @@
+"""Boundary blocks on CPU: per-request views, in-place edits, saved values, failures isolated."""
+import pytest
+import torch
+
+from tapc.errors import BlockFailed
+from tapc.runtime import BlockPoint, BlockRuntime, Span
+
+
+def slab(rows=10, width=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, width, generator=g)
+
+
+def runtime(*points):
+    return BlockRuntime([BlockPoint(key, name) for key, name in points])
+
+
+def test_each_request_sees_only_its_rows_with_its_context():
+    rt = runtime(("model.layers.1.mlp.output", "probe"))
+    seen = []
+    rt.register({"probe": lambda ctx, x: seen.append((ctx.request_id, ctx.step, ctx.positions, ctx.is_prompt, x.clone()))})
+    rt.admit("a", prompt_len=3)
+    rt.admit("b", prompt_len=5)
+    x = slab()
+    # prefill of a (rows 0..2) and b (rows 3..7); rows 8, 9 are padding
+    rt.begin_step([Span("a", 0, 3, 0), Span("b", 3, 8, 0)])
+    rt(0, x, None)
+    # decode: one row each, b first this time
+    rt.begin_step([Span("b", 0, 1, 5), Span("a", 1, 2, 3)])
+    rt(0, x, None)
+    assert [(r, s, p, pr) for r, s, p, pr, _ in seen] == [
+        ("a", 0, range(0, 3), True), ("b", 0, range(0, 5), True), ("b", 1, range(5, 6), False), ("a", 1, range(3, 4), False)]
+    assert torch.equal(seen[0][4], x[0:3]) and torch.equal(seen[1][4], x[3:8])
+    assert torch.equal(seen[2][4], x[0:1]) and torch.equal(seen[3][4], x[1:2])
+
+
+def test_in_place_edit_and_returned_tensor_reach_only_own_rows():
+    rt = runtime(("p", "double"), ("p2", "replace"))
+    rt.register({"double": lambda ctx, x: x.mul_(2), "replace": lambda ctx, x: torch.full_like(x, 7.0)})
+    rt.admit("a", 2)
+    x = slab()
+    before = x.clone()
+    rt.begin_step([Span("a", 2, 4, 0)])
+    rt(0, x, None)
+    expected = before.clone()
+    expected[2:4] *= 2
+    assert torch.equal(x, expected)
+    rt(1, x, None)
+    expected[2:4] = 7.0
+    assert torch.equal(x, expected)
+
+
+def test_resid_point_sees_the_sum_and_writes_hidden_so_the_sum_is_edited():
+    rt = runtime(("model.layers.0.resid", "halve"))
+    rt.register({"halve": lambda ctx, s: s.mul_(0.5)})
+    rt.admit("a", 4)
+    h, r = slab(seed=1), slab(seed=2)
+    total = h + r
+    r_before = r.clone()
+    rt.begin_step([Span("a", 1, 5, 0)])
+    rt(0, h, r)
+    assert torch.equal(r, r_before)
+    expected = total.clone()
+    expected[1:5] *= 0.5
+    torch.testing.assert_close(h + r, expected)
+
+
+def test_saved_values_come_back_per_request():
+    rt = runtime(("p", "probe"))
+    rt.register({"probe": lambda ctx, x: ctx.save("mean", x.mean(dim=-1))})
+    rt.admit("a", 2)
+    rt.admit("b", 2)
+    x = slab()
+    rt.begin_step([Span("a", 0, 2, 0), Span("b", 2, 4, 0)])
+    rt(0, x, None)
+    rt.begin_step([Span("a", 0, 1, 2)])
+    rt(0, x, None)
+    saved, err = rt.take("a")
+    assert err is None and len(saved["mean"]) == 2
+    torch.testing.assert_close(saved["mean"][0], x[0:2].mean(dim=-1))
+    torch.testing.assert_close(saved["mean"][1], x[0:1].mean(dim=-1))
+    assert rt.take("a") == ({}, None)
+    saved_b, _ = rt.take("b")
+    torch.testing.assert_close(saved_b["mean"][0], x[2:4].mean(dim=-1))
+
+
+class Custom(Exception):
+    pass
+
+
+def test_a_failing_block_fails_its_request_only():
+    rt = runtime(("p", "probe"))
+
+    def probe(ctx, x):
+        if ctx.request_id == "bad" and ctx.step == 1:
+            raise Custom("boom at step 1")
+        x.add_(1)
+
+    rt.register({"probe": probe})
+    for rid in ("a", "bad", "c", "d"):
+        rt.admit(rid, 1)
+    x = torch.zeros(4, 3)
+    spans = [Span(rid, i, i + 1, 0) for i, rid in enumerate(("a", "bad", "c", "d"))]
+    for _ in range(3):
+        rt.begin_step(spans)
+        rt(0, x, None)
+    # bad ran once (step 0), failed at step 1, and never ran again; the others ran 3 times
+    assert x[:, 0].tolist() == [3, 1, 3, 3]
+    _, err = rt.take("bad")
+    assert err is not None and err.type_name.endswith("Custom") and "boom at step 1" in err.message
+    exc = err.exception_for_caller()
+    assert isinstance(exc, Custom) and "in tapc block `probe` at p" in exc.__notes__[0]
+    assert "raise Custom" in exc.__notes__[0]
+    for rid in ("a", "c", "d"):
+        assert rt.take(rid)[1] is None
+
+
+def test_wrong_shape_and_missing_block_fail_the_request():
+    rt = runtime(("p", "shape"), ("q", "missing"))
+    rt.register({"shape": lambda ctx, x: x[:, :1]})
+    rt.admit("a", 1)
+    rt.admit("b", 1)
+    x = slab()
+    rt.begin_step([Span("a", 0, 2, 0)])
+    rt(0, x, None)
+    _, err = rt.take("a")
+    assert "returned (2, 1)" in err.message and "x's shape (2, 6)" in err.message
+    rt.begin_step([Span("b", 0, 2, 0)])
+    rt(1, x, None)
+    _, err = rt.take("b")
+    assert "no block named 'missing'" in err.message
+
+
+def test_unpicklable_exception_keeps_its_words():
+    class Local(Exception):  # defined in a function: does not pickle
+        pass
+
+    rt = runtime(("p", "probe"))
+    rt.register({"probe": lambda ctx, x: (_ for _ in ()).throw(Local("local failure"))})
+    rt.admit("a", 1)
+    rt.begin_step([Span("a", 0, 1, 0)])
+    rt(0, slab(), None)
+    _, err = rt.take("a")
+    exc = err.exception_for_caller()
+    assert isinstance(exc, BlockFailed) and "Local: local failure" in str(exc)
+
+
+def test_per_request_block_overrides_the_engine_one():
+    rt = runtime(("p", "probe"))
+    rt.register({"probe": lambda ctx, x: x.fill_(1)})
+    rt.admit("a", 1)
+    rt.admit("b", 1, blocks={"probe": lambda ctx, x: x.fill_(2)})
+    x = slab()
+    rt.begin_step([Span("a", 0, 1, 0), Span("b", 1, 2, 0)])
+    rt(0, x, None)
+    assert x[0].eq(1).all() and x[1].eq(2).all()
+
+
+def test_requests_without_blocks_are_skipped():
+    rt = runtime(("p", "probe"))
+    calls = []
+    rt.register({"probe": lambda ctx, x: calls.append(ctx.request_id)})
+    rt.admit("a", 1)
+    rt.begin_step([Span("a", 0, 1, 0), Span("untapped", 1, 2, 0)])
+    rt(0, slab(), None)
+    assert calls == ["a"]
