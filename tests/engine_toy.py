@@ -210,7 +210,8 @@ def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
                 continue
             if r.rid not in added:
                 new.append(NS(req_id=r.rid, prompt_token_ids=list(r.prompt),
-                              sampling_params=NS(extra_args=None if r.wire is None else {"tapc": r.wire})))
+                              sampling_params=NS(extra_args=None if r.wire is None else {"tapc": r.wire},
+                                                 max_tokens=r.max_tokens)))
                 added.add(r.rid)
             n = min(len(r.tokens) - r.computed, left)
             if n > 0:

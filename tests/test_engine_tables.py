@@ -40,7 +40,8 @@ def test_fill_lays_each_request_block_out_position_major():
     wire = to_wire(plan, TapRequest(capture=["model.layers.0.resid", "model.layers.2.resid",
                                              "model.layers.1.mlp.up_proj.output"], params={"steer": [0.0] * HIDDEN,
                                                                                            "a": 1.0}), "r")
-    rec = Record(layout, "rid", wire, prompt_len=4, alloc=cpu_alloc)
+    rec = Record(layout, "rid", wire, prompt_len=4, max_tokens=3, alloc=cpu_alloc)
+    assert [st.first for st in rec.stores] == [7, 7], "4 + 3 - 1 rows, and one for a step past the end"
     rec.slot = 5
     table = np.zeros((layout.num_tables, 16), dtype=np.int32)
     # Batch: an untapped decode row, then rows 1..3 of our request (positions 2..4), padding to 8.
@@ -59,12 +60,11 @@ def test_fill_lays_each_request_block_out_position_major():
 
 
 def test_store_grows_and_splits_a_block_over_chunks():
-    st = Store(0, np.array([0, 1]), 3, torch.float32, cpu_alloc)
-    first = st.reserve(60)
-    assert [v.shape[0] for v in first] == [60]
-    split = st.reserve(10)
-    assert [v.shape[0] for v in split] == [4, 6], "64 rows in the first chunk, the rest in a new one"
-    assert sum(c.shape[0] for c in st.filled()) == 70
+    st = Store(0, np.array([0, 1]), 3, torch.float32, cpu_alloc, first=10)
+    assert [v.shape[0] for v in st.reserve(6)] == [6]
+    assert [v.shape[0] for v in st.reserve(6)] == [4, 2], "10 rows in the first chunk, the rest in a new one"
+    assert [c.shape[0] for c in st.chunks] == [10, 64]
+    assert sum(c.shape[0] for c in st.filled()) == 12
 
 
 def test_slots_run_out_loudly():

@@ -170,7 +170,9 @@ class ParamTables:
 
 
 def _vector(value, unit: bool) -> torch.Tensor:
-    v = torch.tensor(value, dtype=torch.float32)
+    """A literal (tuple) or a request's value (float32 bytes, see requests.to_wire)."""
+    v = torch.frombuffer(bytearray(value), dtype=torch.float32) if isinstance(value, bytes) else \
+        torch.tensor(value, dtype=torch.float32)
     if unit:
         norm = v.norm()
         v = v / norm if norm > 0 else v

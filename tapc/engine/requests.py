@@ -138,7 +138,8 @@ def _value(plan: TapPlan, spec, value, where: str):
             raise RequestError(f"{what} must be {spec.width} numbers, got shape {tuple(arr.shape)}")
         if not np.isfinite(arr).all():
             raise RequestError(f"{what} has non-finite entries")
-        return arr.tolist()
+        # float32 bytes: msgpack sends them as one binary field, not thousands of Python floats.
+        return arr.astype(np.float32).tobytes()
     if spec.kind == "scalar":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise RequestError(f"{what} must be a finite number, got {value!r}")

@@ -80,7 +80,8 @@ class RunnerHooks:
             rec = self.records.get(req.req_id)
             if rec is None:
                 try:
-                    rec = Record(self.layout, req.req_id, wire, len(req.prompt_token_ids), self.alloc)
+                    rec = Record(self.layout, req.req_id, wire, len(req.prompt_token_ids),
+                                 req.sampling_params.max_tokens, self.alloc)
                 except RequestError as e:
                     # Only the API submits tapc requests, and it checks them first; a request that
                     # came another way runs untapped and its caller gets the reason at collect.

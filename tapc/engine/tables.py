@@ -27,7 +27,8 @@ from tapc.engine.requests import select
 from tapc.errors import EngineError, RequestError
 from tapc.plan import EDIT, READ, TapPlan
 
-# Rows a request's host storage grows by while it generates (one row per decode step).
+# Rows a request's host storage grows by past its first allocation, which is sized for every
+# row the request can have (rarely exceeded: a preempted request, or max_tokens unknown).
 GROW_ROWS = 64
 
 # (rows, captures, width, dtype) -> an empty CPU tensor; the worker allocates pinned memory.
@@ -77,7 +78,7 @@ class Layout:
 class Store:
     """One request's captures of one group on the host: `[rows, captures, width]`, in chunks."""
 
-    def __init__(self, group: int, caps: np.ndarray, width: int, dtype: torch.dtype, alloc: Alloc):
+    def __init__(self, group: int, caps: np.ndarray, width: int, dtype: torch.dtype, alloc: Alloc, first: int):
         self.group = group
         self.caps = caps
         self.width = width
@@ -86,11 +87,12 @@ class Store:
         self.chunks: list[torch.Tensor] = []
         self.rows = 0                  # rows written
         self.room = 0                  # rows allocated
+        self.first = first             # rows of the first allocation
 
     def reserve(self, n: int) -> list[torch.Tensor]:
         """Views for the next n rows, in order (two when they straddle a chunk boundary)."""
         if self.room - self.rows < n:
-            grow = max(n - (self.room - self.rows), GROW_ROWS)
+            grow = max(n - (self.room - self.rows), GROW_ROWS if self.chunks else self.first)
             self.chunks.append(self.alloc(grow, len(self.caps), self.width, self.dtype))
             self.room += grow
         out, start, left = [], self.rows, n
@@ -120,7 +122,7 @@ class Store:
 class Record:
     """What the worker keeps about one tapped request, from its first step until it is collected."""
 
-    def __init__(self, layout: Layout, rid: str, wire: dict, prompt_len: int, alloc: Alloc):
+    def __init__(self, layout: Layout, rid: str, wire: dict, prompt_len: int, max_tokens: int, alloc: Alloc):
         self.rid = rid                 # vLLM's request id
         self.id: str = wire["id"]      # the API's id for it
         self.prompt_len = prompt_len
@@ -130,11 +132,14 @@ class Record:
             caps = np.array(sorted(layout.cap_index[k] for k in wire["capture"]), dtype=np.int64)
         except KeyError as e:
             raise RequestError(f"capture {e.args[0]!r} is not in this engine's plan") from None
+        # Every row it can have, plus one: with async scheduling vLLM may run one more step for a
+        # request that has just finished (the API drops that row).
+        first = expected_rows(self.positions, prompt_len, max_tokens) + 1
         self.stores = []
         for g, group in enumerate(layout.groups):
             mine = caps[layout.cap_group[caps] == g]
             if mine.size:
-                self.stores.append(Store(g, mine, group.width, getattr(torch, group.dtype), alloc))
+                self.stores.append(Store(g, mine, group.width, getattr(torch, group.dtype), alloc, first))
         self.edits = [e for e, names in enumerate(layout.edit_params) if names and all(n in self.params for n in names)]
         self.slot = -1
         # Positions below this were captured already: a request preempted and resumed recomputes
