@@ -25,7 +25,7 @@ import torch
 
 from tapc.engine.requests import select
 from tapc.errors import EngineError, RequestError
-from tapc.plan import EDIT, READ, TapPlan
+from tapc.plan import BLOCK, EDIT, ENGINE, READ, TapPlan
 
 # Rows a request's host storage grows by past its first allocation, which is sized for every
 # row the request can have (rarely exceeded: a preempted request, or max_tokens unknown).
@@ -48,14 +48,15 @@ class Layout:
     """The plan's in-graph taps as table rows: capture c is row c, edit e is row C + e."""
 
     def __init__(self, plan: TapPlan):
-        unsupported = [t for t in plan.taps if t.kind not in (READ, EDIT) or t.point.site == "source"]
+        unsupported = [t for t in plan.taps if t.point.site == "source"]
         if unsupported:
             t = unsupported[0]
-            raise EngineError(f"`{t.source}`: this engine runs in-graph captures and edits at module inputs, "
-                              "outputs and `.resid`; Python blocks, `logits`, `samples` and `.source` points are "
-                              "not served yet")
+            raise EngineError(f"`{t.source}`: this engine taps module inputs, outputs, `.resid`, `logits` and "
+                              "`samples`; `.source` points are not served yet")
         self.captures = plan.by_kind(READ)
         self.edits = plan.by_kind(EDIT)
+        self.blocks = plan.by_kind(BLOCK)     # boundary op k is blocks[k]
+        self.engine = plan.by_kind(ENGINE)    # logits / samples: in the runner, outside the graphs
         self.plan_order = {id(t): i for i, t in enumerate(plan.taps)}
         self.cap_index = {t.key: i for i, t in enumerate(self.captures)}
         groups: dict[tuple[int, str], list[int]] = {}
@@ -141,6 +142,12 @@ class Record:
             if mine.size:
                 self.stores.append(Store(g, mine, group.width, getattr(torch, group.dtype), alloc, first))
         self.edits = [e for e, names in enumerate(layout.edit_params) if names and all(n in self.params for n in names)]
+        # The same, as a mask over the plan's edits: fill_step stacks these for a whole batch.
+        self.edit_mask = np.zeros(len(layout.edits), dtype=bool)
+        self.edit_mask[self.edits] = True
+        self.store_of: list[Store | None] = [None] * len(layout.groups)
+        for st in self.stores:
+            self.store_of[st.group] = st
         self.slot = -1
         # Positions below this were captured already: a request preempted and resumed recomputes
         # its tokens from 0, and each position is kept once, the first time it went through.
@@ -166,34 +173,107 @@ def fill_step(layout: Layout, table: np.ndarray, records: dict[str, Record], req
     req_ids, query_start_loc (len R + 1), num_computed (tokens of each request before this step,
     i.e. the position of its first row) and prompt_lens are in batch order; records maps vLLM
     request ids to tapped requests (the others are left alone).
+
+    This runs on the host every step, beside vLLM's own step preparation: it works on arrays
+    over all rows of the tapped requests at once (one fancy assignment per group and per edit),
+    and its Python per request is attribute reads and one Segment per capturing request.
     """
     table[:, :padded] = -1
     used = [0] * len(layout.groups)
     segments: list[Segment] = []
-    for i, rid in enumerate(req_ids):
-        rec = records.get(rid)
-        if rec is None:
-            continue
-        start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-        pos = np.arange(num_computed[i], num_computed[i] + end - start)
-        if rec.stores:
-            rows = np.flatnonzero(select(rec.positions, pos, rec.prompt_len) & (pos >= rec.next_pos))
-            if rows.size:
-                rec.next_pos = int(pos[rows[-1]]) + 1
-                for st in rec.stores:
-                    n_caps = st.caps.size
-                    base = used[st.group]
-                    dst = base + np.arange(rows.size)[None, :] * n_caps + np.arange(n_caps)[:, None]
-                    table[st.caps[:, None], (start + rows)[None, :]] = dst
-                    segments.append(Segment(st, base, int(rows.size)))
-                    used[st.group] += int(rows.size) * n_caps
-        if rec.slot >= 0:
-            for e in rec.edits:
-                rows = np.flatnonzero(select(layout.edit_at[e], pos, rec.prompt_len))
-                table[layout.edit_row(e), start + rows] = rec.slot
+    batch = [(i, rec) for i, rid in enumerate(req_ids) if (rec := records.get(rid)) is not None]
+    if batch:
+        rows = _BatchRows(batch, query_start_loc, num_computed)
+        if any(rec.stores for rec in rows.recs):
+            segments = _fill_captures(layout, table, rows, used)
+        if any(rec.slot >= 0 and rec.edits for rec in rows.recs):
+            _fill_edits(layout, table, rows)
     if layout.always:
         _fill_always(layout, table, query_start_loc, num_computed, prompt_lens, len(req_ids))
     return segments, used
+
+
+class _BatchRows:
+    """The rows of one step's tapped requests, flattened: for each row its request (index into
+    `recs`), its row in the batch and its absolute position."""
+
+    def __init__(self, batch: list[tuple[int, Record]], query_start_loc: np.ndarray, num_computed: np.ndarray):
+        idx = np.fromiter((i for i, _ in batch), dtype=np.int64, count=len(batch))
+        self.recs = [rec for _, rec in batch]
+        starts = query_start_loc[idx].astype(np.int64)
+        counts = query_start_loc[idx + 1].astype(np.int64) - starts
+        self.req = np.repeat(np.arange(len(batch)), counts)
+        offset = np.arange(self.req.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        self.row = np.repeat(starts, counts) + offset
+        self.pos = np.repeat(num_computed[idx].astype(np.int64), counts) + offset
+        self.plen = np.array([rec.prompt_len for rec in self.recs], dtype=np.int64)[self.req]
+
+    def selected(self, ks: list[int], key) -> np.ndarray:
+        """Mask over the rows: rows of requests `ks` whose positions (`key` of each request)
+        select them; requests with equal positions share one vectorized test."""
+        out = np.zeros(self.req.size, dtype=bool)
+        by_positions: dict = {}
+        for k in ks:
+            positions = key(self.recs[k])
+            by_positions.setdefault(positions if isinstance(positions, str) else tuple(positions), []).append(k)
+        for positions, members in by_positions.items():
+            mine = np.zeros(len(self.recs), dtype=bool)
+            mine[members] = True
+            m = mine[self.req]
+            out[m] = select(positions if isinstance(positions, str) else list(positions), self.pos[m], self.plen[m])
+        return out
+
+
+def _fill_captures(layout: Layout, table: np.ndarray, rows: _BatchRows, used: list[int]) -> list[Segment]:
+    recs = rows.recs
+    capturing = [k for k, rec in enumerate(recs) if rec.stores]
+    next_pos = np.array([rec.next_pos for rec in recs], dtype=np.int64)
+    want = rows.selected(capturing, lambda rec: rec.positions) & (rows.pos >= next_pos[rows.req])
+    sel = np.flatnonzero(want)
+    if not sel.size:
+        return []
+    req = rows.req[sel]
+    # Rows are in batch order, so each request's selected rows are one run: its last row sets
+    # next_pos, and a row's rank in its run is its index minus the run's start.
+    last = np.flatnonzero(np.append(req[1:] != req[:-1], True))
+    for k, p in zip(req[last].tolist(), rows.pos[sel[last]].tolist()):
+        recs[k].next_pos = p + 1
+    n_rows = np.bincount(req, minlength=len(recs))
+    rank = np.arange(sel.size) - (np.cumsum(n_rows) - n_rows)[req]
+    segments: list[Segment] = []
+    for g in range(len(layout.groups)):
+        stores = [rec.store_of[g] for rec in recs]
+        n_caps = np.array([0 if st is None else st.caps.size for st in stores], dtype=np.int64)
+        if not n_caps.any():
+            continue
+        block = n_rows * n_caps                          # pool rows of each request in this step
+        base = used[g] + np.cumsum(block) - block
+        keep = n_caps[req] > 0
+        r, row, nc = req[keep], rows.row[sel[keep]], n_caps[req[keep]]
+        first = base[r] + rank[keep] * nc                # pool row of each row's first capture
+        mine = [st for st in stores if st is not None]
+        if all(np.array_equal(st.caps, mine[0].caps) for st in mine[1:]):
+            # The usual case, every request asking for the same captures: one broadcast.
+            caps = mine[0].caps
+            table[caps[:, None], row[None, :]] = first[None, :] + np.arange(caps.size)[:, None]
+        else:
+            # One entry per (row, capture j): pool row first + j, table row = the capture.
+            j = np.arange(int(nc.sum())) - np.repeat(np.cumsum(nc) - nc, nc)
+            caps = np.concatenate([st.caps for st in mine])
+            cap_start = np.cumsum(n_caps) - n_caps
+            table[caps[np.repeat(cap_start[r], nc) + j], np.repeat(row, nc)] = np.repeat(first, nc) + j
+        segments += [Segment(stores[k], int(base[k]), int(n_rows[k])) for k in np.flatnonzero(block).tolist()]
+        used[g] += int(block.sum())
+    return segments
+
+
+def _fill_edits(layout: Layout, table: np.ndarray, rows: _BatchRows) -> None:
+    """Each bound edit: the request's slot on the rows its tap's `at` covers."""
+    slot = np.array([rec.slot for rec in rows.recs], dtype=np.int64)
+    bound = np.stack([rec.edit_mask for rec in rows.recs]) & (slot >= 0)[:, None]
+    for e in np.flatnonzero(bound.any(axis=0)).tolist():
+        m = bound[rows.req, e] & select(layout.edit_at[e], rows.pos, rows.plen)
+        table[layout.edit_row(e), rows.row[m]] = slot[rows.req[m]]
 
 
 def _fill_always(layout: Layout, table: np.ndarray, query_start_loc, num_computed, prompt_lens,
