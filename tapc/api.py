@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import pickle
 import warnings
 from collections.abc import Sequence
 
@@ -19,7 +20,7 @@ from tapc.engine.config import engine_kwargs
 from tapc.engine.requests import TapRequest, to_wire
 from tapc.engine.tables import expected_rows
 from tapc.errors import EngineError, RequestError
-from tapc.plan import TapPlan, build_plan
+from tapc.plan import ENGINE, TapPlan, build_plan
 
 __all__ = ["VLLM", "TapRequest"]
 
@@ -33,14 +34,24 @@ class VLLM:
     """vLLM's `LLM` with taps. `taps`: tap strings (see `tapc explain`); other keyword arguments
     go to `vllm.LLM` (prefix caching is turned off; see docs/engine.md)."""
 
-    def __init__(self, model: str, taps: Sequence[str], **kwargs):
+    def __init__(self, model: str, taps: Sequence[str], *, blocks: dict | None = None, **kwargs):
         from vllm import LLM
 
         kwargs.setdefault("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
         kwargs.setdefault("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
         self.plan: TapPlan = build_plan(model, list(taps), max_num_batched_tokens=kwargs["max_num_batched_tokens"],
                                         max_num_seqs=kwargs["max_num_seqs"])
+        self.block_names = {t.block for t in self.plan.taps if t.action == "block"}
+        self.blocks = dict(blocks or {})
+        unknown = set(self.blocks) - self.block_names
+        if unknown:
+            raise EngineError(f"blocks= names {', '.join(sorted(unknown))}, which no tap of the plan runs "
+                              f"(the plan's blocks: {', '.join(sorted(self.block_names)) or 'none'})")
         self.llm = LLM(model=model, **engine_kwargs(self.plan, kwargs))
+        if self.blocks:
+            import cloudpickle
+
+            self.llm.collective_rpc("tapc_set_blocks", args=(cloudpickle.dumps(self.blocks),))
 
     def generate(self, prompts, sampling_params=None, *, taps: TapRequest | Sequence[TapRequest | None] | None = None,
                  **kwargs) -> list:
@@ -57,10 +68,15 @@ class VLLM:
         asks = list(taps) if isinstance(taps, Sequence) else [taps] * n
         if len(params) != n or len(asks) != n:
             raise RequestError(f"{n} prompts but {len(params)} sampling params and {len(asks)} tap requests")
+        # Blocks and engine points run for every request: each needs an id to bring results back.
+        every = bool(self.block_names) or any(t.kind == ENGINE for t in self.plan.taps)
         wires: list[dict | None] = []
         for i, (sp, ask) in enumerate(zip(params, asks)):
+            ask = TapRequest() if ask is None and every else ask
             wire = None if ask is None else to_wire(self.plan, ask, f"request {i}")
-            if wire is not None and (wire["capture"] or wire["params"]):
+            if wire is not None:
+                self._check_blocks(ask, f"request {i}")
+            if wire is not None and (wire["capture"] or wire["params"] or every):
                 if sp.n != 1:
                     raise RequestError(f"request {i}: taps with n={sp.n} samples per prompt are not supported; "
                                        "repeat the prompt instead")
@@ -71,11 +87,20 @@ class VLLM:
                 wire = None
             wires.append(wire)
         outs = self.llm.generate(prompts, params, **kwargs)
-        wanted = [w["id"] for w in wires if w is not None and w["capture"]]
+        wanted = [w["id"] for w in wires if w is not None and (w["capture"] or every)]
         got = self.llm.collective_rpc("tapc_collect", args=(wanted,))[0] if wanted else {}
         for out, wire in zip(outs, wires):
-            out.taps = {} if wire is None or not wire["capture"] else _assemble(out, wire, got[wire["id"]])
+            out.taps, out.saved, out.error = {}, {}, None
+            if wire is not None and wire["id"] in got:
+                out.taps = _assemble(out, wire, got[wire["id"]])
+                _attach_points(out, got[wire["id"]])
         return outs
+
+    def _check_blocks(self, ask: TapRequest, where: str) -> None:
+        missing = self.block_names - set(self.blocks) - set(ask.blocks)
+        if missing:
+            raise RequestError(f"{where}: the plan runs block(s) {', '.join(sorted(missing))}, but neither the "
+                               "engine (VLLM(..., blocks=...)) nor the request (TapRequest(blocks=...)) gives them")
 
 
 def _assemble(out, wire: dict, result: dict) -> dict[str, torch.Tensor]:
@@ -94,6 +119,20 @@ def _assemble(out, wire: dict, result: dict) -> dict[str, torch.Tensor]:
         block = (torch.cat(parts) if parts else torch.empty(0, len(keys), width, dtype=dtype))[:keep]
         taps.update({k: block[:, j] for j, k in enumerate(keys)})
     return taps
+
+
+def _attach_points(out, result: dict) -> None:
+    """Engine points (`logits` [G, vocab], `samples` [G]), blocks' saved values and a block's error.
+    A step vLLM ran past the request's last token is dropped, as for captures."""
+    if "points" not in result:
+        return
+    got = pickle.loads(result["points"])
+    generated = len(out.outputs[0].token_ids)
+    for key, rows in got["engine"].items():
+        rows = rows[:generated]
+        out.taps[key] = rows.reshape(-1) if key == "samples" else rows
+    out.saved = got["saved"]
+    out.error = got["error"].exception_for_caller() if got["error"] is not None else None
 
 
 def _tensor(raw, dtype: torch.dtype) -> torch.Tensor:

@@ -109,7 +109,7 @@ class Request:
     """What the runtime keeps about one request that runs blocks."""
 
     def __init__(self, rid: str, prompt_len: int, blocks: dict[str, Block]):
-        self.rid = rid
+        self.rid = rid                     # the request id blocks see (vLLM's)
         self.prompt_len = prompt_len
         self.blocks = blocks               # per-request overrides, by block name
         self.steps: dict[int, int] = {}    # point -> how many times its block ran for this request
@@ -129,12 +129,15 @@ class BlockRuntime:
     def register(self, blocks: dict[str, Block]) -> None:
         self.blocks.update(blocks)
 
-    def admit(self, rid: str, prompt_len: int, blocks: dict[str, Block] | None = None) -> None:
-        self.requests.setdefault(rid, Request(rid, prompt_len, dict(blocks or {})))
+    def admit(self, key: str, prompt_len: int, blocks: dict[str, Block] | None = None,
+              request_id: str | None = None) -> None:
+        """A request that runs blocks, under `key` (spans and `take` use it); its blocks see
+        `request_id` (default: the key)."""
+        self.requests.setdefault(key, Request(request_id or key, prompt_len, dict(blocks or {})))
 
     def begin_step(self, spans: list[Span]) -> None:
-        """The rows of this step's requests that run blocks (others: not in `spans`)."""
-        self.spans = [s for s in spans if s.rid in self.requests]
+        """The rows of this step's requests (those the runtime did not admit are skipped)."""
+        self.spans = spans
 
     def take(self, rid: str) -> tuple[dict, BlockError | None]:
         """A finished request's saved values and error, once."""
@@ -142,10 +145,15 @@ class BlockRuntime:
         return (req.saved, req.error) if req else ({}, None)
 
     def __call__(self, point: int, x: torch.Tensor, b: torch.Tensor | None) -> None:
+        """`tapc::boundary`'s handler: this step's spans, rows of the forward's slab."""
+        self.run(point, x, b, self.spans)
+
+    def run(self, point: int, x: torch.Tensor, b: torch.Tensor | None, spans: list[Span]) -> None:
+        """Each request's block on its rows of `x` (engine points pass their own rows)."""
         bp = self.points[point]
-        for span in self.spans:
-            req = self.requests[span.rid]
-            if req.error is not None:
+        for span in spans:
+            req = self.requests.get(span.rid)
+            if req is None or req.error is not None:
                 continue
             fn = req.blocks.get(bp.block, self.blocks.get(bp.block))
             try:

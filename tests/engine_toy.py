@@ -239,12 +239,20 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8):
     from tapc.engine.install import install
     from tapc.engine.tables import Layout
 
+    from tapc.engine.points import EnginePoints
+    from tapc.kernels.ops import set_boundary_handler
+
     layout = Layout(plan)
     buffers = ToyBuffers(layout, rows, slots)
     install(model, layout, buffers)
     runner = ToyRunner(model, pad)
+    points = None
+    if layout.blocks or layout.engine:  # as the worker does
+        points = EnginePoints(layout)
+        set_boundary_handler(points.runtime)
     hooks = RunnerHooks(runner, layout, buffers, slots,
-                        lambda rows, caps, width, dtype: torch.full((rows, caps, width), float("nan"), dtype=dtype))
+                        lambda rows, caps, width, dtype: torch.full((rows, caps, width), float("nan"), dtype=dtype),
+                        points)
     return runner, hooks
 
 

@@ -122,5 +122,11 @@ def test_v1_runner_is_refused_before_starting(monkeypatch):
 
 
 def test_layout_refuses_what_the_engine_does_not_serve_yet():
-    with pytest.raises(EngineError, match="Python blocks, `logits`, `samples`"):
-        Layout(toy_plan(["model.layers.0.resid -> probe"]))
+    import dataclasses
+
+    from tapc.plan import Point
+
+    plan = toy_plan(["model.layers.0.mlp.down_proj.output"])
+    tap = dataclasses.replace(plan.taps[0], point=Point("model.layers.0.mlp", "source", op="self_down_proj_0"))
+    with pytest.raises(EngineError, match="`.source` points are not served yet"):
+        Layout(dataclasses.replace(plan, taps=(tap,)))

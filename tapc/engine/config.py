@@ -10,7 +10,8 @@
   tapped engine with it rather than return short captures.
 - one GPU per engine for now (no tensor or pipeline parallelism).
 The plan's cudagraph mode is vLLM's default (FULL_AND_PIECEWISE) when it has no Python blocks,
-so compilation settings are left as the user gave them.
+so compilation settings are left as the user gave them; with blocks, graphs are PIECEWISE and
+`tapc::boundary` joins vLLM's splitting ops.
 """
 from __future__ import annotations
 
@@ -48,10 +49,33 @@ def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
         if out.get(name, getattr(plan, name)) != getattr(plan, name):
             raise EngineError(f"{name}={out[name]} but the plan was built for {getattr(plan, name)}")
         out[name] = getattr(plan, name)
+    if plan.splitting_ops:
+        out["compilation_config"] = _with_splits(plan, out.get("compilation_config"))
     additional = dict(out.get("additional_config") or {})
     additional["tapc"] = {"plan": plan.to_json(), "digest": digest(plan)}
     out["additional_config"] = additional
     return out
+
+
+def _with_splits(plan: TapPlan, given) -> dict:
+    """PIECEWISE graphs split at the plan's boundary ops as well as vLLM's own: a list of
+    splitting ops replaces vLLM's defaults, so it names theirs too; FULL graphs would ignore
+    the splits (and so the blocks)."""
+    from vllm.config import CompilationConfig
+
+    if given is not None and not isinstance(given, dict):
+        raise EngineError("compilation_config: give it as a dict on engines with Python blocks (tapc adds "
+                          "its splitting op to it)")
+    config = dict(given or {})
+    mode = str(config.get("cudagraph_mode", "PIECEWISE")).upper().removeprefix("CUDAGRAPHMODE.")
+    if mode not in ("PIECEWISE", "NONE"):
+        raise EngineError(f"cudagraph_mode={mode}: the plan runs Python blocks, which need PIECEWISE graphs "
+                          "(FULL graphs ignore graph splits)")
+    vllm_ops = [*CompilationConfig._attention_ops, "vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update"]
+    ops = list(config.get("splitting_ops") or vllm_ops)
+    config["splitting_ops"] = ops + [op for op in plan.splitting_ops if op not in ops]
+    config["cudagraph_mode"] = mode
+    return config
 
 
 def digest(plan: TapPlan) -> str:

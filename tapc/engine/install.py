@@ -8,6 +8,9 @@ registered on the module as non-persistent buffers: Dynamo lifts them as graph i
 fixed addresses (no per-layer Python constants, so Inductor still reuses one compiled piece
 for all layers), and the host refills their contents every step.
 
+Python blocks (`-> name`) become `tapc::boundary(x, b, k)`, an opaque op vLLM's piecewise
+backend splits the graph at (config.py lists it in the splitting ops).
+
 Sites: `input` (the module's activation argument, edited before the call), `output` (the
 tensor, or element k of a tuple; a vLLM linear returns (out, bias), `.output` is out) and
 `resid` (a decoder layer's hidden_states + residual; an edit writes hidden_states so that the
@@ -39,6 +42,8 @@ def install(model: torch.nn.Module, layout: Layout, buffers) -> None:
         by_module[tap.point.module].append((tap, ("capture", c)))
     for e, tap in enumerate(layout.edits):
         by_module[tap.point.module].append((tap, ("edit", e)))
+    for k, tap in enumerate(layout.blocks):
+        by_module[tap.point.module].append((tap, ("block", k)))
     for path, taps in by_module.items():
         try:
             module = model.get_submodule(path)
@@ -52,6 +57,9 @@ def install(model: torch.nn.Module, layout: Layout, buffers) -> None:
 def _bind(module: torch.nn.Module, i: int, tap, what: tuple[str, int], layout: Layout, buffers) -> TapOp:
     """Register the tap's tables on `module` and return the op call that reads them."""
     kind, index = what
+    if kind == "block":
+        # vLLM splits the graph at this op; it runs eagerly and calls tapc.runtime (point `index`)
+        return lambda x, b: torch.ops.tapc.boundary(x, b, index)
 
     def reg(name: str, tensor: torch.Tensor) -> str:
         attr = f"_tapc_{i}_{name}"

@@ -29,8 +29,10 @@ from typing import Any
 import numpy as np
 
 from tapc.errors import RequestError
-from tapc.plan import EDIT, READ, TapPlan
+from tapc.plan import EDIT, TapPlan
 from tapc.spec import POSITIONS
+
+ENGINE_POINTS = ("logits", "samples")
 
 # Per-request column lists (set/zero with a `columns` parameter) fill a fixed-width slot table.
 MAX_COLUMNS = 64
@@ -47,11 +49,14 @@ class TapRequest:
                parameters, a number for `scalar`, column indices for `columns`, a number or a
                list (one per column) for `values`. An edit tap applies to a request that binds
                all of its parameters; edits without parameters apply to every request.
+    blocks:    block name -> a function `f(ctx, x)` run for this request instead of the engine's
+               block of that name (see tapc.runtime); it is pickled to the worker.
     """
 
     capture: str | Sequence[str] = ()
     positions: str | Sequence[int] = "all"
     params: Mapping[str, Any] = field(default_factory=dict)
+    blocks: Mapping[str, Any] = field(default_factory=dict)
 
 
 def select(positions: str | Sequence[int], pos: np.ndarray, prompt_len: int) -> np.ndarray:
@@ -70,17 +75,36 @@ def select(positions: str | Sequence[int], pos: np.ndarray, prompt_len: int) -> 
 def to_wire(plan: TapPlan, req: TapRequest, where: str) -> dict:
     """Check `req` against `plan`; the plain dict the engine's workers read. `where` names the
     request in error messages (e.g. "request 3")."""
+    keys = _capture_keys(plan, req.capture, where)
     return {
         "id": uuid.uuid4().hex,
-        "capture": _capture_keys(plan, req.capture, where),
+        "capture": [k for k in keys if k not in ENGINE_POINTS],
+        "engine": [k for k in keys if k in ENGINE_POINTS],
         "positions": _positions(req.positions, where),
         "params": _params(plan, req.params, where),
+        "blocks": _blocks(plan, req.blocks, where),
     }
+
+
+def _blocks(plan: TapPlan, blocks: Mapping[str, Any], where: str) -> bytes | None:
+    """Per-request blocks, cloudpickled (they travel in extra_args to the worker process)."""
+    if not blocks:
+        return None
+    names = {t.block for t in plan.taps if t.action == "block"}
+    for name, fn in blocks.items():
+        if name not in names:
+            raise RequestError(f"{where}: block {name!r} is not named by any tap of this engine's plan "
+                               f"(its blocks: {', '.join(sorted(names)) or 'none'})")
+        if not callable(fn):
+            raise RequestError(f"{where}: block {name!r} must be a function f(ctx, x), got {type(fn).__name__}")
+    import cloudpickle
+
+    return cloudpickle.dumps(dict(blocks))
 
 
 def _capture_keys(plan: TapPlan, capture, where: str) -> list[str]:
     items = [capture] if isinstance(capture, str) else list(capture)
-    reads = [t for t in plan.taps if t.kind == READ]
+    reads = [t for t in plan.taps if t.action == "capture"]
     keys: dict[str, None] = {}
     for item in items:
         if item == "*":

@@ -18,6 +18,7 @@ import logging
 import torch
 
 from tapc.engine.buffers import Buffers
+from tapc.engine.points import EnginePoints
 from tapc.engine.tables import Alloc, Layout, Record, Slots, fill_step
 from tapc.errors import RequestError
 
@@ -25,8 +26,10 @@ log = logging.getLogger("tapc")
 
 
 class RunnerHooks:
-    def __init__(self, runner, layout: Layout, buffers: Buffers, slots: int, alloc: Alloc):
+    def __init__(self, runner, layout: Layout, buffers: Buffers, slots: int, alloc: Alloc,
+                 points: EnginePoints | None = None):
         self.runner = runner
+        self.points = points                     # logits, samples and Python blocks (points.py)
         self.layout = layout
         self.buffers = buffers
         self.alloc = alloc
@@ -48,6 +51,8 @@ class RunnerHooks:
         self._admit(scheduler_output.scheduled_new_reqs)
         self._step = None
         out = self._execute(scheduler_output, *args, **kwargs)
+        if self.points is not None:  # boundary ops in later (dummy) forwards must see no rows
+            self.points.runtime.begin_step([])
         if self._step is not None and self._step[0]:
             self.buffers.copy_out(*self._step)
         self._step = None
@@ -60,6 +65,8 @@ class RunnerHooks:
         self._step = fill_step(self.layout, self.buffers.host_table(padded), self.records, batch.req_ids,
                                batch.query_start_loc_np, batch.num_computed_tokens_np, prompt_lens, padded)
         self.buffers.upload(padded)
+        if self.points is not None:
+            self.points.begin_step(self.records, batch.req_ids, batch.query_start_loc_np, batch.num_computed_tokens_np)
         return batch
 
     def _retire(self, finished, preempted) -> None:
@@ -90,6 +97,8 @@ class RunnerHooks:
                     continue
                 self.records[req.req_id] = rec
                 self.by_id[rec.id] = rec
+                if self.points is not None:
+                    self.points.admit(rec, wire)
             if rec.edits and rec.slot < 0:
                 rec.slot = self.slots.take()
                 self.buffers.params.write(rec.slot, rec.edits, rec.params)
@@ -118,6 +127,8 @@ class RunnerHooks:
                 self._release(rec)
                 self.records.pop(rec.rid, None)
             out[tid] = {"stores": [_store_wire(self.layout, st) for st in rec.stores]}
+            if self.points is not None:
+                out[tid]["points"] = self.points.take(tid)
         return out
 
 

@@ -8,14 +8,18 @@ the taps must be in place.
 """
 from __future__ import annotations
 
+import pickle
+
 import torch
 from vllm.v1.worker.gpu_worker import Worker
 
 from tapc.engine.buffers import Buffers
 from tapc.engine.install import install
+from tapc.engine.points import EnginePoints, wrap_sampler
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.tables import Layout
 from tapc.errors import EngineError
+from tapc.kernels.ops import set_boundary_handler
 from tapc.plan import TapPlan
 
 # Parameter slots per scheduled request: a finished request's slot comes back with the next
@@ -45,10 +49,21 @@ class TapWorker(Worker):
         buffers = Buffers(layout, runner.max_num_tokens, slots, self.vllm_config.max_concurrent_batches,
                           self.device)
         install(runner.get_model(), layout, buffers)
-        self.tapc = RunnerHooks(runner, layout, buffers, slots, _pinned)
+        points = None
+        if layout.blocks or layout.engine:
+            points = EnginePoints(layout)
+            set_boundary_handler(points.runtime)
+            wrap_sampler(runner.sampler, points)
+        self.tapc = RunnerHooks(runner, layout, buffers, slots, _pinned, points)
 
     def tapc_collect(self, ids: list[str]) -> dict[str, dict]:
         return self.tapc.collect(ids)
+
+    def tapc_set_blocks(self, blocks: bytes) -> None:
+        """Engine-wide Python blocks, by name (cloudpickled by the API)."""
+        if self.tapc.points is None:
+            raise EngineError("this engine's plan has no Python blocks")
+        self.tapc.points.runtime.register(pickle.loads(blocks))
 
 
 def _pinned(rows: int, caps: int, width: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,135 @@
+"""Python blocks through the engine's real install, tables and runner hooks, on the toy model.
+
+The boundary op (`tapc::boundary`) calls the runtime with the step's slab; each request's block
+sees only its rows. Compared with in-graph captures and edits of the same points, and with
+the toy model run on each request's tokens alone.
+"""
+import numpy as np
+import pytest
+import torch
+from engine_toy import HIDDEN, Req, ToyModel, hooks_for, output_of, run, toy_plan
+
+from tapc.api import _assemble, _attach_points
+from tapc.engine.requests import TapRequest, to_wire
+from tapc.errors import RequestError
+
+
+def requests(plan, asks, seed=0):
+    rng = np.random.default_rng(seed)
+    return [Req(rid, rng.integers(0, 50, plen).tolist(), max_tokens, to_wire(plan, ask, rid), arrive)
+            for rid, plen, max_tokens, arrive, ask in asks]
+
+
+def results(hooks, reqs):
+    got = hooks.collect([r.wire["id"] for r in reqs])
+    outs = {}
+    for r in reqs:
+        out = output_of(r)
+        out.taps = _assemble(out, r.wire, got[r.wire["id"]])
+        _attach_points(out, got[r.wire["id"]])
+        outs[r.rid] = out
+    return outs
+
+
+def recorder(ctx, x):
+    ctx.save("x", x)
+    ctx.save("where", (ctx.step, ctx.positions.start, ctx.positions.stop, ctx.is_prompt))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_block_sees_what_the_in_graph_capture_sees(compiled):
+    plan = toy_plan(["model.layers.1.resid", "model.layers.1.resid -> rec", "model.layers.2.mlp.down_proj.output",
+                     "model.layers.2.mlp.down_proj.output -> rec2"])
+    model = ToyModel()
+    runner, hooks = hooks_for(plan, model)
+    hooks.points.runtime.register({"rec": recorder, "rec2": recorder})
+    if compiled:  # the boundary op must survive Dynamo (fullgraph: no break at it)
+        runner.model = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
+    reqs = requests(plan, [("a", 3, 4, 0, TapRequest(capture="*")), ("b", 21, 3, 1, TapRequest(capture="*")),
+                           ("c", 6, 5, 2, TapRequest(capture="*"))])
+    run(runner, reqs, budget=16)   # b's 21-token prompt is split over two steps
+    outs = results(hooks, reqs)
+    for r in reqs:
+        out = outs[r.rid]
+        assert out.error is None
+        seen = torch.cat(out.saved["x"])   # resid and down_proj alternate: both blocks save "x"
+        steps = out.saved["where"]
+        resid = torch.cat([x for x, w in zip(out.saved["x"], steps) if x.shape[1] == HIDDEN][::2])
+        rows = len(r.tokens) - 1
+        torch.testing.assert_close(resid, out.taps["model.layers.1.resid"])
+        assert seen.shape[0] == 2 * rows
+        # contexts: positions tile 0..rows-1 in order, steps count per point
+        resid_steps = steps[::2]
+        assert [s[0] for s in resid_steps] == list(range(len(resid_steps)))
+        assert resid_steps[0][1] == 0 and resid_steps[-1][2] == rows
+        assert all(a[2] == b[1] for a, b in zip(resid_steps, resid_steps[1:]))
+        assert resid_steps[0][3] is (resid_steps[0][2] <= len(r.prompt))
+
+
+def test_block_edit_equals_in_graph_edit():
+    v = np.random.default_rng(3).standard_normal(HIDDEN)
+    vt = torch.as_tensor(v, dtype=torch.float32)
+    asks = [("a", 5, 4, 0, None), ("b", 9, 3, 0, None)]
+
+    def outputs(taps, ask, blocks=None):
+        plan = toy_plan(taps)
+        runner, hooks = hooks_for(plan, ToyModel())
+        if blocks:
+            hooks.points.runtime.register(blocks)
+        reqs = requests(plan, [a[:4] + (ask(plan),) for a in asks])
+        run(runner, reqs, budget=64)
+        return results(hooks, reqs)
+
+    in_graph = outputs(["model.layers.1.resid | add(steer, alpha=2.0)", "model.layers.2.resid"],
+                       lambda plan: TapRequest(capture="*", params={"steer": v}))
+    block = outputs(["model.layers.1.resid -> steer", "model.layers.2.resid"],
+                    lambda plan: TapRequest(capture="*"), {"steer": lambda ctx, x: x.add_(2.0 * vt)})
+    for rid in ("a", "b"):
+        torch.testing.assert_close(block[rid].taps["model.layers.2.resid"], in_graph[rid].taps["model.layers.2.resid"])
+
+
+class Probe(Exception):
+    pass
+
+
+def test_a_raising_block_fails_its_request_and_the_others_go_on():
+    def probe(ctx, x):
+        if ctx.step == 1:
+            raise Probe(f"bad rows in {ctx.request_id}")
+        x.mul_(1.0)
+
+    plan = toy_plan(["model.layers.0.resid -> probe", "model.layers.2.resid"])
+    runner, hooks = hooks_for(plan, ToyModel())
+    hooks.points.runtime.register({"probe": lambda ctx, x: None})
+    asks = [(rid, 4 + i, 3, 0, TapRequest(capture="*", blocks={"probe": probe} if rid == "bad" else {}))
+            for i, rid in enumerate(("a", "bad", "c", "d"))]
+    reqs = requests(plan, asks)
+    run(runner, reqs, budget=64)
+    outs = results(hooks, reqs)
+    assert isinstance(outs["bad"].error, Probe) and "bad rows in bad" in str(outs["bad"].error)
+    assert "in tapc block `probe` at model.layers.0.resid" in outs["bad"].error.__notes__[0]
+    reference = ToyModel()
+    for rid in ("a", "c", "d"):
+        assert outs[rid].error is None
+        r = next(q for q in reqs if q.rid == rid)
+        toks = torch.tensor(r.tokens[:-1])
+        seen = {}
+        reference.model.layers[2].register_forward_hook(lambda m, a, o: seen.__setitem__("r", o[0] + o[1]))
+        with torch.no_grad():
+            reference(toks, torch.arange(len(toks)))
+        torch.testing.assert_close(outs[rid].taps["model.layers.2.resid"], seen["r"])
+
+
+def test_requests_must_have_every_block():
+    from tapc.api import VLLM
+
+    llm = VLLM.__new__(VLLM)  # the checks only, no engine
+    llm.plan = toy_plan(["model.layers.0.resid -> probe"])
+    llm.block_names, llm.blocks = {"probe"}, {}
+    with pytest.raises(RequestError, match="request 0: the plan runs block\\(s\\) probe, but neither"):
+        llm._check_blocks(TapRequest(), "request 0")
+    llm._check_blocks(TapRequest(blocks={"probe": print}), "request 0")
+    with pytest.raises(RequestError, match="block 'prob' is not named by any tap"):
+        to_wire(llm.plan, TapRequest(blocks={"prob": print}), "request 0")
+    with pytest.raises(RequestError, match="must be a function"):
+        to_wire(llm.plan, TapRequest(blocks={"probe": 3}), "request 0")
