@@ -84,8 +84,12 @@ class BlockError:
 
     @classmethod
     def capture(cls, block: str, point: str, exc: BaseException) -> "BlockError":
+        # cloudpickle: an exception class that came to the worker by value (defined in the
+        # caller's script) goes back by value and is the caller's own class again there.
+        import cloudpickle
+
         try:
-            raw = pickle.dumps(exc)
+            raw = cloudpickle.dumps(exc)
             pickle.loads(raw)
         except Exception:  # an exception that does not round-trip: keep its words
             raw = None

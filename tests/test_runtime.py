@@ -132,7 +132,25 @@ def test_wrong_shape_and_missing_block_fail_the_request():
 
 
 def test_unpicklable_exception_keeps_its_words():
-    class Local(Exception):  # defined in a function: does not pickle
+    import threading
+
+    class Holding(Exception):  # carries a lock: it cannot cross a process boundary
+        def __init__(self, msg):
+            super().__init__(msg)
+            self.lock = threading.Lock()
+
+    rt = runtime(("p", "probe"))
+    rt.register({"probe": lambda ctx, x: (_ for _ in ()).throw(Holding("local failure"))})
+    rt.admit("a", 1)
+    rt.begin_step([Span("a", 0, 1, 0)])
+    rt(0, slab(), None)
+    _, err = rt.take("a")
+    exc = err.exception_for_caller()
+    assert isinstance(exc, BlockFailed) and "Holding: local failure" in str(exc)
+
+
+def test_exception_class_defined_in_a_function_keeps_its_type():
+    class Local(Exception):
         pass
 
     rt = runtime(("p", "probe"))
@@ -140,9 +158,8 @@ def test_unpicklable_exception_keeps_its_words():
     rt.admit("a", 1)
     rt.begin_step([Span("a", 0, 1, 0)])
     rt(0, slab(), None)
-    _, err = rt.take("a")
-    exc = err.exception_for_caller()
-    assert isinstance(exc, BlockFailed) and "Local: local failure" in str(exc)
+    exc = rt.take("a")[1].exception_for_caller()
+    assert type(exc) is Local and str(exc) == "local failure"
 
 
 def test_per_request_block_overrides_the_engine_one():

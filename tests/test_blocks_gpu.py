@@ -1,0 +1,155 @@
+"""Python blocks, `logits` and `samples` on a real vLLM engine (GPU machine).
+
+A random Llama checkpoint (tests/test_engine_gpu.py writes it), vLLM's defaults otherwise:
+multi-process engine core, torch.compile, async scheduling; the block engine runs PIECEWISE
+graphs split at `tapc::boundary`. Blocks are compared with the in-graph taps of the same
+points, logits with HF transformers on the same weights, samples with the generated tokens.
+"""
+import gc
+
+import numpy as np
+import pytest
+import torch
+from test_engine_gpu import SMALL, assert_matches, engine_args, prompts, sampling, write_checkpoint
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+FORCED = 17
+STEER = np.random.default_rng(11).standard_normal(SMALL["hidden_size"]).astype(np.float32)
+
+
+class Unlucky(Exception):
+    pass
+
+
+def recorder(ctx, x):
+    ctx.save("x", x)
+
+
+def steer_block(ctx, x):
+    x.add_(torch.from_numpy(STEER).to(x.device) * 8.0)
+
+
+def failing(ctx, x):
+    if ctx.step == 2:
+        raise Unlucky(f"request {ctx.request_id} at step 2")
+
+
+def force(ctx, ids):
+    if ctx.step == 0:
+        ids.fill_(FORCED)
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def engine(path):
+    from tapc import VLLM
+
+    llm = VLLM(path, taps=["model.layers.1.resid", "model.layers.1.resid -> rec",
+                           "model.layers.2.output[0] | add(steer, alpha=8.0)", "model.layers.2.output[0] -> edit",
+                           "model.layers.3.resid", "logits", "samples", "samples -> pick"],
+               blocks={"rec": recorder, "edit": lambda ctx, x: None, "pick": lambda ctx, ids: None},
+               **engine_args())
+    yield llm
+    del llm
+    gc.collect()
+
+
+def same_prompt(n: int, seed: int, length: int = 23):
+    p = {"prompt_token_ids": np.random.default_rng(seed).integers(0, SMALL["vocab_size"], length).tolist()}
+    return [dict(p) for _ in range(n)]
+
+
+def greedy(n: int, max_tokens: int = 8):
+    from vllm import SamplingParams
+
+    return [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True) for _ in range(n)]
+
+
+def test_block_engine_runs_piecewise_with_the_split(engine):
+    cc = engine.llm.llm_engine.vllm_config.compilation_config
+    assert "tapc::boundary" in cc.splitting_ops and str(cc.cudagraph_mode).endswith("PIECEWISE")
+    assert engine.plan.cudagraph_mode == "PIECEWISE"
+
+
+def test_block_input_equals_in_graph_capture(engine):
+    """Under continuous batching (chunked prefill of a 300-token prompt, late decode joins)."""
+    from tapc.api import TapRequest
+
+    outs = engine.generate(prompts(), sampling(), taps=TapRequest(capture="model.layers.1.resid"))
+    for out in outs:
+        assert out.error is None
+        cap = out.taps["model.layers.1.resid"]
+        seen = torch.cat(out.saved["x"])
+        assert seen.shape[0] >= cap.shape[0]
+        torch.testing.assert_close(seen[: cap.shape[0]].to(cap.dtype), cap)
+
+
+def test_block_edit_equals_in_graph_edit(engine):
+    """One batch, one prompt three times: steered in-graph, steered by the block, not steered."""
+    from tapc.api import TapRequest
+
+    asks = [TapRequest(capture="model.layers.3.resid", params={"steer": STEER}),
+            TapRequest(capture="model.layers.3.resid", blocks={"edit": steer_block}),
+            TapRequest(capture="model.layers.3.resid")]
+    outs = engine.generate(same_prompt(3, 2), greedy(3), taps=asks)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    assert tokens[0] == tokens[1], "the block's edit and the in-graph edit generate differently"
+    assert tokens[0] != tokens[2], "steering changed nothing"
+    assert_matches(outs[1].taps["model.layers.3.resid"], outs[0].taps["model.layers.3.resid"].float(), "block vs in-graph")
+
+
+def test_a_raising_block_fails_only_its_request(engine):
+    from tapc.api import TapRequest
+
+    asks = [TapRequest(), TapRequest(blocks={"edit": failing}), TapRequest(), TapRequest()]
+    outs = engine.generate(prompts(4)[:4], sampling()[:4], taps=asks)
+    plain = engine.generate(prompts(4)[:4], sampling()[:4])   # same batch, no failing block
+    assert isinstance(outs[1].error, Unlucky) and "at step 2" in str(outs[1].error)
+    assert "in tapc block `edit` at model.layers.2.output[0]" in outs[1].error.__notes__[0]
+    assert "raise Unlucky" in outs[1].error.__notes__[0]
+    for i in (0, 2, 3):
+        assert outs[i].error is None
+        assert list(outs[i].outputs[0].token_ids) == list(plain[i].outputs[0].token_ids), f"request {i}"
+    assert all(o.error is None for o in plain)   # the engine served the next call normally
+
+
+def test_logits_equal_reference_and_samples_are_the_tokens(engine, path):
+    import transformers
+
+    from tapc.api import TapRequest
+
+    outs = engine.generate(prompts(5)[:3], sampling()[:3], taps=TapRequest(capture=["logits", "samples"]))
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    for i, out in enumerate(outs):
+        gen = list(out.outputs[0].token_ids)
+        assert out.taps["samples"].tolist() == gen
+        tokens = list(out.prompt_token_ids) + gen
+        with torch.no_grad():
+            ref = model(torch.tensor([tokens[:-1]], device="cuda")).logits[0].float().cpu()
+        ref = ref[len(out.prompt_token_ids) - 1:]
+        assert out.taps["logits"].shape == ref.shape == (len(gen), SMALL["vocab_size"])
+        assert_matches(out.taps["logits"], ref, f"request {i} logits")
+        assert out.taps["logits"].argmax(-1).tolist() == gen   # greedy: the logits chose the tokens
+    del model
+
+
+def test_forced_sample_is_returned_and_fed_back(engine):
+    """The forced token comes back as generated token 0 and is the model's input at position P:
+    its layer-1 activation equals that of the same token placed at the end of the prompt."""
+    from tapc.api import TapRequest
+
+    p = same_prompt(1, 6)[0]["prompt_token_ids"]
+    P = len(p)
+    outs = engine.generate([{"prompt_token_ids": p}, {"prompt_token_ids": p + [FORCED]}], greedy(2, 4),
+                           taps=[TapRequest(capture=["samples", "model.layers.1.resid"], blocks={"pick": force}),
+                                 TapRequest(capture="model.layers.1.resid")])
+    forced = list(outs[0].outputs[0].token_ids)
+    assert forced[0] == FORCED and outs[0].taps["samples"].tolist() == forced
+    fed = outs[0].taps["model.layers.1.resid"][P:P + 1]
+    as_prompt = outs[1].taps["model.layers.1.resid"][P:P + 1]
+    assert_matches(fed, as_prompt.float(), "forced token's activation")
