@@ -1,0 +1,92 @@
+"""Cost of Python blocks at graph boundaries, beside vanilla vLLM in the same process.
+
+    python3 benchmarks/bench_blocks.py [--shape 8b|1b] --out bench_blocks.md
+
+Engines (dummy weights, greedy, ignore_eos, token-id prompts; runs interleaved, the first round
+discarded as warmup): vanilla vLLM (defaults: compile, FULL_AND_PIECEWISE graphs); tapc with a
+no-op block on one layer (`model.layers.{L/2}.resid -> noop`); tapc with a no-op block on every
+layer. Block engines run PIECEWISE graphs split at each block. Decode at batch 1 and 64, 512
+prompt tokens, 128 generated; output tokens/s and the ratio to vanilla.
+"""
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+
+from bench_engine import ENGINE, LLAMA_31_8B, timed
+
+LLAMA_32_1B = {**LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+               "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True}
+SHAPES = {"8b": ("Llama-3.1-8B", LLAMA_31_8B), "1b": ("Llama-3.2-1B", LLAMA_32_1B)}
+WORKLOADS = ("decode bs1", "decode bs64")
+
+
+def noop(ctx, x):
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=SHAPES, default="8b")
+    ap.add_argument("--out", default="bench_blocks.md")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds; the first is warmup")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    import torch
+    import vllm
+    from vllm import LLM
+
+    from tapc import VLLM
+
+    name, config = SHAPES[args.shape]
+    layers = config["num_hidden_layers"]
+    model = tempfile.mkdtemp(prefix=f"{args.shape}-")
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(config, f)
+    common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"), gpu_memory_utilization=0.28)
+    engines = {}
+    for label, make in [
+        ("vanilla", lambda: LLM(model, **common)),
+        (f"tapc, no-op block on layer {layers // 2}",
+         lambda: VLLM(model, taps=[f"model.layers.{layers // 2}.resid -> noop"], blocks={"noop": noop}, **common)),
+        (f"tapc, no-op block on all {layers} layers",
+         lambda: VLLM(model, taps=["model.layers.*.resid -> noop"], blocks={"noop": noop}, **common)),
+    ]:
+        t0 = time.perf_counter()
+        engines[label] = make()
+        print(f"engine start {label}: {time.perf_counter() - t0:.0f} s", flush=True)
+
+    results: dict[tuple[str, str], list[float]] = {}
+    for rnd in range(args.repeats):
+        for w in WORKLOADS:
+            for label, llm in engines.items():
+                value = timed(lambda ps, sp, llm=llm: llm.generate(ps, sp, use_tqdm=False), w, seed=rnd)
+                print(f"round {rnd} {w:12s} {label:40s} {value:10.1f}", flush=True)
+                if rnd > 0 or args.repeats == 1:
+                    results.setdefault((w, label), []).append(value)
+    del engines
+    gc.collect()
+
+    lines = [f"# bench_blocks: {torch.cuda.get_device_name()}, vLLM {vllm.__version__}, torch {torch.__version__}, "
+             f"Python {platform.python_version()}", "",
+             f"{name} shape, dummy weights, bf16; output tok/s, medians of {max(args.repeats - 1, 1)} rounds.", "",
+             "| workload | variant | tok/s | ratio to vanilla |", "|---|---|---:|---:|"]
+    for w in WORKLOADS:
+        base = statistics.median(results[(w, "vanilla")])
+        for (wl, label), values in results.items():
+            if wl == w:
+                v = statistics.median(values)
+                lines.append(f"| {w} | {label} | {v:.1f} | {v / base:.3f}x |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(args.out, "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
