@@ -11,11 +11,11 @@
 from __future__ import annotations
 
 import pickle
-import warnings
 from collections.abc import Sequence
 
 import torch
 
+from tapc.engine.arena import ArenaReader
 from tapc.engine.config import engine_kwargs
 from tapc.engine.requests import TapRequest, to_wire
 from tapc.engine.tables import expected_rows
@@ -48,6 +48,7 @@ class VLLM:
             raise EngineError(f"blocks= names {', '.join(sorted(unknown))}, which no tap of the plan runs "
                               f"(the plan's blocks: {', '.join(sorted(self.block_names)) or 'none'})")
         self.llm = LLM(model=model, **engine_kwargs(self.plan, kwargs))
+        self._arena = ArenaReader()
         if self.blocks:
             import cloudpickle
 
@@ -89,11 +90,15 @@ class VLLM:
         outs = self.llm.generate(prompts, params, **kwargs)
         wanted = [w["id"] for w in wires if w is not None and (w["capture"] or every)]
         got = self.llm.collective_rpc("tapc_collect", args=(wanted,))[0] if wanted else {}
-        for out, wire in zip(outs, wires):
-            out.taps, out.saved, out.error = {}, {}, None
-            if wire is not None and wire["id"] in got:
-                out.taps = _assemble(out, wire, got[wire["id"]])
-                _attach_points(out, got[wire["id"]])
+        try:
+            for out, wire in zip(outs, wires):
+                out.taps, out.saved, out.error = {}, {}, None
+                if wire is not None and wire["id"] in got:
+                    out.taps = _assemble(out, wire, got[wire["id"]], self._arena)
+                    _attach_points(out, got[wire["id"]])
+        finally:  # the rows are copied out (or given up): the engine reuses their memory
+            if wanted:
+                self.llm.collective_rpc("tapc_release", args=(wanted,))
         return outs
 
     def _check_blocks(self, ask: TapRequest, where: str) -> None:
@@ -103,9 +108,11 @@ class VLLM:
                                "engine (VLLM(..., blocks=...)) nor the request (TapRequest(blocks=...)) gives them")
 
 
-def _assemble(out, wire: dict, result: dict) -> dict[str, torch.Tensor]:
-    """Per key `[rows, width]`, rows in position order; rows of a step vLLM ran after the
-    request's last token (async scheduling) are dropped."""
+def _assemble(out, wire: dict, result: dict, arena: ArenaReader | None = None) -> dict[str, torch.Tensor]:
+    """Per key `[rows, width]`, rows in position order, copied out of the engine's arena
+    (`arena`: the engine's mapped files; a fresh reader maps them again); rows of a step vLLM
+    ran after the request's last token (async scheduling) are dropped."""
+    arena = arena if arena is not None else ArenaReader()
     if "error" in result:
         raise RequestError(f"request {out.request_id}: {result['error']}")
     generated = len(out.outputs[0].token_ids)
@@ -113,10 +120,15 @@ def _assemble(out, wire: dict, result: dict) -> dict[str, torch.Tensor]:
     taps: dict[str, torch.Tensor] = {}
     for store in result["stores"]:
         keys, width, dtype = store["keys"], store["width"], getattr(torch, store["dtype"])
-        parts = [_tensor(c, dtype).view(-1, len(keys), width) for c in store["chunks"]]
         if store["rows"] < keep:
             raise EngineError(f"request {out.request_id}: {store['rows']} rows captured for {keep} positions")
-        block = (torch.cat(parts) if parts else torch.empty(0, len(keys), width, dtype=dtype))[:keep]
+        block = torch.empty(keep, len(keys), width, dtype=dtype)
+        done = 0
+        for path, offset, rows in store["chunks"]:
+            n = min(rows, keep - done)
+            if n > 0:
+                block[done: done + n] = arena.view(path, offset, (rows, len(keys), width), dtype)[:n]
+                done += n
         taps.update({k: block[:, j] for j, k in enumerate(keys)})
     return taps
 
@@ -133,10 +145,3 @@ def _attach_points(out, result: dict) -> None:
         out.taps[key] = rows.reshape(-1) if key == "samples" else rows
     out.saved = got["saved"]
     out.error = got["error"].exception_for_caller() if got["error"] is not None else None
-
-
-def _tensor(raw, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor over bytes from the engine (read-only bytes across processes; cat copies them)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "The given buffer is not writable"
-        return torch.frombuffer(raw, dtype=torch.uint8).view(dtype)

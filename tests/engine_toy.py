@@ -18,6 +18,7 @@ from types import SimpleNamespace as NS
 import numpy as np
 import torch
 
+from tapc.engine.arena import Arena
 from tapc.engine.buffers import ParamTables
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.tables import copy_segments
@@ -250,9 +251,8 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8):
     if layout.blocks or layout.engine:  # as the worker does
         points = EnginePoints(layout)
         set_boundary_handler(points.runtime)
-    hooks = RunnerHooks(runner, layout, buffers, slots,
-                        lambda rows, caps, width, dtype: torch.full((rows, caps, width), float("nan"), dtype=dtype),
-                        points)
+    # Small arena segments, so a run spans several files and reuses freed space.
+    hooks = RunnerHooks(runner, layout, buffers, slots, Arena(segment_bytes=4096), points)
     return runner, hooks
 
 

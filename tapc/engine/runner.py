@@ -15,27 +15,27 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
+from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
 from tapc.engine.points import EnginePoints
-from tapc.engine.tables import Alloc, Layout, Record, Slots, fill_step
+from tapc.engine.tables import Layout, Record, Slots, fill_step
 from tapc.errors import RequestError
 
 log = logging.getLogger("tapc")
 
 
 class RunnerHooks:
-    def __init__(self, runner, layout: Layout, buffers: Buffers, slots: int, alloc: Alloc,
+    def __init__(self, runner, layout: Layout, buffers: Buffers, slots: int, arena: Arena,
                  points: EnginePoints | None = None):
         self.runner = runner
         self.points = points                     # logits, samples and Python blocks (points.py)
         self.layout = layout
         self.buffers = buffers
-        self.alloc = alloc
+        self.arena = arena                       # captures' host storage, shared with the API
         self.slots = Slots(slots)
         self.records: dict[str, Record] = {}     # vLLM request id -> record, while vLLM has it
         self.by_id: dict[str, Record] = {}       # tapc id -> record, until collected
+        self.collected: dict[str, Record] = {}   # tapc id -> record, until the API has read it
         self.errors: dict[str, str] = {}         # tapc id -> why its taps were not served
         self._step = None
         self._execute = runner.execute_model
@@ -88,7 +88,7 @@ class RunnerHooks:
             if rec is None:
                 try:
                     rec = Record(self.layout, req.req_id, wire, len(req.prompt_token_ids),
-                                 req.sampling_params.max_tokens, self.alloc)
+                                 req.sampling_params.max_tokens, self.arena.tensor)
                 except RequestError as e:
                     # Only the API submits tapc requests, and it checks them first; a request that
                     # came another way runs untapped and its caller gets the reason at collect.
@@ -110,8 +110,9 @@ class RunnerHooks:
 
     def collect(self, ids: list[str]) -> dict[str, dict]:
         """Captures of the given tapc ids, as plain data: per group of captures of one width,
-        `{"keys", "dtype", "width", "rows", "chunks": [bytes-like [rows_i, keys, width]]}`.
-        Each record is dropped once collected."""
+        `{"keys", "dtype", "width", "rows", "chunks": [(file, byte offset, rows_i)]}`, each chunk
+        `[rows_i, keys, width]` in the arena. The record is dropped; its storage is held until
+        `release`, after the API has copied the rows out."""
         self.buffers.wait_copies()
         out: dict[str, dict] = {}
         for tid in ids:
@@ -126,22 +127,26 @@ class RunnerHooks:
             if not rec.finished:  # vLLM tells the worker only with its next step
                 self._release(rec)
                 self.records.pop(rec.rid, None)
-            out[tid] = {"stores": [_store_wire(self.layout, st) for st in rec.stores]}
+            out[tid] = {"stores": [_store_wire(self.layout, self.arena, st) for st in rec.stores]}
+            self.collected[tid] = rec
             if self.points is not None:
                 out[tid]["points"] = self.points.take(tid)
         return out
 
+    def release(self, ids: list[str]) -> None:
+        """The API has copied these requests' captures: their arena storage is free again."""
+        for tid in ids:
+            rec = self.collected.pop(tid, None)
+            for st in rec.stores if rec is not None else ():
+                for chunk in st.chunks:
+                    self.arena.give_back(chunk)
 
-def _store_wire(layout: Layout, store) -> dict:
+
+def _store_wire(layout: Layout, arena: Arena, store) -> dict:
     return {
         "keys": [layout.captures[c].key for c in store.caps],
         "dtype": str(store.dtype).removeprefix("torch."),
         "width": store.width,
         "rows": store.rows,
-        "chunks": [_raw(c) for c in store.filled()],
+        "chunks": [(*arena.locate(c), c.shape[0]) for c in store.filled()],
     }
-
-
-def _raw(t: torch.Tensor) -> memoryview:
-    """Bytes of a contiguous CPU tensor, without a copy (msgpack sends them as binary)."""
-    return t.contiguous().view(torch.uint8).reshape(-1).numpy().data

@@ -85,15 +85,17 @@ class Store:
         self.width = width
         self.dtype = dtype
         self.alloc = alloc
-        self.chunks: list[torch.Tensor] = []
+        # The first allocation is made now, when the request is admitted, so that no room for it
+        # is an error of this request before it runs (see Arena).
+        self.chunks: list[torch.Tensor] = [alloc(first, caps.size, width, dtype)]
         self.rows = 0                  # rows written
-        self.room = 0                  # rows allocated
+        self.room = first              # rows allocated
         self.first = first             # rows of the first allocation
 
     def reserve(self, n: int) -> list[torch.Tensor]:
         """Views for the next n rows, in order (two when they straddle a chunk boundary)."""
         if self.room - self.rows < n:
-            grow = max(n - (self.room - self.rows), GROW_ROWS if self.chunks else self.first)
+            grow = max(n - (self.room - self.rows), GROW_ROWS)
             self.chunks.append(self.alloc(grow, len(self.caps), self.width, self.dtype))
             self.room += grow
         out, start, left = [], self.rows, n

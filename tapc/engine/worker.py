@@ -13,6 +13,7 @@ import pickle
 import torch
 from vllm.v1.worker.gpu_worker import Worker
 
+from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
 from tapc.engine.install import install
 from tapc.engine.points import EnginePoints, wrap_sampler
@@ -54,10 +55,13 @@ class TapWorker(Worker):
             points = EnginePoints(layout)
             set_boundary_handler(points.runtime)
             wrap_sampler(runner.sampler, points)
-        self.tapc = RunnerHooks(runner, layout, buffers, slots, _pinned, points)
+        self.tapc = RunnerHooks(runner, layout, buffers, slots, Arena(register=_register), points)
 
     def tapc_collect(self, ids: list[str]) -> dict[str, dict]:
         return self.tapc.collect(ids)
+
+    def tapc_release(self, ids: list[str]) -> None:
+        self.tapc.release(ids)
 
     def tapc_set_blocks(self, blocks: bytes) -> None:
         """Engine-wide Python blocks, by name (cloudpickled by the API)."""
@@ -66,5 +70,9 @@ class TapWorker(Worker):
         self.tapc.points.runtime.register(pickle.loads(blocks))
 
 
-def _pinned(rows: int, caps: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty((rows, caps, width), dtype=dtype, pin_memory=True)
+def _register(t: torch.Tensor) -> None:
+    """Pin an arena file's mapping once, so the side stream's copies into it are asynchronous
+    DMA (a copy to pageable memory would block the host)."""
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+    if int(err) != 0:
+        raise EngineError(f"cudaHostRegister of {t.numel() / 2**30:.2f} GiB of capture memory failed: error {int(err)}")

@@ -1,0 +1,123 @@
+"""Host memory for captures, shared between the engine's worker and the API process.
+
+Captures used to come back as bytes in the `collective_rpc` reply (msgpack over ZMQ: several
+host copies of gigabytes). Instead the worker's side stream copies each request's rows into
+an arena of files in /dev/shm (`TAPC_SHM_DIR`), mapped in the worker and, on the GPU,
+registered as pinned memory once per file so the copies are asynchronous DMA. `collect`
+answers with where the rows are (file, byte offset, rows); the API maps the same files, copies
+its request's rows out and then calls `release`, which gives the space back for reuse.
+
+Files are created when the arena runs out of room (segments of at least `SEGMENT_BYTES`), kept
+for the engine's life and removed when the worker exits. Their space is reserved when they are
+made (`posix_fallocate`): a /dev/shm too small for the captures asked is a clear error when a
+request is admitted, never a SIGBUS or a short capture.
+"""
+from __future__ import annotations
+
+import atexit
+import bisect
+import os
+import uuid
+from typing import Callable
+
+import torch
+
+from tapc.errors import RequestError
+
+SEGMENT_BYTES = 1 << 30
+ALIGN = 512       # bytes; keeps every block aligned for DMA and for any dtype
+
+
+class Arena:
+    def __init__(self, register: Callable[[torch.Tensor], None] | None = None, directory: str | None = None,
+                 segment_bytes: int = SEGMENT_BYTES):
+        self.directory = directory or os.environ.get("TAPC_SHM_DIR", "/dev/shm")
+        self.prefix = f"tapc-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.register = register
+        self.segment_bytes = segment_bytes
+        self.maps: list[torch.Tensor] = []              # segment i: uint8 over its file
+        self.free: list[list[tuple[int, int]]] = []     # segment i: sorted (offset, size)
+        self.held: dict[int, tuple[int, int, int]] = {}  # data_ptr -> (segment, offset, size)
+        atexit.register(self.close)
+
+    def path(self, seg: int) -> str:
+        return os.path.join(self.directory, f"{self.prefix}-{seg}")
+
+    def tensor(self, rows: int, caps: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        """An empty `[rows, caps, width]` tensor in the arena (the `Alloc` of host storage)."""
+        nbytes = rows * caps * width * dtype.itemsize
+        seg, off = self._take(-(-nbytes // ALIGN) * ALIGN)
+        t = self.maps[seg][off: off + nbytes].view(dtype).view(rows, caps, width)
+        self.held[t.data_ptr()] = (seg, off, -(-nbytes // ALIGN) * ALIGN)
+        return t
+
+    def locate(self, t: torch.Tensor) -> tuple[str, int]:
+        """(file, byte offset) of a tensor from `tensor` (or a view starting where it starts)."""
+        seg, off, _ = self.held[t.data_ptr()]
+        return self.path(seg), off
+
+    def give_back(self, t: torch.Tensor) -> None:
+        seg, off, size = self.held.pop(t.data_ptr())
+        free = self.free[seg]
+        i = bisect.bisect(free, (off, size))
+        free.insert(i, (off, size))
+        # Merge with the neighbours, so a freed run can take a block of any size again.
+        if i + 1 < len(free) and off + size == free[i + 1][0]:
+            free[i] = (off, size + free.pop(i + 1)[1])
+        if i > 0 and free[i - 1][0] + free[i - 1][1] == off:
+            free[i - 1] = (free[i - 1][0], free[i - 1][1] + free.pop(i)[1])
+
+    def _take(self, size: int) -> tuple[int, int]:
+        for seg, free in enumerate(self.free):
+            for i, (off, room) in enumerate(free):
+                if room >= size:
+                    if room == size:
+                        free.pop(i)
+                    else:
+                        free[i] = (off + size, room - size)
+                    return seg, off
+        self._grow(max(size, self.segment_bytes))
+        return self._take(size)
+
+    def _grow(self, size: int) -> None:
+        path = self.path(len(self.maps))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            os.close(fd)
+            os.unlink(path)
+            held = sum(t.numel() for t in self.maps) / 2**30
+            raise RequestError(f"no room for its captures: {self.directory} cannot hold {size / 2**30:.2f} GiB more "
+                               f"({held:.2f} GiB held by captures already; {e.strerror}). Capture fewer rows or "
+                               "layers per call, or give /dev/shm more space (docker: --shm-size), or point "
+                               "TAPC_SHM_DIR at a larger tmpfs") from None
+        os.close(fd)
+        t = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        if self.register is not None:
+            self.register(t)
+        self.maps.append(t)
+        self.free.append([(0, size)])
+
+    def close(self) -> None:
+        for seg in range(len(self.maps)):
+            try:
+                os.unlink(self.path(seg))
+            except FileNotFoundError:
+                pass
+
+
+class ArenaReader:
+    """The API's side: the arena's files mapped once each, read by (file, offset)."""
+
+    def __init__(self):
+        self.maps: dict[str, torch.Tensor] = {}
+
+    def view(self, path: str, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        m = self.maps.get(path)
+        if m is None:
+            m = self.maps[path] = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
+        n = dtype.itemsize
+        for s in shape:
+            n *= s
+        return m[offset: offset + n].view(dtype).view(shape)
