@@ -13,11 +13,10 @@ import gc
 import json
 import os
 import platform
-import statistics
 import tempfile
 import time
 
-from bench_engine import ENGINE, LLAMA_31_8B, timed
+from bench_engine import ENGINE, LLAMA_31_8B, timed, write_table
 
 LLAMA_32_1B = {**LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True}
@@ -74,18 +73,8 @@ def main():
 
     lines = [f"# bench_blocks: {torch.cuda.get_device_name()}, vLLM {vllm.__version__}, torch {torch.__version__}, "
              f"Python {platform.python_version()}", "",
-             f"{name} shape, dummy weights, bf16; output tok/s, medians of {max(args.repeats - 1, 1)} rounds.", "",
-             "| workload | variant | tok/s | ratio to vanilla |", "|---|---|---:|---:|"]
-    for w in WORKLOADS:
-        base = statistics.median(results[(w, "vanilla")])
-        for (wl, label), values in results.items():
-            if wl == w:
-                v = statistics.median(values)
-                lines.append(f"| {w} | {label} | {v:.1f} | {v / base:.3f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(args.out, "w") as f:
-        f.write(text)
+             f"{name} shape, dummy weights, bf16; output tok/s, medians of {max(args.repeats - 1, 1)} rounds.", ""]
+    write_table(lines, results, WORKLOADS, args.out)
 
 
 if __name__ == "__main__":

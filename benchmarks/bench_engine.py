@@ -128,18 +128,24 @@ def main():
              f"Python {platform.python_version()}",
              "", f"Llama-3.1-8B shape, dummy weights, bf16; medians of {max(args.repeats - 1, 1)} rounds "
              f"(enforce_eager: 1). Decode: output tok/s (higher is better); harvest: seconds (lower is better).",
-             "", "| workload | variant | value | ratio to vanilla |", "|---|---|---:|---:|"]
-    for w in WORKLOADS:
+             ""]
+    write_table(lines, results, WORKLOADS, args.out)
+
+
+def write_table(head: list[str], results: dict, workloads, out: str) -> None:
+    """`head`, then a markdown table of median values and their ratio to vanilla's, printed and
+    written to `out`. results: (workload, variant) -> values; "vanilla" is the baseline."""
+    lines = head + ["| workload | variant | value | ratio to vanilla |", "|---|---|---:|---:|"]
+    for w in workloads:
         base = statistics.median(results[(w, "vanilla")])
+        unit = "s" if w.startswith("harvest") else "tok/s"
         for (wl, name), values in results.items():
-            if wl != w:
-                continue
-            v = statistics.median(values)
-            unit = "s" if w.startswith("harvest") else "tok/s"
-            lines.append(f"| {w} | {name} | {v:.2f} {unit} | {v / base:.3f}x |")
+            if wl == w:
+                v = statistics.median(values)
+                lines.append(f"| {w} | {name} | {v:.2f} {unit} | {v / base:.3f}x |")
     text = "\n".join(lines) + "\n"
     print(text)
-    with open(args.out, "w") as f:
+    with open(out, "w") as f:
         f.write(text)
 
 

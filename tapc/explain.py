@@ -49,7 +49,7 @@ def graph_lines(plan: TapPlan) -> list[str]:
              f"cudagraph mode {plan.cudagraph_mode}"]
     if plan.splitting_ops:
         lines.append(f"splitting ops added: {', '.join(plan.splitting_ops)} (blocks run eagerly at every replay)")
-    body = [f"  [piece 0] embeddings .. layer 0 attention"]
+    body = ["  [piece 0] embeddings .. layer 0 attention"]
     for layer in range(plan.num_layers):
         last = layer == plan.num_layers - 1
         body.append(f"   | attention, layer {layer} (vLLM split)")

@@ -10,7 +10,7 @@ import difflib
 
 from tapc.errors import ResolveError
 from tapc.plan import BLOCK, EDIT, ENGINE, READ, Arg, PlannedTap, Point
-from tapc.spec import EDIT_SIGNATURES, AT, Param, Pick, Slice, Star, TapSpec
+from tapc.spec import AT, EDIT_SIGNATURES, Param, Slice, Star, TapSpec
 from tapc.tree import ModuleTree, Node
 
 

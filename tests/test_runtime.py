@@ -1,5 +1,4 @@
 """Boundary blocks on CPU: per-request views, in-place edits, saved values, failures isolated."""
-import pytest
 import torch
 
 from tapc.errors import BlockFailed
