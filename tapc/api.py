@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from collections.abc import Sequence
 
@@ -31,16 +32,20 @@ DEFAULT_MAX_NUM_SEQS = 256
 
 
 class VLLM:
-    """vLLM's `LLM` with taps. `taps`: tap strings (see `tapc explain`); other keyword arguments
-    go to `vllm.LLM` (prefix caching is turned off; see docs/engine.md)."""
+    """vLLM's `LLM` with taps. `taps`: tap strings (see `tapc explain`); `blocks`: Python blocks
+    by name (docs/blocks.md); `params`: engine-wide parameter values, used by every request that
+    does not pass its own; `capture_dtype`: dtype captures are stored in (default: the model's).
+    Other keyword arguments go to `vllm.LLM` (prefix caching is turned off; see docs/engine.md)."""
 
-    def __init__(self, model: str, taps: Sequence[str], *, blocks: dict | None = None, **kwargs):
+    def __init__(self, model: str, taps: Sequence[str], *, blocks: dict | None = None, params: dict | None = None,
+                 capture_dtype: str | None = None, **kwargs):
         from vllm import LLM
 
         kwargs.setdefault("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
         kwargs.setdefault("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
         self.plan: TapPlan = build_plan(model, list(taps), max_num_batched_tokens=kwargs["max_num_batched_tokens"],
-                                        max_num_seqs=kwargs["max_num_seqs"])
+                                        max_num_seqs=kwargs["max_num_seqs"], capture_dtype=capture_dtype)
+        self._set_params(params)
         self.block_names = {t.block for t in self.plan.taps if t.action == "block"}
         self.blocks = dict(blocks or {})
         unknown = set(self.blocks) - self.block_names
@@ -53,6 +58,31 @@ class VLLM:
             import cloudpickle
 
             self.llm.collective_rpc("tapc_set_blocks", args=(cloudpickle.dumps(self.blocks),))
+
+    @classmethod
+    def from_spec(cls, spec, **overrides) -> "VLLM":
+        """An engine from a YAML spec (a path or a loaded `Spec`): its model, engine arguments,
+        taps, parameters (tensors loaded from their files) and capture dtype. `overrides` are
+        more keyword arguments (e.g. blocks=, attention_backend=)."""
+        from tapc.specfile import Spec, TensorFile, load_spec, load_tensor
+
+        spec = spec if isinstance(spec, Spec) else load_spec(spec)
+        params = {k: load_tensor(v) if isinstance(v, TensorFile) else v for k, v in spec.params.items()}
+        return cls(spec.model, [t.text for t in spec.taps], params=params or None,
+                   capture_dtype=spec.capture.dtype, **{**spec.engine, **overrides})
+
+    def _set_params(self, params: dict | None) -> None:
+        """Engine-wide values, checked against the plan now so a bad one fails at construction."""
+        self.params = dict(params or {})
+        if self.params:
+            to_wire(self.plan, TapRequest(params=self.params), "engine params")
+
+    def _with_defaults(self, ask: TapRequest | None) -> TapRequest | None:
+        """A request's own parameter values over the engine's."""
+        if not self.params:
+            return ask
+        ask = ask or TapRequest()
+        return dataclasses.replace(ask, params={**self.params, **ask.params})
 
     def generate(self, prompts, sampling_params=None, *, taps: TapRequest | Sequence[TapRequest | None] | None = None,
                  **kwargs) -> list:
@@ -73,7 +103,7 @@ class VLLM:
         every = bool(self.block_names) or any(t.kind == ENGINE for t in self.plan.taps)
         wires: list[dict | None] = []
         for i, (sp, ask) in enumerate(zip(params, asks)):
-            ask = TapRequest() if ask is None and every else ask
+            ask = self._with_defaults(TapRequest() if ask is None and every else ask)
             wire = None if ask is None else to_wire(self.plan, ask, f"request {i}")
             if wire is not None:
                 self._check_blocks(ask, f"request {i}")

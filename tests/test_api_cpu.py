@@ -1,0 +1,61 @@
+"""The API's request handling without an engine: engine-wide parameters, specs, block checks."""
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from engine_toy import HIDDEN, toy_plan
+from safetensors.torch import save_file
+
+from tapc.api import VLLM
+from tapc.engine.requests import TapRequest
+from tapc.errors import RequestError
+
+
+def checks_only(taps, params=None):
+    """A VLLM with its plan and request checks but no vLLM engine behind it."""
+    llm = VLLM.__new__(VLLM)
+    llm.plan = toy_plan(taps)
+    llm._set_params(params)
+    return llm
+
+
+def test_engine_params_are_defaults_a_request_overrides():
+    v, w = np.ones(HIDDEN), np.full(HIDDEN, 2.0)
+    llm = checks_only(["model.layers.1.resid | add(steer, alpha=a)"], {"steer": v, "a": 3.0})
+    merged = llm._with_defaults(None)
+    assert merged.params["a"] == 3.0 and merged.params["steer"] is v
+    own = llm._with_defaults(TapRequest(capture=(), params={"steer": w}))
+    assert own.params["steer"] is w and own.params["a"] == 3.0
+    assert checks_only(["model.layers.1.resid"])._with_defaults(None) is None
+
+
+def test_bad_engine_params_fail_at_construction():
+    with pytest.raises(RequestError, match="engine params: parameter 'steer' \\(vector\\) must be 16 numbers"):
+        checks_only(["model.layers.1.resid | add(steer)"], {"steer": [1.0, 2.0]})
+    with pytest.raises(RequestError, match="engine params: parameter 'stear' is not named"):
+        checks_only(["model.layers.1.resid | add(steer)"], {"stear": np.ones(HIDDEN)})
+
+
+def test_from_spec_passes_model_taps_params_and_engine_args(tmp_path, monkeypatch):
+    vec = torch.randn(HIDDEN)
+    save_file({"l1": vec}, str(tmp_path / "v.safetensors"))
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    (tmp_path / "spec.yaml").write_text(textwrap.dedent("""
+        model: m
+        engine: {max_num_seqs: 4, gpu_memory_utilization: 0.3}
+        taps:
+          - model.layers.1.resid | add(steer, alpha=2.0)
+          - model.layers.*.resid
+        params: {steer: {file: v.safetensors, key: l1}}
+        capture: {dtype: float32}
+    """))
+    seen = {}
+    monkeypatch.setattr(VLLM, "__init__", lambda self, model, taps, **kw: seen.update(model=model, taps=taps, **kw))
+    VLLM.from_spec(str(tmp_path / "spec.yaml"), attention_backend="TRITON_ATTN")
+    assert seen["model"] == str(tmp_path / "m")
+    assert seen["taps"] == ["model.layers.1.resid | add(steer, alpha=2.0)", "model.layers.*.resid"]
+    assert torch.equal(seen["params"]["steer"], vec) and seen["capture_dtype"] == "float32"
+    assert seen["max_num_seqs"] == 4 and seen["gpu_memory_utilization"] == 0.3
+    assert seen["attention_backend"] == "TRITON_ATTN"
