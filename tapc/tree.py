@@ -286,28 +286,39 @@ def _call_name(func: ast.expr) -> str:
     return "_".join(reversed(parts))
 
 
-def _source_ops(mod, model, path: str, widths: _Widths) -> tuple[SourceOp, ...]:
-    """The calls in `type(mod).forward`, in source order, with widths where they can be known."""
+def forward_calls(cls) -> tuple[ast.FunctionDef, int, list[tuple[str, ast.Call]]] | None:
+    """The parsed `cls.forward`, its first line in its file, and its calls in source order, each
+    named as nnsight names them (`<receiver>_<callee>_<k>`). None when there is no source.
+    The engine rewrites forwards with the same names (engine/source.py)."""
     try:
-        lines, start = inspect.getsourcelines(type(mod).forward)
-    except (OSError, TypeError):
-        return ()
-    try:
+        lines, start = inspect.getsourcelines(cls.forward)
         tree = ast.parse(textwrap.dedent("".join(lines)))
-    except SyntaxError:
-        return ()
+    except (OSError, TypeError, SyntaxError):
+        return None
     calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
     counts: dict[str, int] = {}
-    ops = []
+    named = []
     for call in calls:
         base = _call_name(call.func)
         if not base:
             continue
         k = counts.get(base, 0)
         counts[base] = k + 1
+        named.append((f"{base}_{k}", call))
+    return tree.body[0], start, named
+
+
+def _source_ops(mod, model, path: str, widths: _Widths) -> tuple[SourceOp, ...]:
+    """The calls in `type(mod).forward`, in source order, with widths where they can be known."""
+    found = forward_calls(type(mod))
+    if found is None:
+        return ()
+    _, start, named = found
+    ops = []
+    for name, call in named:
         out_widths, in_width, linear = _call_widths(mod, model, path, call, widths)
         text = ast.unparse(call)
-        ops.append(SourceOp(name=f"{base}_{k}", call=text if len(text) <= 80 else text[:77] + "...",
+        ops.append(SourceOp(name=name, call=text if len(text) <= 80 else text[:77] + "...",
                             line=start + call.lineno - 1, out_widths=out_widths, in_width=in_width, linear=linear))
     return tuple(ops)
 

@@ -23,9 +23,16 @@ from tapc.engine.buffers import ParamTables
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.tables import copy_segments
 from tapc.plan import build_plan
-from tapc.tree import ModuleTree, Node
+from tapc.tree import ModuleTree, Node, SourceOp
 
 HIDDEN, INTER, LAYERS, VOCAB = 16, 24, 3, 50
+HALF = 10
+# MLP.forward's calls as the plan names them (tapc.tree.forward_calls), with their widths.
+MLP_SOURCE = (SourceOp("self_up_proj_0", "self.up_proj(x)", 0, (INTER,), HIDDEN, linear=True),
+              SourceOp("h_split_0", "h.split(...)", 0, (HALF, INTER - HALF), INTER),
+              SourceOp("self_down_proj_0", "self.down_proj(...)", 0, (HIDDEN,), INTER, linear=True),
+              SourceOp("torch_tanh_0", "torch.tanh(...)", 0, None, None),
+              SourceOp("torch_cat_0", "torch.cat(...)", 0, None, None))
 
 
 class Linear(torch.nn.Module):
@@ -44,10 +51,12 @@ class MLP(torch.nn.Module):
         super().__init__()
         self.up_proj = Linear(HIDDEN, INTER)
         self.down_proj = Linear(INTER, HIDDEN)
+        self.half = HALF
 
     def forward(self, x):
         h, _ = self.up_proj(x)
-        out, _ = self.down_proj(torch.tanh(h))
+        a, b = h.split([self.half, INTER - self.half], dim=-1)
+        out, _ = self.down_proj(torch.tanh(torch.cat([a, b * 0.5], dim=-1)))
         return out
 
 
@@ -92,7 +101,7 @@ def toy_tree() -> ModuleTree:
     for i in range(LAYERS):
         p = f"model.layers.{i}"
         nodes += [Node(p, "Layer", "pair", HIDDEN, HIDDEN, layer=i),
-                  Node(f"{p}.mlp", "MLP", "tensor", HIDDEN, HIDDEN, layer=i),
+                  Node(f"{p}.mlp", "MLP", "tensor", HIDDEN, HIDDEN, layer=i, source_ops=MLP_SOURCE),
                   Node(f"{p}.mlp.up_proj", "Linear", "linear", HIDDEN, INTER, layer=i),
                   Node(f"{p}.mlp.down_proj", "Linear", "linear", INTER, HIDDEN, layer=i)]
     return ModuleTree(model="toy", architecture="ToyForCausalLM", hidden_size=HIDDEN, num_layers=LAYERS,

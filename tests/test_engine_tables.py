@@ -121,12 +121,3 @@ def test_v1_runner_is_refused_before_starting(monkeypatch):
         engine_kwargs(toy_plan(PLAN_TAPS), {})
 
 
-def test_layout_refuses_what_the_engine_does_not_serve_yet():
-    import dataclasses
-
-    from tapc.plan import Point
-
-    plan = toy_plan(["model.layers.0.mlp.down_proj.output"])
-    tap = dataclasses.replace(plan.taps[0], point=Point("model.layers.0.mlp", "source", op="self_down_proj_0"))
-    with pytest.raises(EngineError, match="`.source` points are not served yet"):
-        Layout(dataclasses.replace(plan, taps=(tap,)))

@@ -11,6 +11,8 @@ for all layers), and the host refills their contents every step.
 Python blocks (`-> name`) become `tapc::boundary(x, b, k)`, an opaque op vLLM's piecewise
 backend splits the graph at (config.py lists it in the splitting ops).
 
+`.source` points rewrite the module's forward (engine/source.py) so the ops run at the call.
+
 Sites: `input` (the module's activation argument, edited before the call), `output` (the
 tensor, or element k of a tuple; a vLLM linear returns (out, bias), `.output` is out) and
 `resid` (a decoder layer's hidden_states + residual; an edit writes hidden_states so that the
@@ -25,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from tapc.engine.source import rewrite_forward
 from tapc.engine.tables import Layout
 from tapc.errors import EngineError
 
@@ -94,7 +97,14 @@ def _bind(module: torch.nn.Module, i: int, tap, what: tuple[str, int], layout: L
 def _patch(module: torch.nn.Module, path: str, taps: list) -> None:
     if "forward" in module.__dict__:
         raise EngineError(f"`{path}` already has a patched forward: taps were installed twice on this model")
-    original = module.forward
+    source = [(tap, op) for tap, op in taps if tap.point.site == "source"]
+    rest = [(tap, op) for tap, op in taps if tap.point.site != "source"]
+    forward = rewrite_forward(module, path, source) if source else module.forward
+    module.forward = _around(module, forward, rest) if rest else forward
+
+
+def _around(module: torch.nn.Module, original, taps: list):
+    """`original` with the module-level taps: `input` ops before it, the others after."""
     before = [op for tap, op in taps if tap.point.site == "input"]
     after = [(tap.point, op) for tap, op in taps if tap.point.site != "input"]
     width = {tap.point.site: tap.width for tap, _ in taps}.get("input")
@@ -115,7 +125,7 @@ def _patch(module: torch.nn.Module, path: str, taps: list) -> None:
                 op(out, None)
         return out
 
-    module.forward = types.MethodType(forward, module)
+    return types.MethodType(forward, module)
 
 
 def _input_picker(forward, width: int):

@@ -48,11 +48,6 @@ class Layout:
     """The plan's in-graph taps as table rows: capture c is row c, edit e is row C + e."""
 
     def __init__(self, plan: TapPlan):
-        unsupported = [t for t in plan.taps if t.point.site == "source"]
-        if unsupported:
-            t = unsupported[0]
-            raise EngineError(f"`{t.source}`: this engine taps module inputs, outputs, `.resid`, `logits` and "
-                              "`samples`; `.source` points are not served yet")
         self.captures = plan.by_kind(READ)
         self.edits = plan.by_kind(EDIT)
         self.blocks = plan.by_kind(BLOCK)     # boundary op k is blocks[k]
