@@ -1,0 +1,45 @@
+"""`.source` taps on a real vLLM engine (GPU machine): q and k out of Llama attention's
+`qkv.split(...)`, against HF transformers' q_proj / k_proj outputs on the same weights."""
+import gc
+
+import pytest
+import torch
+from test_engine_gpu import assert_matches, engine_args, prompts, sampling, write_checkpoint
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TAPS = ["model.layers.1.self_attn.source.qkv_split_0.output[0]",
+        "model.layers.1.self_attn.source.qkv_split_0.output[1]",
+        "model.layers.2.mlp.source.self_down_proj_0.input"]
+
+
+def hf_points(path, tokens):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    seen = {}
+    attn = model.model.layers[1].self_attn
+    attn.q_proj.register_forward_hook(lambda m, a, o: seen.__setitem__(TAPS[0], o[0].float().cpu()))
+    attn.k_proj.register_forward_hook(lambda m, a, o: seen.__setitem__(TAPS[1], o[0].float().cpu()))
+    model.model.layers[2].mlp.down_proj.register_forward_pre_hook(
+        lambda m, a: seen.__setitem__(TAPS[2], a[0][0].float().cpu()))
+    with torch.no_grad():
+        model(torch.tensor([tokens], device="cuda"))
+    del model
+    return seen
+
+
+def test_qkv_split_and_down_proj_input_equal_hf(tmp_path):
+    from tapc import VLLM
+    from tapc.api import TapRequest
+
+    path = write_checkpoint(tmp_path / "llama", "llama")
+    llm = VLLM(path, taps=TAPS, **engine_args())
+    outs = llm.generate(prompts(), sampling(), taps=TapRequest(capture="*"))
+    for i, out in enumerate(outs):
+        tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        ref = hf_points(path, tokens[:-1])
+        for key in TAPS:
+            assert_matches(out.taps[key], ref[key], f"request {i} {key}")
+    del llm
+    gc.collect()
