@@ -12,7 +12,7 @@ from importlib import resources
 from typing import Iterable, Union
 
 import lark
-from lark import Lark, Transformer, v_args
+from lark import Lark, Transformer
 
 from tapc.errors import TapSyntaxError
 
@@ -110,10 +110,6 @@ def _parser() -> Lark:
 class _ToAst(Transformer):
     """One method per grammar rule; returns plain values."""
 
-    def __init__(self, text: str):
-        super().__init__()
-        self.text = text
-
     # path segments
     def named(self, items):
         name, *sel = items
@@ -132,7 +128,7 @@ class _ToAst(Transformer):
         return items[0]
 
     def slice(self, items):
-        # the grammar keeps positions: INT? ":" INT? (":" INT)? -> None where absent
+        # already a Slice: parse_tap rebuilds slice nodes from their tokens (_slice_from_tree)
         return items[0]
 
     def pick(self, items):
@@ -190,8 +186,7 @@ class _ToAst(Transformer):
     def block(self, items):
         return ("block", items[0], [])
 
-    @v_args(meta=True)
-    def tap(self, meta, items):
+    def tap(self, items):
         point = items[0]
         action = items[1] if len(items) > 1 else ("call", None, [])
         return point, action
@@ -264,7 +259,7 @@ def parse_tap(text: str, line: int = 1, unit: str = "line") -> TapSpec:
     for sub in tree.iter_subtrees():
         if sub.data == "slice":
             sub.children = [_slice_from_tree(sub)]
-    point, (kind, name, args) = _ToAst(text).transform(tree)
+    point, (kind, name, args) = _ToAst().transform(tree)
     if kind == "block":
         action = Action(op="block", block=str(name))
     else:
