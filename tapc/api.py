@@ -3,7 +3,8 @@
     llm = VLLM("path/to/model", taps=["model.layers.*.resid", "model.layers.10.resid | add(steer, alpha=4.0)"])
     outs = llm.generate(prompts, SamplingParams(max_tokens=32),
                         taps=TapRequest(capture=["model.layers.*.resid"], params={"steer": v}))
-    outs[0].taps["model.layers.3.resid"]     # [rows, hidden] on the CPU, rows as `positions` says
+    outs[0].taps["model.layers.3.resid"]     # [rows, hidden] on the CPU, rows as `positions` says,
+                                             # a view of shared memory (no copy; see docs/engine.md)
 
 `generate` takes and returns what vLLM's `LLM.generate` does; each RequestOutput gets a
 `taps` dict (empty when the request captured nothing). See docs/engine.md.
@@ -117,6 +118,7 @@ class VLLM:
             else:
                 wire = None
             wires.append(wire)
+        self._give_back()
         outs = self.llm.generate(prompts, params, **kwargs)
         wanted = [w["id"] for w in wires if w is not None and (w["capture"] or every)]
         got = self.llm.collective_rpc("tapc_collect", args=(wanted,))[0] if wanted else {}
@@ -124,12 +126,19 @@ class VLLM:
             for out, wire in zip(outs, wires):
                 out.taps, out.saved, out.error = {}, {}, None
                 if wire is not None and wire["id"] in got:
-                    out.taps = _assemble(out, wire, got[wire["id"]], self._arena)
-                    _attach_points(out, got[wire["id"]])
-        finally:  # the rows are copied out (or given up): the engine reuses their memory
-            if wanted:
-                self.llm.collective_rpc("tapc_release", args=(wanted,))
+                    result = got.pop(wire["id"])
+                    out.taps = _assemble(out, wire, result, self._arena)
+                    _attach_points(out, result)
+        finally:  # results not assembled (an error above): no tensor will hold their chunks
+            for result in got.values():
+                _disown(result, self._arena)
         return outs
+
+    def _give_back(self) -> None:
+        """Tell the worker which capture chunks the caller has dropped since the last call."""
+        chunks = self._arena.drain()
+        if chunks:
+            self.llm.collective_rpc("tapc_release", args=(chunks,))
 
     def _check_blocks(self, ask: TapRequest, where: str) -> None:
         missing = self.block_names - set(self.blocks) - set(ask.blocks)
@@ -139,28 +148,43 @@ class VLLM:
 
 
 def _assemble(out, wire: dict, result: dict, arena: ArenaReader | None = None) -> dict[str, torch.Tensor]:
-    """Per key `[rows, width]`, rows in position order, copied out of the engine's arena
-    (`arena`: the engine's mapped files; a fresh reader maps them again); rows of a step vLLM
-    ran after the request's last token (async scheduling) are dropped."""
+    """Per key `[rows, width]`, rows in position order: views of the engine's arena, no copy
+    (`arena` notes each chunk's release when the caller drops its last view; the chunks not
+    viewed are noted now). Rows of a step vLLM ran after the request's last token (async
+    scheduling) are cut off."""
     arena = arena if arena is not None else ArenaReader()
     if "error" in result:
         raise RequestError(f"request {out.request_id}: {result['error']}")
     generated = len(out.outputs[0].token_ids)
     keep = expected_rows(wire["positions"], len(out.prompt_token_ids), generated)
+    short = [store["rows"] for store in result["stores"] if store["rows"] < keep]
+    if short:
+        _disown(result, arena)
+        raise EngineError(f"request {out.request_id}: {short[0]} rows captured for {keep} positions")
     taps: dict[str, torch.Tensor] = {}
     for store in result["stores"]:
         keys, width, dtype = store["keys"], store["width"], getattr(torch, store["dtype"])
-        if store["rows"] < keep:
-            raise EngineError(f"request {out.request_id}: {store['rows']} rows captured for {keep} positions")
-        block = torch.empty(keep, len(keys), width, dtype=dtype)
-        done = 0
-        for path, offset, rows in store["chunks"]:
-            n = min(rows, keep - done)
-            if n > 0:
-                block[done: done + n] = arena.view(path, offset, (rows, len(keys), width), dtype)[:n]
-                done += n
+        parts, done = [], 0
+        for path, offset, rows, written in store["chunks"]:
+            n = min(written, keep - done)
+            if n <= 0:
+                arena.unused(path, offset)
+                continue
+            parts.append(arena.view(path, offset, (rows, len(keys), width), dtype)[:n])
+            done += n
+        # One chunk is the usual case (the first is sized for every row the request can have);
+        # several are joined by a copy, and go back as soon as `parts` is dropped.
+        block = parts[0] if len(parts) == 1 else \
+            torch.cat(parts) if parts else torch.empty((0, len(keys), width), dtype=dtype)
         taps.update({k: block[:, j] for j, k in enumerate(keys)})
     return taps
+
+
+def _disown(result: dict, arena: ArenaReader) -> None:
+    """A collected result no tensor will view: every chunk of it can go back."""
+    for store in result.get("stores", ()):
+        for path, offset, *_ in store["chunks"]:
+            arena.unused(path, offset)
 
 
 def _attach_points(out, result: dict) -> None:

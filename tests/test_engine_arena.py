@@ -1,14 +1,18 @@
-"""The capture arena: shared files another process reads, space reused, a full /dev/shm refused."""
+"""The capture arena: shared files another process reads, space reused, a full /dev/shm refused,
+and captures handed to the caller without a copy, their space back only once the caller drops them."""
 import errno
 import os
 import subprocess
 import sys
 
+import gc
+
 import numpy as np
 import pytest
 import torch
-from engine_toy import Req, ToyModel, hooks_for, run, toy_plan
+from engine_toy import Req, ToyModel, hooks_for, output_of, run, toy_plan
 
+from tapc.api import _assemble
 from tapc.engine.arena import Arena, ArenaReader
 from tapc.engine.requests import TapRequest, to_wire
 
@@ -31,8 +35,8 @@ def test_freed_space_merges_and_is_reused():
     arena = Arena(segment_bytes=4096)
     a, b, c = (arena.tensor(1, 1, 256, torch.float32) for _ in range(3))   # 1024 bytes each
     assert [arena.locate(x)[1] for x in (a, b, c)] == [0, 1024, 2048]
-    arena.give_back(b)
-    arena.give_back(a)
+    arena.give_back(*arena.locate(b))
+    arena.give_back(*arena.locate(a))
     big = arena.tensor(2, 1, 256, torch.float32)
     assert arena.locate(big) == (arena.path(0), 0), "a and b merged into one 2048-byte run"
     huge = arena.tensor(4, 1, 512, torch.float32)                            # more than a segment
@@ -54,12 +58,49 @@ def test_full_shm_is_a_clear_request_error(monkeypatch):
     assert not os.listdir("/dev/shm") or not any(f.startswith(hooks.arena.prefix) for f in os.listdir("/dev/shm"))
 
 
-def test_release_gives_every_chunk_back():
+def test_captures_are_views_freed_only_when_the_caller_drops_them():
     plan = toy_plan(["model.layers.*.resid"])
     runner, hooks = hooks_for(plan, ToyModel())
-    wire = to_wire(plan, TapRequest(capture="*"), "r")
-    run(runner, [Req("r", np.arange(6).tolist(), 3, wire)], budget=64)
-    hooks.collect([wire["id"]])
-    assert hooks.arena.held
-    hooks.release([wire["id"]])
-    assert not hooks.arena.held and hooks.arena.free == [[(0, 4096)]]
+    reader = ArenaReader()
+    rng = np.random.default_rng(5)
+
+    def serve(rid: str, max_tokens: int, positions="all") -> dict[str, torch.Tensor]:
+        wire = to_wire(plan, TapRequest(capture="*", positions=positions), rid)
+        req = Req(rid, rng.integers(0, 50, 6).tolist(), max_tokens, wire)
+        run(runner, [req], budget=64)
+        return _assemble(output_of(req), wire, hooks.collect([wire["id"]])[wire["id"]], reader)
+
+    first = serve("a", 3)
+    kept = {k: v.clone() for k, v in first.items()}
+    assert not any(v.numel() == 0 for v in first.values())
+    hooks.release(reader.drain())                     # nothing: the caller holds every chunk
+    held = dict(hooks.arena.held)
+    assert held
+    # A second request while the first's captures are alive: it gets other space, and the first
+    # request's tensors still hold their own values.
+    second = serve("b", 4)
+    nothing = serve("c", 2, positions=[99])            # its one chunk gets no row: back at once
+    assert all(v.shape[0] == 0 for v in nothing.values())
+    for k in first:
+        assert torch.equal(first[k], kept[k]), k
+    hooks.release(reader.drain())
+    assert set(held) <= set(hooks.arena.held)
+    views = [first[k] for k in list(first)[:1]]        # the caller keeps one tensor of the first
+    del first
+    gc.collect()
+    hooks.release(reader.drain())
+    assert set(held) <= set(hooks.arena.held), "a view still alive keeps its chunk"
+    del views, second
+    gc.collect()
+    hooks.release(reader.drain())
+    assert not hooks.arena.held
+    assert all(len(free) == 1 and free[0][0] == 0 for free in hooks.arena.free), "freed runs merge back"
+
+
+def test_a_chunk_given_back_twice_is_an_error():
+    arena = Arena(segment_bytes=4096)
+    path, offset = arena.locate(arena.tensor(1, 1, 16, torch.float32))
+    arena.give_back(path, offset)
+    with pytest.raises(ValueError, match="given back twice"):
+        arena.give_back(path, offset)
+    arena.close()

@@ -64,7 +64,7 @@ def test_store_grows_and_splits_a_block_over_chunks():
     assert [v.shape[0] for v in st.reserve(6)] == [6]
     assert [v.shape[0] for v in st.reserve(6)] == [4, 2], "10 rows in the first chunk, the rest in a new one"
     assert [c.shape[0] for c in st.chunks] == [10, 64]
-    assert sum(c.shape[0] for c in st.filled()) == 12
+    assert sum(n for _, n in st.filled()) == 12
 
 
 def test_slots_run_out_loudly():

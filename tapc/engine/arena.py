@@ -4,8 +4,10 @@ Captures used to come back as bytes in the `collective_rpc` reply (msgpack over 
 host copies of gigabytes). Instead the worker's side stream copies each request's rows into
 an arena of files in /dev/shm (`TAPC_SHM_DIR`), mapped in the worker and, on the GPU,
 registered as pinned memory once per file so the copies are asynchronous DMA. `collect`
-answers with where the rows are (file, byte offset, rows); the API maps the same files, copies
-its request's rows out and then calls `release`, which gives the space back for reuse.
+answers with where the rows are (file, byte offset, rows), and the API hands them to the caller
+as tensors over those same bytes, without a copy: gigabytes of captures cost the caller no
+memcpy. A block's space goes back to the worker (`release`) once no tensor of the caller uses
+it; until then the worker never writes there again.
 
 Files are created when the arena runs out of room (segments of at least `SEGMENT_BYTES`), kept
 for the engine's life and removed when the worker exits. Their space is reserved when they are
@@ -16,10 +18,13 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import math
 import os
 import uuid
+import weakref
 from typing import Callable
 
+import numpy as np
 import torch
 
 from tapc.errors import RequestError
@@ -37,7 +42,8 @@ class Arena:
         self.segment_bytes = segment_bytes
         self.maps: list[torch.Tensor] = []              # segment i: uint8 over its file
         self.free: list[list[tuple[int, int]]] = []     # segment i: sorted (offset, size)
-        self.held: dict[int, tuple[int, int, int]] = {}  # data_ptr -> (segment, offset, size)
+        self.held: dict[tuple[int, int], int] = {}       # (segment, offset) -> size
+        self.segment: dict[str, int] = {}                # file -> segment
         atexit.register(self.close)
 
     def path(self, seg: int) -> str:
@@ -47,17 +53,23 @@ class Arena:
         """An empty `[rows, caps, width]` tensor in the arena (the `Alloc` of host storage)."""
         nbytes = rows * caps * width * dtype.itemsize
         seg, off = self._take(-(-nbytes // ALIGN) * ALIGN)
-        t = self.maps[seg][off: off + nbytes].view(dtype).view(rows, caps, width)
-        self.held[t.data_ptr()] = (seg, off, -(-nbytes // ALIGN) * ALIGN)
-        return t
+        self.held[(seg, off)] = -(-nbytes // ALIGN) * ALIGN
+        return self.maps[seg][off: off + nbytes].view(dtype).view(rows, caps, width)
 
     def locate(self, t: torch.Tensor) -> tuple[str, int]:
         """(file, byte offset) of a tensor from `tensor` (or a view starting where it starts)."""
-        seg, off, _ = self.held[t.data_ptr()]
-        return self.path(seg), off
+        p = t.data_ptr()
+        for seg, m in enumerate(self.maps):
+            if m.data_ptr() <= p < m.data_ptr() + m.numel():
+                return self.path(seg), p - m.data_ptr()
+        raise ValueError("not a tensor of this arena")
 
-    def give_back(self, t: torch.Tensor) -> None:
-        seg, off, size = self.held.pop(t.data_ptr())
+    def give_back(self, path: str, off: int) -> None:
+        """Free the block at (file, offset) that `tensor` gave out."""
+        seg = self.segment.get(path, -1)
+        size = self.held.pop((seg, off), None)
+        if size is None:
+            raise ValueError(f"{path} at {off}: no block of this arena starts there (given back twice?)")
         free = self.free[seg]
         i = bisect.bisect(free, (off, size))
         free.insert(i, (off, size))
@@ -87,15 +99,17 @@ class Arena:
         except OSError as e:
             os.close(fd)
             os.unlink(path)
-            held = sum(t.numel() for t in self.maps) / 2**30
+            held = sum(self.held.values()) / 2**30
             raise RequestError(f"no room for its captures: {self.directory} cannot hold {size / 2**30:.2f} GiB more "
-                               f"({held:.2f} GiB held by captures already; {e.strerror}). Capture fewer rows or "
-                               "layers per call, or give /dev/shm more space (docker: --shm-size), or point "
-                               "TAPC_SHM_DIR at a larger tmpfs") from None
+                               f"({held:.2f} GiB held by captures, running or still referenced by the caller; "
+                               f"{e.strerror}). Drop captures you no longer need (or .clone() those you keep), "
+                               "capture fewer rows or layers per call, give /dev/shm more space (docker: "
+                               "--shm-size), or point TAPC_SHM_DIR at a larger tmpfs") from None
         os.close(fd)
         t = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         if self.register is not None:
             self.register(t)
+        self.segment[path] = len(self.maps)
         self.maps.append(t)
         self.free.append([(0, size)])
 
@@ -108,16 +122,29 @@ class Arena:
 
 
 class ArenaReader:
-    """The API's side: the arena's files mapped once each, read by (file, offset)."""
+    """The API's side: blocks of the worker's files as tensors, each over its own mapping of
+    exactly its bytes, so that the block is free again when the caller drops the last tensor
+    that uses it (a finalizer notes it; `drain` hands the notes to the worker's `release`)."""
 
     def __init__(self):
-        self.maps: dict[str, torch.Tensor] = {}
+        self._unused: list[tuple[str, int]] = []
 
     def view(self, path: str, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        m = self.maps.get(path)
-        if m is None:
-            m = self.maps[path] = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
-        n = dtype.itemsize
-        for s in shape:
-            n *= s
-        return m[offset: offset + n].view(dtype).view(shape)
+        n = dtype.itemsize * math.prod(shape)
+        if n == 0:
+            self.unused(path, offset)
+            return torch.empty(shape, dtype=dtype)
+        m = np.memmap(path, dtype=np.uint8, mode="r+", offset=offset, shape=(n,))
+        # Every tensor made from it keeps `m` alive: it dies with the caller's last view.
+        weakref.finalize(m, self.unused, path, offset)
+        return torch.from_numpy(m).view(dtype).view(shape)
+
+    def unused(self, path: str, offset: int) -> None:
+        """The block at (path, offset) can go back (finalizers call this from any thread)."""
+        self._unused.append((path, offset))
+
+    def drain(self) -> list[tuple[str, int]]:
+        out = []
+        while self._unused:  # pop, not a swap: a finalizer may append meanwhile
+            out.append(self._unused.pop())
+        return out

@@ -35,7 +35,6 @@ class RunnerHooks:
         self.slots = Slots(slots)
         self.records: dict[str, Record] = {}     # vLLM request id -> record, while vLLM has it
         self.by_id: dict[str, Record] = {}       # tapc id -> record, until collected
-        self.collected: dict[str, Record] = {}   # tapc id -> record, until the API has read it
         self.errors: dict[str, str] = {}         # tapc id -> why its taps were not served
         self._step = None
         self._execute = runner.execute_model
@@ -110,9 +109,10 @@ class RunnerHooks:
 
     def collect(self, ids: list[str]) -> dict[str, dict]:
         """Captures of the given tapc ids, as plain data: per group of captures of one width,
-        `{"keys", "dtype", "width", "rows", "chunks": [(file, byte offset, rows_i)]}`, each chunk
-        `[rows_i, keys, width]` in the arena. The record is dropped; its storage is held until
-        `release`, after the API has copied the rows out."""
+        `{"keys", "dtype", "width", "rows", "chunks": [(file, byte offset, rows allocated, rows
+        written)]}`, each chunk `[rows, keys, width]` in the arena. The record is dropped; the
+        chunks now belong to the API, which gives each back (`release`) when the caller no
+        longer uses it."""
         self.buffers.wait_copies()
         out: dict[str, dict] = {}
         for tid in ids:
@@ -128,18 +128,14 @@ class RunnerHooks:
                 self._release(rec)
                 self.records.pop(rec.rid, None)
             out[tid] = {"stores": [_store_wire(self.layout, self.arena, st) for st in rec.stores]}
-            self.collected[tid] = rec
             if self.points is not None:
                 out[tid]["points"] = self.points.take(tid)
         return out
 
-    def release(self, ids: list[str]) -> None:
-        """The API has copied these requests' captures: their arena storage is free again."""
-        for tid in ids:
-            rec = self.collected.pop(tid, None)
-            for st in rec.stores if rec is not None else ():
-                for chunk in st.chunks:
-                    self.arena.give_back(chunk)
+    def release(self, chunks: list[tuple[str, int]]) -> None:
+        """The API no longer uses these chunks (file, byte offset): their space is free again."""
+        for path, offset in chunks:
+            self.arena.give_back(path, offset)
 
 
 def _store_wire(layout: Layout, arena: Arena, store) -> dict:
@@ -148,5 +144,5 @@ def _store_wire(layout: Layout, arena: Arena, store) -> dict:
         "dtype": str(store.dtype).removeprefix("torch."),
         "width": store.width,
         "rows": store.rows,
-        "chunks": [(*arena.locate(c), c.shape[0]) for c in store.filled()],
+        "chunks": [(*arena.locate(c), c.shape[0], n) for c, n in store.filled()],
     }

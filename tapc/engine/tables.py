@@ -106,14 +106,12 @@ class Store:
         self.rows += n
         return out
 
-    def filled(self) -> list[torch.Tensor]:
-        """The written rows, chunk by chunk."""
+    def filled(self) -> list[tuple[torch.Tensor, int]]:
+        """Every chunk, with how many of its rows are written (0 for a chunk never reached)."""
         out, left = [], self.rows
         for chunk in self.chunks:
-            if left == 0:
-                break
-            out.append(chunk[: min(left, chunk.shape[0])])
-            left -= out[-1].shape[0]
+            out.append((chunk, min(left, chunk.shape[0])))
+            left -= out[-1][1]
         return out
 
 

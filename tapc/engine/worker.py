@@ -60,8 +60,8 @@ class TapWorker(Worker):
     def tapc_collect(self, ids: list[str]) -> dict[str, dict]:
         return self.tapc.collect(ids)
 
-    def tapc_release(self, ids: list[str]) -> None:
-        self.tapc.release(ids)
+    def tapc_release(self, chunks: list[tuple[str, int]]) -> None:
+        self.tapc.release(chunks)
 
     def tapc_set_blocks(self, blocks: bytes) -> None:
         """Engine-wide Python blocks, by name (cloudpickled by the API)."""
