@@ -68,13 +68,14 @@ def main():
                 print(f"round {rnd} {w:12s} {label:40s} {value:10.1f}", flush=True)
                 if rnd > 0 or args.repeats == 1:
                     results.setdefault((w, label), []).append(value)
+        if results:  # after every measured round, so a run cut short still leaves its table
+            rounds = len(next(iter(results.values())))
+            lines = [f"# bench_blocks: {torch.cuda.get_device_name()}, vLLM {vllm.__version__}, "
+                     f"torch {torch.__version__}, Python {platform.python_version()}", "",
+                     f"{name} shape, dummy weights, bf16; output tok/s, medians of {rounds} rounds.", ""]
+            write_table(lines, results, WORKLOADS, args.out)
     del engines
     gc.collect()
-
-    lines = [f"# bench_blocks: {torch.cuda.get_device_name()}, vLLM {vllm.__version__}, torch {torch.__version__}, "
-             f"Python {platform.python_version()}", "",
-             f"{name} shape, dummy weights, bf16; output tok/s, medians of {max(args.repeats - 1, 1)} rounds.", ""]
-    write_table(lines, results, WORKLOADS, args.out)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,16 @@ def main():
     print(f"engine start: vanilla {t_vanilla:.0f} s, tapc {t_tapc:.0f} s", flush=True)
 
     results: dict[tuple[str, str], list[float]] = {}
+
+    def report() -> None:  # after every measured round and at the end: a run cut short keeps its table
+        rounds = len(results[(next(iter(WORKLOADS)), "vanilla")])
+        eager = "enforce_eager: 1" if (next(iter(WORKLOADS)), "vanilla enforce_eager") in results else "enforce_eager: not yet run"
+        lines = [f"# bench_engine: {torch.cuda.get_device_name()}, vLLM {vllm.__version__}, torch {torch.__version__}, "
+                 f"Python {platform.python_version()}",
+                 "", f"Llama-3.1-8B shape, dummy weights, bf16; medians of {rounds} rounds ({eager}). Decode: output "
+                 "tok/s (higher is better); harvest: seconds (lower is better).", ""]
+        write_table(lines, results, WORKLOADS, args.out)
+
     for rnd in range(args.repeats):
         for w in WORKLOADS:
             runs = {"vanilla": lambda ps, sp: vanilla.generate(ps, sp, use_tqdm=False)}
@@ -115,6 +125,8 @@ def main():
                 print(f"round {rnd} {w:18s} {name:42s} {value:10.2f}", flush=True)
                 if rnd > 0 or args.repeats == 1:
                     results.setdefault((w, name), []).append(value)
+        if results:
+            report()
     del vanilla, tapped
     gc.collect()
     torch.cuda.empty_cache()
@@ -123,13 +135,7 @@ def main():
     for w in WORKLOADS:
         timed(lambda ps, sp: eager.generate(ps, sp, use_tqdm=False), w, seed=0)
         results[(w, "vanilla enforce_eager")] = [timed(lambda ps, sp: eager.generate(ps, sp, use_tqdm=False), w, seed=1)]
-
-    lines = [f"# bench_engine: {torch.cuda.get_device_name()}, vLLM {vllm.__version__}, torch {torch.__version__}, "
-             f"Python {platform.python_version()}",
-             "", f"Llama-3.1-8B shape, dummy weights, bf16; medians of {max(args.repeats - 1, 1)} rounds "
-             f"(enforce_eager: 1). Decode: output tok/s (higher is better); harvest: seconds (lower is better).",
-             ""]
-    write_table(lines, results, WORKLOADS, args.out)
+    report()
 
 
 def write_table(head: list[str], results: dict, workloads, out: str) -> None:
