@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--shape", choices=SHAPES, default="8b")
     ap.add_argument("--out", default="bench_blocks.md")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the first is warmup")
+    ap.add_argument("--one-layer-only", action="store_true", help="skip the engine with a block on every layer")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -55,7 +56,7 @@ def main():
          lambda: VLLM(model, taps=[f"model.layers.{layers // 2}.resid -> noop"], blocks={"noop": noop}, **common)),
         (f"tapc, no-op block on all {layers} layers",
          lambda: VLLM(model, taps=["model.layers.*.resid -> noop"], blocks={"noop": noop}, **common)),
-    ]:
+    ][: 2 if args.one_layer_only else 3]:
         t0 = time.perf_counter()
         engines[label] = make()
         print(f"engine start {label}: {time.perf_counter() - t0:.0f} s", flush=True)

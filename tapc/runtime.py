@@ -153,25 +153,31 @@ class BlockRuntime:
         self.run(point, x, b, self.spans)
 
     def run(self, point: int, x: torch.Tensor, b: torch.Tensor | None, spans: list[Span]) -> None:
-        """Each request's block on its rows of `x` (engine points pass their own rows)."""
-        bp = self.points[point]
-        for span in spans:
-            req = self.requests.get(span.rid)
-            if req is None or req.error is not None:
-                continue
-            fn = req.blocks.get(bp.block, self.blocks.get(bp.block))
-            try:
-                if fn is None:
-                    raise LookupError(f"no block named {bp.block!r}: register it on the engine "
-                                      f"(VLLM(..., blocks={{{bp.block!r}: fn}})) or pass it with the request")
-                self._run(fn, point, req, span, x, b)
-            except Exception as exc:  # the request fails; the batch goes on
-                req.error = BlockError.capture(bp.block, bp.key, exc)
+        """Each request's block on its rows of `x` (engine points pass their own rows).
 
-    def _run(self, fn: Block, point: int, req: Request, span: Span, x: torch.Tensor, b: torch.Tensor | None) -> None:
+        At a `.resid` point (`b`, the residual, given) blocks see hidden + residual: the sum is
+        made once for each run of adjacent rows that run blocks, and written back once
+        (hidden = sum - residual), not per request: per-request kernels would cost a few
+        launches for every request at every step."""
         bp = self.points[point]
-        rows = slice(span.start, span.end)
-        view = x[rows] if b is None else x[rows] + b[rows]
+        live = [(span, req) for span in spans
+                if (req := self.requests.get(span.rid)) is not None and req.error is None]
+        for lo, hi, run in _adjacent(live):
+            rows = x[lo:hi] if b is None else x[lo:hi] + b[lo:hi]
+            for span, req in run:
+                fn = req.blocks.get(bp.block, self.blocks.get(bp.block))
+                try:
+                    if fn is None:
+                        raise LookupError(f"no block named {bp.block!r}: register it on the engine "
+                                          f"(VLLM(..., blocks={{{bp.block!r}: fn}})) or pass it with the request")
+                    self._run(fn, point, req, span, rows[span.start - lo: span.end - lo])
+                except Exception as exc:  # the request fails; the batch goes on
+                    req.error = BlockError.capture(bp.block, bp.key, exc)
+            if b is not None:
+                x[lo:hi] = rows - b[lo:hi]
+
+    def _run(self, fn: Block, point: int, req: Request, span: Span, view: torch.Tensor) -> None:
+        bp = self.points[point]
         step = req.steps.get(point, 0)
         req.steps[point] = step + 1
         ctx = BlockContext(req.rid, bp.key, step, range(span.first_pos, span.first_pos + span.end - span.start),
@@ -183,5 +189,15 @@ class BlockRuntime:
                 raise ValueError(f"block `{bp.block}` returned {got}; return None (edit x in place) or a "
                                  f"tensor of x's shape {tuple(view.shape)}")
             view.copy_(out)
-        if b is not None:
-            x[rows] = view - b[rows]
+
+
+def _adjacent(live: list[tuple[Span, Request]]):
+    """(first row, end row, members) of each run of spans whose rows follow one another."""
+    run: list[tuple[Span, Request]] = []
+    for item in live:
+        if run and item[0].start != run[-1][0].end:
+            yield run[0][0].start, run[-1][0].end, run
+            run = []
+        run.append(item)
+    if run:
+        yield run[0][0].start, run[-1][0].end, run

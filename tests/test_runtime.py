@@ -64,6 +64,22 @@ def test_resid_point_sees_the_sum_and_writes_hidden_so_the_sum_is_edited():
     torch.testing.assert_close(h + r, expected)
 
 
+def test_resid_rows_of_requests_without_blocks_are_left_bit_for_bit():
+    """The sum is made and written back per run of adjacent block rows: an untapped request
+    between two tapped ones, and the padding after them, keep their exact hidden values."""
+    rt = runtime(("model.layers.0.resid", "scale"))
+    rt.register({"scale": lambda ctx, s: s.mul_(2.0 if ctx.request_id == "a" else -1.0)})
+    rt.admit("a", 4)
+    rt.admit("c", 4)
+    h, r = slab(12, seed=3).bfloat16(), slab(12, seed=4).bfloat16()
+    h_before, total = h.clone(), (h + r).float()
+    rt.begin_step([Span("a", 0, 3, 0), Span("untapped", 3, 5, 0), Span("c", 5, 9, 0)])
+    rt(0, h, r)
+    assert torch.equal(h[3:5], h_before[3:5]) and torch.equal(h[9:], h_before[9:])
+    torch.testing.assert_close((h + r).float()[:3], 2.0 * total[:3], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close((h + r).float()[5:9], -total[5:9], rtol=2e-2, atol=2e-2)
+
+
 def test_saved_values_come_back_per_request():
     rt = runtime(("p", "probe"))
     rt.register({"probe": lambda ctx, x: ctx.save("mean", x.mean(dim=-1))})
