@@ -61,10 +61,20 @@ def test_fill_lays_each_request_block_out_position_major():
 
 def test_store_grows_and_splits_a_block_over_chunks():
     st = Store(0, np.array([0, 1]), 3, torch.float32, cpu_alloc, first=10)
-    assert [v.shape[0] for v in st.reserve(6)] == [6]
-    assert [v.shape[0] for v in st.reserve(6)] == [4, 2], "10 rows in the first chunk, the rest in a new one"
-    assert [c.shape[0] for c in st.chunks] == [10, 64]
-    assert sum(n for _, n in st.filled()) == 12
+    rows = torch.arange(80 * 2 * 3, dtype=torch.float32).view(80, 2, 3)   # row r of the request
+    done = 0
+    # Views are flat, `[rows * 2 captures, width]`.
+    for n, shapes in [(6, [12]), (6, [8, 4]), (3, [6]), (0, [0])]:
+        views = st.reserve(n)
+        assert [v.shape[0] for v in views] == shapes
+        src = rows[done: done + n].reshape(-1, 3)
+        for v in views:
+            v.copy_(src[: v.shape[0]])
+            src = src[v.shape[0]:]
+        done += n
+    assert [c.shape[0] for c in st.chunks] == [10, 64], "10 rows in the first chunk, the rest in a new one"
+    assert [n for _, n in st.filled()] == [10, 5]
+    assert torch.equal(torch.cat([c[:n] for c, n in st.filled()]), rows[:15]), "every row where it belongs, in order"
 
 
 def test_slots_run_out_loudly():

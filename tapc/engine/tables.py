@@ -77,28 +77,42 @@ class Store:
     def __init__(self, group: int, caps: np.ndarray, width: int, dtype: torch.dtype, alloc: Alloc, first: int):
         self.group = group
         self.caps = caps
+        self.caps_key = caps.tobytes()  # compared for every request at every step: bytes are cheap
         self.width = width
         self.dtype = dtype
         self.alloc = alloc
+        self.chunks: list[torch.Tensor] = []
+        self.rows = 0                  # rows written
+        self.room = 0                  # rows allocated
         # The first allocation is made now, when the request is admitted, so that no room for it
         # is an error of this request before it runs (see Arena).
-        self.chunks: list[torch.Tensor] = [alloc(first, caps.size, width, dtype)]
-        self.rows = 0                  # rows written
-        self.room = first              # rows allocated
+        self._grow(first)
         self.first = first             # rows of the first allocation
 
+    def _grow(self, rows: int) -> None:
+        chunk = self.alloc(rows, self.caps.size, self.width, self.dtype)
+        self.chunks.append(chunk)
+        self._last_base = self.room                       # first row of the last chunk
+        self._last_flat = chunk.view(-1, self.width)      # it as `[rows * captures, width]`
+        self.room += rows
+
     def reserve(self, n: int) -> list[torch.Tensor]:
-        """Views for the next n rows, in order (two when they straddle a chunk boundary)."""
+        """Where the next n rows go: views `[rows_i * captures, width]` of the chunks, in order
+        (two when they straddle a chunk boundary). This runs for every capturing request at
+        every step: the usual case, rows that fit in the last chunk, is one slice."""
+        k = self.caps.size
+        if self._last_base <= self.rows and self.rows + n <= self.room:
+            lo = (self.rows - self._last_base) * k
+            self.rows += n
+            return [self._last_flat[lo: lo + n * k]]
         if self.room - self.rows < n:
-            grow = max(n - (self.room - self.rows), GROW_ROWS)
-            self.chunks.append(self.alloc(grow, len(self.caps), self.width, self.dtype))
-            self.room += grow
+            self._grow(max(n - (self.room - self.rows), GROW_ROWS))
         out, start, left = [], self.rows, n
         base = 0
         for chunk in self.chunks:
             lo, hi = max(start - base, 0), min(start + left - base, chunk.shape[0])
             if lo < hi:
-                out.append(chunk[lo:hi])
+                out.append(chunk[lo:hi].view(-1, self.width))
                 start, left = start + hi - lo, left - (hi - lo)
             base += chunk.shape[0]
             if left == 0:
@@ -247,7 +261,7 @@ def _fill_captures(layout: Layout, table: np.ndarray, rows: _BatchRows, used: li
         r, row, nc = req[keep], rows.row[sel[keep]], n_caps[req[keep]]
         first = base[r] + rank[keep] * nc                # pool row of each row's first capture
         mine = [st for st in stores if st is not None]
-        if all(np.array_equal(st.caps, mine[0].caps) for st in mine[1:]):
+        if all(st.caps_key == mine[0].caps_key for st in mine[1:]):
             # The usual case, every request asking for the same captures: one broadcast.
             caps = mine[0].caps
             table[caps[:, None], row[None, :]] = first[None, :] + np.arange(caps.size)[:, None]
@@ -289,10 +303,10 @@ def copy_segments(segments: list[Segment], pools: list[torch.Tensor]) -> None:
     """Copy each segment's rows from its group's pool (or a snapshot of it) into its request's
     storage. Non-blocking: on the device, the caller orders it on a stream and waits for it."""
     for seg in segments:
-        pool, n_caps, src = pools[seg.store.group], seg.store.caps.size, seg.start
+        pool, src = pools[seg.store.group], seg.start
         for view in seg.store.reserve(seg.rows):
-            n = view.shape[0] * n_caps
-            view.view(n, -1).copy_(pool[src: src + n], non_blocking=True)
+            n = view.shape[0]
+            view.copy_(pool[src: src + n], non_blocking=True)
             src += n
 
 
