@@ -11,8 +11,10 @@
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import pickle
+import uuid
 from collections.abc import Sequence
 
 import torch
@@ -103,20 +105,22 @@ class VLLM:
         # Blocks and engine points run for every request: each needs an id to bring results back.
         every = bool(self.block_names) or any(t.kind == ENGINE for t in self.plan.taps)
         wires: list[dict | None] = []
+        checked: dict[int, dict | None] = {}   # id(TapRequest) -> its wire: a shared one is checked once
+        batch = uuid.uuid4().hex[:16]
         for i, (sp, ask) in enumerate(zip(params, asks)):
-            ask = self._with_defaults(TapRequest() if ask is None and every else ask)
-            wire = None if ask is None else to_wire(self.plan, ask, f"request {i}")
+            if id(ask) not in checked:
+                checked[id(ask)] = self._wire(ask, every, f"request {i}")
+            wire = checked[id(ask)]
             if wire is not None:
-                self._check_blocks(ask, f"request {i}")
-            if wire is not None and (wire["capture"] or wire["params"] or every):
                 if sp.n != 1:
                     raise RequestError(f"request {i}: taps with n={sp.n} samples per prompt are not supported; "
                                        "repeat the prompt instead")
-                sp = sp.clone()
+                wire = dict(wire, id=f"{batch}-{i}")
+                # A shallow copy: vLLM deep-copies the params of every request before it changes
+                # them (InputProcessor.process_inputs), so only extra_args needs to be our own.
+                sp = copy.copy(sp)
                 sp.extra_args = {**(sp.extra_args or {}), "tapc": wire}
                 params[i] = sp
-            else:
-                wire = None
             wires.append(wire)
         self._give_back()
         outs = self.llm.generate(prompts, params, **kwargs)
@@ -139,6 +143,16 @@ class VLLM:
         chunks = self._arena.drain()
         if chunks:
             self.llm.collective_rpc("tapc_release", args=(chunks,))
+
+    def _wire(self, ask: TapRequest | None, every: bool, where: str) -> dict | None:
+        """The checked wire of one request's ask (its id is set per request), or None when the
+        request runs untapped."""
+        ask = self._with_defaults(TapRequest() if ask is None and every else ask)
+        if ask is None:
+            return None
+        wire = to_wire(self.plan, ask, where)
+        self._check_blocks(ask, where)
+        return wire if wire["capture"] or wire["params"] or every else None
 
     def _check_blocks(self, ask: TapRequest, where: str) -> None:
         missing = self.block_names - set(self.blocks) - set(ask.blocks)

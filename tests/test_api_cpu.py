@@ -59,3 +59,51 @@ def test_from_spec_passes_model_taps_params_and_engine_args(tmp_path, monkeypatc
     assert torch.equal(seen["params"]["steer"], vec) and seen["capture_dtype"] == "float32"
     assert seen["max_num_seqs"] == 4 and seen["gpu_memory_utilization"] == 0.3
     assert seen["attention_backend"] == "TRITON_ATTN"
+
+
+class _SubmitRecorder:
+    """Stands in for vllm.LLM: records what `generate` submits, returns no outputs."""
+
+    def __init__(self):
+        self.submitted = None
+
+    def generate(self, prompts, params, **kwargs):
+        self.submitted = params
+        return []
+
+    def collective_rpc(self, method, args=()):
+        return [{}]
+
+
+def submitting(taps, params=None):
+    llm = checks_only(taps, params)
+    llm.block_names, llm.blocks = set(), {}
+    from tapc.engine.arena import ArenaReader
+
+    llm._arena, llm.llm = ArenaReader(), _SubmitRecorder()
+    return llm
+
+
+def test_a_shared_request_gets_one_id_per_prompt_and_the_callers_params_stay_untouched():
+    from vllm import SamplingParams
+
+    llm = submitting(["model.layers.*.resid", "model.layers.1.resid | add(steer)"])
+    sp = SamplingParams(max_tokens=3, extra_args={"mine": 1})
+    ask = TapRequest(capture="model.layers.2.resid", params={"steer": np.ones(HIDDEN)})
+    llm.generate([{"prompt_token_ids": [1, 2]}] * 4 + [{"prompt_token_ids": [3]}], sp,
+                 taps=[ask] * 4 + [None])
+    sent = llm.llm.submitted
+    wires = [p.extra_args["tapc"] for p in sent[:4]]
+    assert len({w["id"] for w in wires}) == 4
+    assert all(w["capture"] == ["model.layers.2.resid"] and p.extra_args["mine"] == 1 for w, p in zip(wires, sent))
+    assert sent[4] is sp and sp.extra_args == {"mine": 1}, "untapped requests and the caller's object unchanged"
+
+
+def test_a_bad_request_among_shared_ones_fails_before_anything_is_submitted():
+    from vllm import SamplingParams
+
+    llm = submitting(["model.layers.*.resid"])
+    good, bad = TapRequest(capture="model.layers.1.resid"), TapRequest(capture="model.layers.9.resid")
+    with pytest.raises(RequestError, match="request 3: .*model.layers.9.resid"):
+        llm.generate([{"prompt_token_ids": [1]}] * 5, SamplingParams(max_tokens=2), taps=[good] * 3 + [bad, good])
+    assert llm.llm.submitted is None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import math
+import mmap
 import os
 import uuid
 import weakref
@@ -122,11 +123,13 @@ class Arena:
 
 
 class ArenaReader:
-    """The API's side: blocks of the worker's files as tensors, each over its own mapping of
-    exactly its bytes, so that the block is free again when the caller drops the last tensor
-    that uses it (a finalizer notes it; `drain` hands the notes to the worker's `release`)."""
+    """The API's side: blocks of the worker's files as tensors. Each file is mapped once; each
+    block is its own array over that mapping, so that it is free again when the caller drops
+    the last tensor that uses it (a finalizer notes it; `drain` hands the notes to the
+    worker's `release`)."""
 
     def __init__(self):
+        self._maps: dict[str, mmap.mmap] = {}
         self._unused: list[tuple[str, int]] = []
 
     def view(self, path: str, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -134,10 +137,14 @@ class ArenaReader:
         if n == 0:
             self.unused(path, offset)
             return torch.empty(shape, dtype=dtype)
-        m = np.memmap(path, dtype=np.uint8, mode="r+", offset=offset, shape=(n,))
-        # Every tensor made from it keeps `m` alive: it dies with the caller's last view.
-        weakref.finalize(m, self.unused, path, offset)
-        return torch.from_numpy(m).view(dtype).view(shape)
+        m = self._maps.get(path)
+        if m is None:
+            with open(path, "r+b") as f:
+                m = self._maps[path] = mmap.mmap(f.fileno(), 0)
+        a = np.frombuffer(m, dtype=np.uint8, count=n, offset=offset)
+        # Every tensor made from it keeps `a` alive: it dies with the caller's last view.
+        weakref.finalize(a, self.unused, path, offset)
+        return torch.from_numpy(a).view(dtype).view(shape)
 
     def unused(self, path: str, offset: int) -> None:
         """The block at (path, offset) can go back (finalizers call this from any thread)."""
