@@ -15,6 +15,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
+from tapc.engine.graphs import breaking, capture_with_breaks
 from tapc.engine.install import install
 from tapc.engine.points import EnginePoints, wrap_sampler
 from tapc.engine.runner import RunnerHooks
@@ -53,8 +54,10 @@ class TapWorker(Worker):
         points = None
         if layout.blocks or layout.engine:
             points = EnginePoints(layout)
-            set_boundary_handler(points.runtime)
+            set_boundary_handler(breaking(points.runtime))
             wrap_sampler(runner.sampler, points)
+        if layout.blocks:  # FULL graphs broken at the blocks (graphs.py)
+            capture_with_breaks(runner)
         self.tapc = RunnerHooks(runner, layout, buffers, slots, Arena(register=_register), points)
 
     def tapc_collect(self, ids: list[str]) -> dict[str, dict]:
