@@ -71,18 +71,10 @@ def greedy(n: int, max_tokens: int = 8):
     return [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True) for _ in range(n)]
 
 
-def _full_graphs(worker):
-    """(tokens, blocks recorded) of each FULL graph of the worker's runner (runs in the worker)."""
-    from tapc.engine.graphs import SegmentedGraph
-
-    graphs = worker.model_runner.cudagraph_manager.graphs
-    return sorted((d.num_tokens, len(g.steps) if isinstance(g, SegmentedGraph) else -1) for d, g in graphs.items())
-
-
 def test_block_engine_splits_piecewise_and_breaks_full_graphs(engine):
     cc = engine.llm.llm_engine.vllm_config.compilation_config
     assert "tapc::boundary" in cc.splitting_ops and str(cc.cudagraph_mode).endswith("FULL_AND_PIECEWISE")
-    full = engine.llm.collective_rpc(_full_graphs)[0]
+    full = engine.llm.collective_rpc("tapc_graph_breaks")[0]
     # Two module-point blocks (layers 1 and 2): every decode graph replays as three segments.
     assert full and all(steps == 2 for _, steps in full), full
 

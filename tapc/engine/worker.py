@@ -15,7 +15,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
-from tapc.engine.graphs import breaking, capture_with_breaks
+from tapc.engine.graphs import SegmentedGraph, breaking, capture_with_breaks
 from tapc.engine.install import install
 from tapc.engine.points import EnginePoints, wrap_sampler
 from tapc.engine.runner import RunnerHooks
@@ -65,6 +65,12 @@ class TapWorker(Worker):
 
     def tapc_release(self, chunks: list[tuple[str, int]]) -> None:
         self.tapc.release(chunks)
+
+    def tapc_graph_breaks(self) -> list[tuple[int, int]]:
+        """(tokens, blocks it replays between its segments) of each FULL graph the runner
+        captured: what `tapc explain` promises, as the engine built it."""
+        graphs = self.model_runner.cudagraph_manager.graphs
+        return sorted((d.num_tokens, len(g.steps) if isinstance(g, SegmentedGraph) else 0) for d, g in graphs.items())
 
     def tapc_set_blocks(self, blocks: bytes) -> None:
         """Engine-wide Python blocks, by name (cloudpickled by the API)."""
