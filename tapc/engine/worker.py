@@ -69,7 +69,8 @@ class TapWorker(Worker):
     def tapc_graph_breaks(self) -> list[tuple[int, int]]:
         """(tokens, blocks it replays between its segments) of each FULL graph the runner
         captured: what `tapc explain` promises, as the engine built it."""
-        graphs = self.model_runner.cudagraph_manager.graphs
+        manager = self.model_runner.cudagraph_manager   # None under enforce_eager
+        graphs = manager.graphs if manager is not None else {}
         return sorted((d.num_tokens, len(g.steps) if isinstance(g, SegmentedGraph) else 0) for d, g in graphs.items())
 
     def tapc_set_blocks(self, blocks: bytes) -> None:
