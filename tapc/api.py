@@ -161,12 +161,11 @@ class VLLM:
                                "engine (VLLM(..., blocks=...)) nor the request (TapRequest(blocks=...)) gives them")
 
 
-def _assemble(out, wire: dict, result: dict, arena: ArenaReader | None = None) -> dict[str, torch.Tensor]:
+def _assemble(out, wire: dict, result: dict, arena: ArenaReader) -> dict[str, torch.Tensor]:
     """Per key `[rows, width]`, rows in position order: views of the engine's arena, no copy
     (`arena` notes each chunk's release when the caller drops its last view; the chunks not
     viewed are noted now). Rows of a step vLLM ran after the request's last token (async
     scheduling) are cut off."""
-    arena = arena if arena is not None else ArenaReader()
     if "error" in result:
         raise RequestError(f"request {out.request_id}: {result['error']}")
     generated = len(out.outputs[0].token_ids)
@@ -188,8 +187,7 @@ def _assemble(out, wire: dict, result: dict, arena: ArenaReader | None = None) -
             done += n
         # One chunk is the usual case (the first is sized for every row the request can have);
         # several are joined by a copy, and go back as soon as `parts` is dropped.
-        block = parts[0] if len(parts) == 1 else \
-            torch.cat(parts) if parts else torch.empty((0, len(keys), width), dtype=dtype)
+        block = parts[0] if len(parts) == 1 else torch.cat(parts or [torch.empty((0, len(keys), width), dtype=dtype)])
         taps.update({k: block[:, j] for j, k in enumerate(keys)})
     return taps
 

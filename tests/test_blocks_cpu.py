@@ -10,6 +10,7 @@ import torch
 from engine_toy import HIDDEN, Req, ToyModel, hooks_for, output_of, run, toy_plan
 
 from tapc.api import _assemble, _attach_points
+from tapc.engine.arena import ArenaReader
 from tapc.engine.requests import TapRequest, to_wire
 from tapc.errors import RequestError
 
@@ -34,7 +35,7 @@ def results(hooks, reqs):
     outs = {}
     for r in reqs:
         out = output_of(r)
-        out.taps = _assemble(out, r.wire, got[r.wire["id"]])
+        out.taps = _assemble(out, r.wire, got[r.wire["id"]], ArenaReader())
         _attach_points(out, got[r.wire["id"]])
         outs[r.rid] = out
     return outs

@@ -10,6 +10,7 @@ import torch
 from engine_toy import HIDDEN, LAYERS, Req, ToyModel, hooks_for, output_of, run, toy_plan
 
 from tapc.api import _assemble
+from tapc.engine.arena import ArenaReader
 from tapc.engine.requests import TapRequest, select, to_wire
 from tapc.errors import RequestError
 
@@ -92,7 +93,7 @@ def test_captures_equal_reference_under_continuous_batching(compiled):
     tapped = [r for r in reqs if r.wire is not None]
     got = hooks.collect([r.wire["id"] for r in tapped])
     for r in tapped:
-        taps = _assemble(output_of(r), r.wire, got[r.wire["id"]])
+        taps = _assemble(output_of(r), r.wire, got[r.wire["id"]], ArenaReader())
         assert sorted(taps) == sorted(r.wire["capture"])
         check(r, taps, r.wire["positions"])
     assert not hooks.by_id and not hooks.records
@@ -117,10 +118,10 @@ def test_steering_per_request_and_untouched_others():
     got = hooks.collect([r.wire["id"] for r in reqs])
     edits = {"s1": [(1, v1, 2.0, "all")], "s2": [(1, v2, 2.0, "all")], "plain": [], "gen": [(1, v3, -1.5, "generated")]}
     for r in reqs:
-        taps = _assemble(output_of(r), r.wire, got[r.wire["id"]])
+        taps = _assemble(output_of(r), r.wire, got[r.wire["id"]], ArenaReader())
         check(r, taps, "all", edits[r.rid])
     # The steering reached the layers after it, and the plain request is the unsteered model.
-    s1 = _assemble(output_of(reqs[0]), reqs[0].wire, got[reqs[0].wire["id"]])
+    s1 = _assemble(output_of(reqs[0]), reqs[0].wire, got[reqs[0].wire["id"]], ArenaReader())
     assert not torch.allclose(s1[f"model.layers.{LAYERS - 1}.resid"],
                               reference(reqs[0], [f"model.layers.{LAYERS - 1}.resid"])[f"model.layers.{LAYERS - 1}.resid"])
     assert sorted(hooks.slots.free) == list(range(8)), "every parameter slot is back"
@@ -134,7 +135,7 @@ def test_parameterless_edit_applies_to_every_request():
             Req("y", rng.integers(0, 50, 8).tolist(), 3, None)]
     run(runner, reqs, budget=64)
     got = hooks.collect([reqs[0].wire["id"]])
-    taps = _assemble(output_of(reqs[0]), reqs[0].wire, got[reqs[0].wire["id"]])
+    taps = _assemble(output_of(reqs[0]), reqs[0].wire, got[reqs[0].wire["id"]], ArenaReader())
     # scale(0.5) of the residual stream, hand-made: add -0.5 * (h + r) on prompt rows.
     ref_model = ToyModel()
     toks = reqs[0].tokens[:-1]
@@ -182,7 +183,7 @@ def test_worker_side_request_error_is_reported_at_collect():
     result = hooks.collect([wire["id"]])[wire["id"]]
     assert "model.layers.9.resid" in result["error"]
     with pytest.raises(RequestError, match="not in this engine's plan"):
-        _assemble(output_of(req), wire, result)
+        _assemble(output_of(req), wire, result, ArenaReader())
 
 
 def _empty():

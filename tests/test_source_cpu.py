@@ -10,6 +10,7 @@ import torch
 from engine_toy import HALF, HIDDEN, INTER, Req, ToyModel, hooks_for, output_of, run, toy_plan
 
 from tapc.api import _assemble
+from tapc.engine.arena import ArenaReader
 from tapc.engine.requests import TapRequest, to_wire
 from tapc.errors import EngineError
 from tapc.tree import forward_calls
@@ -55,7 +56,7 @@ def test_source_captures_equal_hooks(compiled):
     run(runner, reqs, budget=16)
     got = hooks.collect([r.wire["id"] for r in reqs])
     for r in reqs:
-        out = _assemble(output_of(r), r.wire, got[r.wire["id"]])
+        out = _assemble(output_of(r), r.wire, got[r.wire["id"]], ArenaReader())
         ref = reference(r.tokens[:-1])
         torch.testing.assert_close(out["model.layers.1.mlp.source.self_up_proj_0.output"], ref["up"])
         torch.testing.assert_close(out["model.layers.1.mlp.source.h_split_0.output[1]"], ref["up"][:, HALF:])
@@ -71,8 +72,8 @@ def test_source_edit_reaches_the_rest_of_the_forward():
             Req("p", rng.integers(0, 50, 7).tolist(), 3, to_wire(plan, TapRequest(capture="*"), "p"))]
     run(runner, reqs, budget=32)
     got = hooks.collect([r.wire["id"] for r in reqs])
-    steered = _assemble(output_of(reqs[0]), reqs[0].wire, got[reqs[0].wire["id"]])
-    plain = _assemble(output_of(reqs[1]), reqs[1].wire, got[reqs[1].wire["id"]])
+    steered = _assemble(output_of(reqs[0]), reqs[0].wire, got[reqs[0].wire["id"]], ArenaReader())
+    plain = _assemble(output_of(reqs[1]), reqs[1].wire, got[reqs[1].wire["id"]], ArenaReader())
     torch.testing.assert_close(steered["model.layers.2.resid"], reference(reqs[0].tokens[:-1], scale_up=0.25)["resid2"])
     torch.testing.assert_close(plain["model.layers.2.resid"], reference(reqs[1].tokens[:-1])["resid2"])
     assert HIDDEN == plain["model.layers.2.resid"].shape[1]

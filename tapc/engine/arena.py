@@ -53,8 +53,9 @@ class Arena:
     def tensor(self, rows: int, caps: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """An empty `[rows, caps, width]` tensor in the arena (the `Alloc` of host storage)."""
         nbytes = rows * caps * width * dtype.itemsize
-        seg, off = self._take(-(-nbytes // ALIGN) * ALIGN)
-        self.held[(seg, off)] = -(-nbytes // ALIGN) * ALIGN
+        size = -(-nbytes // ALIGN) * ALIGN
+        seg, off = self._take(size)
+        self.held[(seg, off)] = size
         return self.maps[seg][off: off + nbytes].view(dtype).view(rows, caps, width)
 
     def locate(self, t: torch.Tensor) -> tuple[str, int]:
