@@ -30,4 +30,4 @@ def tree():
 def test_parse_and_plan_80_layers(benchmark, tree):
     plan = benchmark(build_plan, MODEL, TAPS, tree=tree, max_num_batched_tokens=8192, max_num_seqs=256)
     assert plan.num_layers == 80 and len(plan.taps) == 80 + 10 + 80 + 2 + 1 + 1
-    assert plan.cudagraph_mode == "PIECEWISE" and plan.pieces_after == 82
+    assert plan.splitting_ops == ("tapc::boundary",) and plan.pieces_after == 82

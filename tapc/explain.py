@@ -45,10 +45,11 @@ def graph_lines(plan: TapPlan) -> list[str]:
     blocks: dict[int | None, list[str]] = {}
     for tap in plan.by_kind(BLOCK):
         blocks.setdefault(tap.layer, []).append(f"{tap.key} -> {tap.block}")
-    lines = [f"graph: {plan.pieces_before} compiled pieces without the plan, {plan.pieces_after} with it; "
-             f"cudagraph mode {plan.cudagraph_mode}"]
+    lines = [f"graph: {plan.pieces_before} compiled pieces without the plan, {plan.pieces_after} with it"]
     if plan.splitting_ops:
-        lines.append(f"splitting ops added: {', '.join(plan.splitting_ops)} (blocks run eagerly at every replay)")
+        lines.append(f"splitting ops added: {', '.join(plan.splitting_ops)} (blocks run eagerly at every replay: "
+                     f"PIECEWISE graphs split there, and a FULL graph replays as "
+                     f"{plan.pieces_after - plan.pieces_before + 1} segments around them)")
     body = ["  [piece 0] embeddings .. layer 0 attention"]
     for layer in range(plan.num_layers):
         last = layer == plan.num_layers - 1

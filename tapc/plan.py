@@ -97,7 +97,6 @@ class TapPlan:
     splitting_ops: tuple[str, ...] # vLLM splitting ops the plan adds ("" when none)
     pieces_before: int             # piecewise graph pieces without the plan
     pieces_after: int
-    cudagraph_mode: str            # "FULL_AND_PIECEWISE" with no blocks, else "PIECEWISE"
     total_buffer_bytes: int
     digest: str = ""
 
@@ -187,7 +186,6 @@ def build_plan(model: str, taps, *, max_num_batched_tokens: int = 8192, max_num_
         dtype=tree.dtype, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         taps=tuple(planned), params=params, splitting_ops=(BOUNDARY_OP,) if block_points else (),
         pieces_before=pieces, pieces_after=pieces + len(block_points),
-        cudagraph_mode="PIECEWISE" if block_points else "FULL_AND_PIECEWISE",
         total_buffer_bytes=sum(t.buffer_bytes for t in planned) + row_tables,
     )
     return dataclasses.replace(plan, digest=plan_digest(plan))

@@ -1,8 +1,9 @@
 """Python blocks, `logits` and `samples` on a real vLLM engine (GPU machine).
 
 A random Llama checkpoint (tests/test_engine_gpu.py writes it), vLLM's defaults otherwise:
-multi-process engine core, torch.compile, async scheduling; the block engine runs PIECEWISE
-graphs split at `tapc::boundary`. Blocks are compared with the in-graph taps of the same
+multi-process engine core, torch.compile, async scheduling, FULL_AND_PIECEWISE graphs: decode
+steps replay FULL graphs broken at each `tapc::boundary`, mixed steps PIECEWISE graphs split
+there. Blocks are compared with the in-graph taps of the same
 points, logits with HF transformers on the same weights, samples with the generated tokens.
 """
 import gc
@@ -70,10 +71,12 @@ def greedy(n: int, max_tokens: int = 8):
     return [SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True) for _ in range(n)]
 
 
-def test_block_engine_runs_piecewise_with_the_split(engine):
+def test_block_engine_splits_piecewise_and_breaks_full_graphs(engine):
     cc = engine.llm.llm_engine.vllm_config.compilation_config
-    assert "tapc::boundary" in cc.splitting_ops and str(cc.cudagraph_mode).endswith("PIECEWISE")
-    assert engine.plan.cudagraph_mode == "PIECEWISE"
+    assert "tapc::boundary" in cc.splitting_ops and str(cc.cudagraph_mode).endswith("FULL_AND_PIECEWISE")
+    full = engine.llm.collective_rpc("tapc_graph_breaks")[0]
+    # Two module-point blocks (layers 1 and 2): every decode graph replays as three segments.
+    assert full and all(steps == 2 for _, steps in full), full
 
 
 def test_block_input_equals_in_graph_capture(engine):

@@ -20,8 +20,8 @@ def test_explain_table_graph_and_totals(capsys):
     assert rc == 0
     for words in ["model.layers.0.resid", "read", "256 x bfloat16", "512.0 KiB",  # 1024 rows x 256 x 2 bytes
                   "add(vector=$steer, alpha=4, at=generated)", "block -> probe",
-                  "graph: 5 compiled pieces without the plan, 6 with it; cudagraph mode PIECEWISE",
-                  "splitting ops added: tapc::boundary", "✂ boundary block model.layers.2.mlp.output -> probe",
+                  "graph: 5 compiled pieces without the plan, 6 with it",
+                  "splitting ops added: tapc::boundary", "a FULL graph replays as 2 segments around them", "✂ boundary block model.layers.2.mlp.output -> probe",
                   "taps: 7 (4 read, 1 block, 2 edit)", "parameters: steer (vector of 256)"]:
         assert words in out, words
     lines = out.splitlines()
@@ -34,7 +34,7 @@ def test_explain_json_is_the_plan(capsys):
     assert main(["explain", LLAMA, "model.layers[0:2].resid", "--json"]) == 0
     plan = TapPlan.from_json(capsys.readouterr().out)
     assert [t.key for t in plan.taps] == ["model.layers.0.resid", "model.layers.1.resid"]
-    assert plan.cudagraph_mode == "FULL_AND_PIECEWISE"
+    assert plan.splitting_ops == () and plan.pieces_after == plan.pieces_before
 
 
 def test_explain_errors_exit_2(capsys):

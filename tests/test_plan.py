@@ -87,14 +87,14 @@ def test_qwen3_source_has_qk_norm(trees):
         "self_k_norm_0", "k_by_head_view_0", "self_rotary_emb_0", "self_attn_0", "self_o_proj_0"]
 
 
-def test_kinds_and_cudagraph_mode(trees):
+def test_kinds_and_graph_splits(trees):
     p = plan(trees, "llama", ["model.layers.1.resid", "model.layers.2.resid | add(v)",
                               "model.layers.3.mlp.output -> probe", "logits", "samples"])
     assert [t.kind for t in p.taps] == [READ, EDIT, BLOCK, ENGINE, ENGINE]
-    assert p.cudagraph_mode == "PIECEWISE" and p.splitting_ops == ("tapc::boundary",)
+    assert p.splitting_ops == ("tapc::boundary",)
     assert (p.pieces_before, p.pieces_after) == (5, 6)
     q = plan(trees, "llama", ["model.layers.1.resid", "model.layers.2.resid | add(v)"])
-    assert q.cudagraph_mode == "FULL_AND_PIECEWISE" and q.splitting_ops == () and q.pieces_after == 5
+    assert q.splitting_ops == () and q.pieces_after == 5
 
 
 def test_buffer_arithmetic(trees):

@@ -10,14 +10,16 @@ Per step (all stream-ordered on the compute stream, so async scheduling is safe)
 2. the forward's tap ops write capture rows into the pools and edit rows in place.
 3. `copy_out`: the used rows of each pool are copied device-to-device into a snapshot (the next
    forward may overwrite the pools right away), then a side stream copies each request's block
-   from the snapshot into its pinned host storage while the next step computes. The snapshot
-   is rewritten only after the previous step's host copies are done (an event).
+   from the snapshot into its pinned host storage while the next step computes (all of them
+   in one driver call where the driver has it, memcpy.py). The snapshot is rewritten only
+   after the previous step's host copies are done (an event).
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from tapc.engine.memcpy import BatchCopy
 from tapc.engine.requests import MAX_COLUMNS
 from tapc.engine.tables import Layout, Segment, copy_segments
 
@@ -36,6 +38,7 @@ class Buffers:
                       for g in layout.groups]
         self._snaps = [torch.empty_like(p) for p in self.pools]
         self._copy_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._batch = BatchCopy.load() if device.type == "cuda" else None
         self._copied: torch.cuda.Event | None = None
         self.params = ParamTables(layout, slots, device)
 
@@ -67,7 +70,7 @@ class Buffers:
         ready.record(compute)
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(ready)
-            copy_segments(segments, self._snaps)
+            copy_segments(segments, self._snaps, self._batch)
             self._copied = torch.cuda.Event()
             self._copied.record(self._copy_stream)
 

@@ -9,9 +9,9 @@
   would be missing from a capture and would not carry a request's edit. tapc refuses to run a
   tapped engine with it rather than return short captures.
 - one GPU per engine for now (no tensor or pipeline parallelism).
-The plan's cudagraph mode is vLLM's default (FULL_AND_PIECEWISE) when it has no Python blocks,
-so compilation settings are left as the user gave them; with blocks, graphs are PIECEWISE and
-`tapc::boundary` joins vLLM's splitting ops.
+Compilation settings are left as the user gave them (vLLM's default: FULL_AND_PIECEWISE),
+except that with Python blocks `tapc::boundary` joins vLLM's splitting ops: PIECEWISE graphs
+split there, and FULL graphs are captured broken there (graphs.py).
 """
 from __future__ import annotations
 
@@ -58,23 +58,17 @@ def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
 
 
 def _with_splits(plan: TapPlan, given) -> dict:
-    """PIECEWISE graphs split at the plan's boundary ops as well as vLLM's own: a list of
-    splitting ops replaces vLLM's defaults, so it names theirs too; FULL graphs would ignore
-    the splits (and so the blocks)."""
+    """Graphs split at the plan's boundary ops as well as vLLM's own: a list of splitting ops
+    replaces vLLM's defaults, so it names theirs too."""
     from vllm.config import CompilationConfig
 
     if given is not None and not isinstance(given, dict):
         raise EngineError("compilation_config: give it as a dict on engines with Python blocks (tapc adds "
                           "its splitting op to it)")
     config = dict(given or {})
-    mode = str(config.get("cudagraph_mode", "PIECEWISE")).upper().removeprefix("CUDAGRAPHMODE.")
-    if mode not in ("PIECEWISE", "NONE"):
-        raise EngineError(f"cudagraph_mode={mode}: the plan runs Python blocks, which need PIECEWISE graphs "
-                          "(FULL graphs ignore graph splits)")
     vllm_ops = [*CompilationConfig._attention_ops, "vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update"]
     ops = list(config.get("splitting_ops") or vllm_ops)
     config["splitting_ops"] = ops + [op for op in plan.splitting_ops if op not in ops]
-    config["cudagraph_mode"] = mode
     return config
 
 

@@ -299,15 +299,23 @@ def _fill_always(layout: Layout, table: np.ndarray, query_start_loc, num_compute
         table[layout.edit_row(e), rows] = 0
 
 
-def copy_segments(segments: list[Segment], pools: list[torch.Tensor]) -> None:
+def copy_segments(segments: list[Segment], pools: list[torch.Tensor],
+                  batch: Callable[[list[torch.Tensor], list[torch.Tensor]], bool] | None = None) -> None:
     """Copy each segment's rows from its group's pool (or a snapshot of it) into its request's
-    storage. Non-blocking: on the device, the caller orders it on a stream and waits for it."""
+    storage. Non-blocking: on the device, the caller orders it on a stream and waits for it.
+    `batch` (memcpy.BatchCopy) issues all the copies in one call; where it is None or declines,
+    each is one `copy_`."""
+    dsts, srcs = [], []
     for seg in segments:
         pool, src = pools[seg.store.group], seg.start
         for view in seg.store.reserve(seg.rows):
             n = view.shape[0]
-            view.copy_(pool[src: src + n], non_blocking=True)
+            dsts.append(view)
+            srcs.append(pool[src: src + n])
             src += n
+    if batch is None or not batch(dsts, srcs):
+        for dst, src in zip(dsts, srcs):
+            dst.copy_(src, non_blocking=True)
 
 
 class Slots:

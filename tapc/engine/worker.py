@@ -15,6 +15,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
+from tapc.engine.graphs import SegmentedGraph, breaking, capture_with_breaks
 from tapc.engine.install import install
 from tapc.engine.points import EnginePoints, wrap_sampler
 from tapc.engine.runner import RunnerHooks
@@ -53,8 +54,10 @@ class TapWorker(Worker):
         points = None
         if layout.blocks or layout.engine:
             points = EnginePoints(layout)
-            set_boundary_handler(points.runtime)
+            set_boundary_handler(breaking(points.runtime))
             wrap_sampler(runner.sampler, points)
+        if layout.blocks:  # FULL graphs broken at the blocks (graphs.py)
+            capture_with_breaks(runner)
         self.tapc = RunnerHooks(runner, layout, buffers, slots, Arena(register=_register), points)
 
     def tapc_collect(self, ids: list[str]) -> dict[str, dict]:
@@ -62,6 +65,13 @@ class TapWorker(Worker):
 
     def tapc_release(self, chunks: list[tuple[str, int]]) -> None:
         self.tapc.release(chunks)
+
+    def tapc_graph_breaks(self) -> list[tuple[int, int]]:
+        """(tokens, blocks it replays between its segments) of each FULL graph the runner
+        captured: what `tapc explain` promises, as the engine built it."""
+        manager = self.model_runner.cudagraph_manager   # None under enforce_eager
+        graphs = manager.graphs if manager is not None else {}
+        return sorted((d.num_tokens, len(g.steps) if isinstance(g, SegmentedGraph) else 0) for d, g in graphs.items())
 
     def tapc_set_blocks(self, blocks: bytes) -> None:
         """Engine-wide Python blocks, by name (cloudpickled by the API)."""

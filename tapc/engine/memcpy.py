@@ -1,0 +1,70 @@
+"""All of one step's capture copies to host memory in one driver call.
+
+A step at batch 64 that captures every layer copies one block per request from the device to
+that request's host storage: 64 `copy_` calls, a few microseconds of host time each, on the
+host's critical path (vLLM's own host loop nearly fills the GPU's decode step at that batch).
+`cuMemcpyBatchAsync_v2` (the CUDA driver's batched copy, CUDA 13) issues them all at once, in
+stream order, on the copy engines, flagged to overlap with compute.
+
+Loaded through ctypes from libcuda; where the driver lacks it, or a call fails, the caller
+falls back to one `copy_` per block (`tables.copy_segments`), and a failure is logged once.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+log = logging.getLogger("tapc")
+
+_SRC_ACCESS_ORDER_STREAM = 0x1      # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: read the source in stream order
+_FLAG_PREFER_OVERLAP_WITH_COMPUTE = 0x1
+
+
+class _Location(ctypes.Structure):   # CUmemLocation: a hint, ignored for non-managed memory
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _Attributes(ctypes.Structure):  # CUmemcpyAttributes_v1, fields in the header's order
+    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _Location), ("dstLocHint", _Location),
+                ("flags", ctypes.c_uint)]
+
+
+class BatchCopy:
+    def __init__(self, fn):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                       ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.POINTER(_Attributes),
+                       ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.c_void_p]
+        self._fn = fn
+        self._attrs = _Attributes(_SRC_ACCESS_ORDER_STREAM, _Location(), _Location(), _FLAG_PREFER_OVERLAP_WITH_COMPUTE)
+        self._first = (ctypes.c_size_t * 1)(0)   # the one attribute set applies from copy 0 on
+        self.failed = False
+
+    @classmethod
+    def load(cls) -> "BatchCopy | None":
+        """The driver's batched copy, or None where there is none (no driver, or older than 13)."""
+        try:
+            return cls(ctypes.CDLL("libcuda.so.1").cuMemcpyBatchAsync_v2)
+        except (OSError, AttributeError):
+            return None
+
+    def __call__(self, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> bool:
+        """dsts[i].copy_(srcs[i]) for all i, on the current stream (contiguous, same sizes).
+        False when the batch was not issued: the caller copies them one by one."""
+        if self.failed:
+            return False
+        n = len(dsts)
+        if n == 0:
+            return True
+        d = (ctypes.c_uint64 * n)(*[t.data_ptr() for t in dsts])
+        s = (ctypes.c_uint64 * n)(*[t.data_ptr() for t in srcs])
+        sizes = (ctypes.c_size_t * n)(*[t.numel() * t.element_size() for t in dsts])
+        err = self._fn(d, s, sizes, n, ctypes.byref(self._attrs), self._first, 1,
+                       ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        if err != 0:
+            self.failed = True
+            log.warning("tapc: cuMemcpyBatchAsync_v2 failed (CUresult %d); captures are copied one by one", err)
+            return False
+        return True

@@ -1,0 +1,63 @@
+"""A step's capture copies issued in one batch, or one by one when the batch declines."""
+import numpy as np
+import pytest
+import torch
+
+from tapc.engine.memcpy import BatchCopy
+from tapc.engine.tables import Segment, Store, copy_segments
+
+
+def cpu_alloc(rows, caps, width, dtype):
+    return torch.zeros(rows, caps, width, dtype=dtype)
+
+
+def segments_and_pool(device="cpu", alloc=cpu_alloc):
+    """Two requests' blocks in one pool: 3 rows x 2 captures, then 1 row x 1 capture."""
+    torch.manual_seed(0)
+    pool = torch.randn(16, 5, device=device)
+    a = Store(0, np.array([0, 1]), 5, torch.float32, alloc, first=4)
+    b = Store(0, np.array([1]), 5, torch.float32, alloc, first=4)
+    return [Segment(a, 0, 3), Segment(b, 6, 1)], pool, a, b
+
+
+def check(pool, a, b):
+    torch.testing.assert_close(a.chunks[0][:3].reshape(6, 5).cpu(), pool[:6].cpu(), rtol=0, atol=0)
+    torch.testing.assert_close(b.chunks[0][:1].reshape(1, 5).cpu(), pool[6:7].cpu(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("answer", [True, False], ids=["batched", "declined"])
+def test_batch_gets_every_block_in_order_and_a_declined_batch_falls_back(answer):
+    segments, pool, a, b = segments_and_pool()
+    seen = []
+
+    def batch(dsts, srcs):
+        seen.append([(d.shape[0], s.data_ptr() - pool.data_ptr()) for d, s in zip(dsts, srcs)])
+        if answer:
+            for d, s in zip(dsts, srcs):
+                d.copy_(s)
+        return answer
+
+    copy_segments(segments, [pool], batch)
+    assert seen == [[(6, 0), (1, 6 * 5 * 4)]]
+    check(pool, a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_driver_batch_copies_device_blocks_into_registered_host_memory():
+    batch = BatchCopy.load()
+    assert batch is not None, "the driver has no cuMemcpyBatchAsync_v2 (CUDA 13 driver API)"
+
+    def registered(rows, caps, width, dtype):
+        t = torch.zeros(rows, caps, width, dtype=dtype)
+        assert int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) == 0
+        return t
+
+    segments, pool, a, b = segments_and_pool("cuda", registered)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        stream.wait_stream(torch.cuda.default_stream())
+        copy_segments(segments, [pool], batch)
+    stream.synchronize()
+    assert not batch.failed
+    check(pool, a, b)
