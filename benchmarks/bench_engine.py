@@ -62,6 +62,8 @@ def timed(generate, workload: str, seed: int):
     outs = generate(ps, sp)
     dt = time.perf_counter() - t0
     assert sum(len(o.outputs[0].token_ids) for o in outs) == n * gen
+    failed = [o.error for o in outs if getattr(o, "error", None) is not None]  # a failed tap is no result
+    assert not failed, f"{len(failed)} of {n} requests failed: {failed[0]}"
     return dt if workload.startswith("harvest") else n * gen / dt
 
 

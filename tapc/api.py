@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import pickle
 import uuid
 from collections.abc import Sequence
@@ -23,10 +24,12 @@ from tapc.engine.arena import ArenaReader
 from tapc.engine.config import engine_kwargs
 from tapc.engine.requests import TapRequest, to_wire
 from tapc.engine.tables import expected_rows
-from tapc.errors import EngineError, RequestError
+from tapc.errors import EngineError, RequestError, TapcError
 from tapc.plan import ENGINE, TapPlan, build_plan
 
-__all__ = ["VLLM", "TapRequest"]
+__all__ = ["VLLM", "TapRequest", "Taps"]
+
+log = logging.getLogger("tapc")
 
 # The plan sizes buffers and tables for these unless the caller sets them; the engine gets the
 # same values (vLLM's own defaults depend on the GPU).
@@ -91,7 +94,9 @@ class VLLM:
                  **kwargs) -> list:
         """vLLM's `generate`, with `taps`: one `TapRequest` for every prompt, or one per prompt
         (None: untapped). A request asking for something the plan lacks raises `RequestError`
-        before anything is submitted."""
+        before anything is submitted (as vLLM does for a bad prompt). What fails once requests
+        run (no room for a request's captures, a raising block) fails that request only: its
+        `out.error` says why, and every other request's results come back."""
         from vllm import SamplingParams
 
         single = isinstance(prompts, (str, dict))
@@ -124,15 +129,26 @@ class VLLM:
             wires.append(wire)
         self._give_back()
         outs = self.llm.generate(prompts, params, **kwargs)
-        wanted = [w["id"] for w in wires if w is not None and (w["capture"] or every)]
+        # Every tapped request is collected, also those that only edit: the worker drops its
+        # record then, and says if the request ran untapped.
+        wanted = [w["id"] for w in wires if w is not None]
         got = self.llm.collective_rpc("tapc_collect", args=(wanted,))[0] if wanted else {}
         try:
             for out, wire in zip(outs, wires):
-                out.taps, out.saved, out.error = {}, {}, None
-                if wire is not None and wire["id"] in got:
-                    result = got.pop(wire["id"])
-                    out.taps = _assemble(out, wire, result, self._arena)
-                    _attach_points(out, result)
+                out.taps, out.saved, out.error = Taps(), {}, None
+                if wire is None:
+                    continue
+                result = got.pop(wire["id"])
+                try:
+                    out.taps = Taps(_assemble(out, wire, result, self._arena))
+                except TapcError as e:
+                    # Without its traceback: those frames would keep every output of this call,
+                    # and the captures they view, alive as long as the caller keeps the error.
+                    e = e.with_traceback(None)
+                    log.warning("tapc: request %s failed: %s", out.request_id, e)
+                    out.taps, out.error = Taps(error=e), e
+                    continue
+                _attach_points(out, result)
         finally:  # results not assembled (an error above): no tensor will hold their chunks
             for result in got.values():
                 _disown(result, self._arena)
@@ -159,6 +175,21 @@ class VLLM:
         if missing:
             raise RequestError(f"{where}: the plan runs block(s) {', '.join(sorted(missing))}, but neither the "
                                "engine (VLLM(..., blocks=...)) nor the request (TapRequest(blocks=...)) gives them")
+
+
+class Taps(dict):
+    """A request's captures by key. A key it does not have says why: the request's error, or
+    the keys it did capture."""
+
+    def __init__(self, captures=(), error: BaseException | None = None):
+        super().__init__(captures)
+        self.error = error
+
+    def __missing__(self, key):
+        if self.error is not None:
+            raise KeyError(f"{key!r}: this request's taps failed: {self.error}") from self.error
+        have = ", ".join(self) or "nothing (its TapRequest asks for no capture)"
+        raise KeyError(f"{key!r} was not captured for this request; it has {have}")
 
 
 def _assemble(out, wire: dict, result: dict, arena: ArenaReader) -> dict[str, torch.Tensor]:

@@ -269,3 +269,41 @@ def output_of(req: Req):
     """What vLLM's RequestOutput carries that assembly reads."""
     return NS(request_id=req.rid, prompt_token_ids=req.prompt,
               outputs=[NS(token_ids=req.tokens[len(req.prompt):])])
+
+
+class ToyLLM:
+    """Plays `vllm.LLM` behind `tapc.VLLM`: `generate` schedules the submitted requests on the
+    toy runner; `collective_rpc` reaches the hooks as the worker's methods do."""
+
+    def __init__(self, runner: ToyRunner, hooks, budget: int = 16):
+        self.runner, self.hooks, self.budget = runner, hooks, budget
+        self.served = 0
+        self.submitted = None   # the sampling params of the last call
+
+    def generate(self, prompts, params, **kwargs):
+        self.submitted = params
+        reqs = [Req(f"r{self.served + i}", p["prompt_token_ids"], sp.max_tokens,
+                    (sp.extra_args or {}).get("tapc")) for i, (p, sp) in enumerate(zip(prompts, params))]
+        self.served += len(reqs)
+        run(self.runner, reqs, self.budget)
+        return [output_of(r) for r in reqs]
+
+    def collective_rpc(self, method, args=()):
+        worker = {"tapc_collect": self.hooks.collect, "tapc_release": self.hooks.release}
+        return [worker[method](*args)]
+
+
+def toy_vllm(taps: list[str], params: dict | None = None):
+    """A `tapc.VLLM` over the toy engine (the API's own request handling and assembly), and
+    the worker's hooks."""
+    from tapc.api import VLLM
+    from tapc.engine.arena import ArenaReader
+
+    plan = toy_plan(taps)
+    runner, hooks = hooks_for(plan, ToyModel())
+    llm = VLLM.__new__(VLLM)
+    llm.plan = plan
+    llm._set_params(params)
+    llm.block_names, llm.blocks = set(), {}
+    llm._arena, llm.llm = ArenaReader(), ToyLLM(runner, hooks)
+    return llm, hooks

@@ -1,10 +1,10 @@
-"""The API's request handling without an engine: engine-wide parameters, specs, block checks."""
+"""The API's request handling over the toy engine: engine-wide parameters, specs, what is submitted."""
 import textwrap
 
 import numpy as np
 import pytest
 import torch
-from engine_toy import HIDDEN, toy_plan
+from engine_toy import HIDDEN, toy_vllm
 from safetensors.torch import save_file
 
 from tapc.api import VLLM
@@ -12,29 +12,21 @@ from tapc.engine.requests import TapRequest
 from tapc.errors import RequestError
 
 
-def checks_only(taps, params=None):
-    """A VLLM with its plan and request checks but no vLLM engine behind it."""
-    llm = VLLM.__new__(VLLM)
-    llm.plan = toy_plan(taps)
-    llm._set_params(params)
-    return llm
-
-
 def test_engine_params_are_defaults_a_request_overrides():
     v, w = np.ones(HIDDEN), np.full(HIDDEN, 2.0)
-    llm = checks_only(["model.layers.1.resid | add(steer, alpha=a)"], {"steer": v, "a": 3.0})
+    llm = toy_vllm(["model.layers.1.resid | add(steer, alpha=a)"], {"steer": v, "a": 3.0})[0]
     merged = llm._with_defaults(None)
     assert merged.params["a"] == 3.0 and merged.params["steer"] is v
     own = llm._with_defaults(TapRequest(capture=(), params={"steer": w}))
     assert own.params["steer"] is w and own.params["a"] == 3.0
-    assert checks_only(["model.layers.1.resid"])._with_defaults(None) is None
+    assert toy_vllm(["model.layers.1.resid"])[0]._with_defaults(None) is None
 
 
 def test_bad_engine_params_fail_at_construction():
     with pytest.raises(RequestError, match="engine params: parameter 'steer' \\(vector\\) must be 16 numbers"):
-        checks_only(["model.layers.1.resid | add(steer)"], {"steer": [1.0, 2.0]})
+        toy_vllm(["model.layers.1.resid | add(steer)"], {"steer": [1.0, 2.0]})
     with pytest.raises(RequestError, match="engine params: parameter 'stear' is not named"):
-        checks_only(["model.layers.1.resid | add(steer)"], {"stear": np.ones(HIDDEN)})
+        toy_vllm(["model.layers.1.resid | add(steer)"], {"stear": np.ones(HIDDEN)})
 
 
 def test_from_spec_passes_model_taps_params_and_engine_args(tmp_path, monkeypatch):
@@ -61,33 +53,10 @@ def test_from_spec_passes_model_taps_params_and_engine_args(tmp_path, monkeypatc
     assert seen["attention_backend"] == "TRITON_ATTN"
 
 
-class _SubmitRecorder:
-    """Stands in for vllm.LLM: records what `generate` submits, returns no outputs."""
-
-    def __init__(self):
-        self.submitted = None
-
-    def generate(self, prompts, params, **kwargs):
-        self.submitted = params
-        return []
-
-    def collective_rpc(self, method, args=()):
-        return [{}]
-
-
-def submitting(taps, params=None):
-    llm = checks_only(taps, params)
-    llm.block_names, llm.blocks = set(), {}
-    from tapc.engine.arena import ArenaReader
-
-    llm._arena, llm.llm = ArenaReader(), _SubmitRecorder()
-    return llm
-
-
 def test_a_shared_request_gets_one_id_per_prompt_and_the_callers_params_stay_untouched():
     from vllm import SamplingParams
 
-    llm = submitting(["model.layers.*.resid", "model.layers.1.resid | add(steer)"])
+    llm, _ = toy_vllm(["model.layers.*.resid", "model.layers.1.resid | add(steer)"])
     sp = SamplingParams(max_tokens=3, extra_args={"mine": 1})
     ask = TapRequest(capture="model.layers.2.resid", params={"steer": np.ones(HIDDEN)})
     llm.generate([{"prompt_token_ids": [1, 2]}] * 4 + [{"prompt_token_ids": [3]}], sp,
@@ -102,7 +71,7 @@ def test_a_shared_request_gets_one_id_per_prompt_and_the_callers_params_stay_unt
 def test_a_bad_request_among_shared_ones_fails_before_anything_is_submitted():
     from vllm import SamplingParams
 
-    llm = submitting(["model.layers.*.resid"])
+    llm, _ = toy_vllm(["model.layers.*.resid"])
     good, bad = TapRequest(capture="model.layers.1.resid"), TapRequest(capture="model.layers.9.resid")
     with pytest.raises(RequestError, match="request 3: .*model.layers.9.resid"):
         llm.generate([{"prompt_token_ids": [1]}] * 5, SamplingParams(max_tokens=2), taps=[good] * 3 + [bad, good])

@@ -4,10 +4,14 @@ A toy model and scheduler (tests/engine_toy.py) stand in for vLLM; the tap ops r
 references. Every capture is compared with the toy model run on that request's tokens alone,
 with plain forward hooks, and edits with the same edit applied by hand.
 """
+import errno
+import gc
+import os
+
 import numpy as np
 import pytest
 import torch
-from engine_toy import HIDDEN, LAYERS, Req, ToyModel, hooks_for, output_of, run, toy_plan
+from engine_toy import HIDDEN, LAYERS, Req, ToyModel, hooks_for, output_of, run, toy_plan, toy_vllm
 
 from tapc.api import _assemble
 from tapc.engine.arena import ArenaReader
@@ -184,6 +188,49 @@ def test_worker_side_request_error_is_reported_at_collect():
     assert "model.layers.9.resid" in result["error"]
     with pytest.raises(RequestError, match="not in this engine's plan"):
         _assemble(output_of(req), wire, result, ArenaReader())
+
+
+def test_a_request_failing_while_it_runs_fails_alone(monkeypatch):
+    """Through `VLLM.generate`: one request's captures find no room in the arena (its first
+    group fits, its second does not). It runs untapped with `out.error` saying why, and the
+    requests around it, capturing and steering, come back whole. Nothing is left held: not
+    the failed request's first chunk, nor a record of the request that only steers."""
+    from vllm import SamplingParams
+
+    from tapc.api import TapRequest
+
+    steer = "model.layers.1.resid | add(steer, alpha=2.0)"
+    llm, hooks = toy_vllm([steer, TAPS[3], *TAPS[:3]])   # the 24-wide group first
+    fallocate = os.posix_fallocate
+
+    def no_room_past_8k(fd, offset, size):
+        if size > 8192:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fallocate(fd, offset, size)
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room_past_8k)
+    rng = np.random.default_rng(5)
+    v = rng.standard_normal(HIDDEN)
+    prompts = [{"prompt_token_ids": rng.integers(0, 50, n).tolist()} for n in (6, 60, 8, 5)]
+    asks = [TapRequest(capture="*"), TapRequest(capture="*"), TapRequest(capture="*", params={"steer": v}),
+            TapRequest(params={"steer": v})]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=3), taps=asks)
+
+    assert isinstance(outs[1].error, RequestError) and "no room for its captures" in str(outs[1].error)
+    with pytest.raises(KeyError, match="this request's taps failed: request r1: no room"):
+        outs[1].taps["model.layers.0.resid"]
+    for out, edits in ((outs[0], []), (outs[2], [(1, v, 2.0, "all")])):
+        assert out.error is None
+        req = Req(out.request_id, out.prompt_token_ids, 3, tokens=out.prompt_token_ids + out.outputs[0].token_ids)
+        check(req, dict(out.taps), "all", edits)
+    assert outs[3].error is None and outs[3].taps == {}
+    with pytest.raises(KeyError, match="not captured for this request; it has nothing"):
+        outs[3].taps["model.layers.0.resid"]
+    assert not hooks.by_id and not hooks.records and not hooks.errors
+    del outs, out  # the loop variable holds a request too
+    gc.collect()
+    llm._give_back()
+    assert not hooks.arena.held, "every chunk is back once the caller drops its captures"
 
 
 def _empty():

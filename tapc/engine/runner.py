@@ -85,13 +85,23 @@ class RunnerHooks:
                 continue
             rec = self.records.get(req.req_id)
             if rec is None:
+                taken: list = []   # chunks this admission got, to give back if it fails
+
+                def alloc(*shape, taken=taken):
+                    taken.append(self.arena.tensor(*shape))
+                    return taken[-1]
+
                 try:
                     rec = Record(self.layout, req.req_id, wire, len(req.prompt_token_ids),
-                                 req.sampling_params.max_tokens, self.arena.tensor)
+                                 req.sampling_params.max_tokens, alloc)
                 except RequestError as e:
-                    # Only the API submits tapc requests, and it checks them first; a request that
-                    # came another way runs untapped and its caller gets the reason at collect.
-                    log.warning("tapc: request %s runs untapped: %s", req.req_id, e)
+                    # The API checked the request; what is left to fail is room for its captures
+                    # (or a request that came another way). It runs untapped, with the chunks of
+                    # its other groups given back, and its caller gets the reason at collect.
+                    # The reason as a string: a log record holding the exception pins its frames.
+                    log.warning("tapc: request %s runs untapped: %s", req.req_id, str(e))
+                    for t in taken:
+                        self.arena.give_back(*self.arena.locate(t))
                     self.errors[wire["id"]] = str(e)
                     continue
                 self.records[req.req_id] = rec
