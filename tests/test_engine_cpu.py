@@ -233,6 +233,40 @@ def test_a_request_failing_while_it_runs_fails_alone(monkeypatch):
     assert not hooks.arena.held, "every chunk is back once the caller drops its captures"
 
 
+def test_a_capture_that_cannot_grow_fails_its_request_alone(monkeypatch):
+    """A request whose storage must grow mid-run and finds no room stops capturing and fails at
+    collect, with its chunks given back; the request beside it in the same steps is whole."""
+    from vllm import SamplingParams
+
+    from tapc.api import TapRequest
+    from tapc.engine import tables
+
+    llm, hooks = toy_vllm(TAPS)
+    fallocate = os.posix_fallocate
+
+    def no_room_past_8k(fd, offset, size):
+        if size > 8192:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fallocate(fd, offset, size)
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room_past_8k)
+    # The first allocation sized for 2 rows: the 20-token prompt must grow by 64 rows (20 kB).
+    real = tables.expected_rows
+    monkeypatch.setattr(tables, "expected_rows", lambda at, plen, gen: 2 if plen == 20 else real(at, plen, gen))
+    rng = np.random.default_rng(6)
+    prompts = [{"prompt_token_ids": rng.integers(0, 50, n).tolist()} for n in (20, 6)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=4), taps=TapRequest(capture="*"))
+    assert isinstance(outs[0].error, RequestError) and "no room for its captures" in str(outs[0].error)
+    assert outs[1].error is None
+    req = Req(outs[1].request_id, outs[1].prompt_token_ids, 4,
+              tokens=outs[1].prompt_token_ids + outs[1].outputs[0].token_ids)
+    check(req, dict(outs[1].taps), "all")
+    del outs
+    gc.collect()
+    llm._give_back()
+    assert not hooks.arena.held and not hooks.by_id
+
+
 def _empty():
     from types import SimpleNamespace as NS
 

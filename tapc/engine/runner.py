@@ -137,6 +137,13 @@ class RunnerHooks:
             if not rec.finished:  # vLLM tells the worker only with its next step
                 self._release(rec)
                 self.records.pop(rec.rid, None)
+            failed = next((st.failed for st in rec.stores if st.failed is not None), None)
+            if failed is not None:  # a capture cut short: nobody will view its chunks
+                for st in rec.stores:
+                    for chunk in st.chunks:
+                        self.arena.give_back(*self.arena.locate(chunk))
+                out[tid] = {"error": failed}
+                continue
             out[tid] = {"stores": [_store_wire(self.layout, self.arena, st) for st in rec.stores]}
             if self.points is not None:
                 out[tid]["points"] = self.points.take(tid)

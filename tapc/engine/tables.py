@@ -84,6 +84,7 @@ class Store:
         self.chunks: list[torch.Tensor] = []
         self.rows = 0                  # rows written
         self.room = 0                  # rows allocated
+        self.failed: str | None = None  # why it stopped capturing (no room to grow)
         # The first allocation is made now, when the request is admitted, so that no room for it
         # is an error of this request before it runs (see Arena).
         self._grow(first)
@@ -105,8 +106,17 @@ class Store:
             lo = (self.rows - self._last_base) * k
             self.rows += n
             return [self._last_flat[lo: lo + n * k]]
+        if self.failed is not None:
+            return []
         if self.room - self.rows < n:
-            self._grow(max(n - (self.room - self.rows), GROW_ROWS))
+            try:
+                self._grow(max(n - (self.room - self.rows), GROW_ROWS))
+            except RequestError as e:
+                # Its request fails at collect; the others' copies of this step go on. It never
+                # captures again (a later row after a gap would sit at the wrong position), and
+                # room = rows keeps every later call off the fast path above.
+                self.failed, self.room = str(e), self.rows
+                return []
         out, start, left = [], self.rows, n
         base = 0
         for chunk in self.chunks:
