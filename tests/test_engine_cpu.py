@@ -190,7 +190,20 @@ def test_worker_side_request_error_is_reported_at_collect():
         _assemble(output_of(req), wire, result, ArenaReader())
 
 
-def test_a_request_failing_while_it_runs_fails_alone(monkeypatch):
+@pytest.fixture
+def no_room_past_8k(monkeypatch):
+    """/dev/shm as if full: an arena file of more than 8 kB cannot be made."""
+    fallocate = os.posix_fallocate
+
+    def refuse(fd, offset, size):
+        if size > 8192:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fallocate(fd, offset, size)
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+
+
+def test_a_request_failing_while_it_runs_fails_alone(no_room_past_8k):
     """Through `VLLM.generate`: one request's captures find no room in the arena (its first
     group fits, its second does not). It runs untapped with `out.error` saying why, and the
     requests around it, capturing and steering, come back whole. Nothing is left held: not
@@ -201,14 +214,6 @@ def test_a_request_failing_while_it_runs_fails_alone(monkeypatch):
 
     steer = "model.layers.1.resid | add(steer, alpha=2.0)"
     llm, hooks = toy_vllm([steer, TAPS[3], *TAPS[:3]])   # the 24-wide group first
-    fallocate = os.posix_fallocate
-
-    def no_room_past_8k(fd, offset, size):
-        if size > 8192:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        fallocate(fd, offset, size)
-
-    monkeypatch.setattr(os, "posix_fallocate", no_room_past_8k)
     rng = np.random.default_rng(5)
     v = rng.standard_normal(HIDDEN)
     prompts = [{"prompt_token_ids": rng.integers(0, 50, n).tolist()} for n in (6, 60, 8, 5)]
@@ -233,7 +238,7 @@ def test_a_request_failing_while_it_runs_fails_alone(monkeypatch):
     assert not hooks.arena.held, "every chunk is back once the caller drops its captures"
 
 
-def test_a_capture_that_cannot_grow_fails_its_request_alone(monkeypatch):
+def test_a_capture_that_cannot_grow_fails_its_request_alone(no_room_past_8k, monkeypatch):
     """A request whose storage must grow mid-run and finds no room stops capturing and fails at
     collect, with its chunks given back; the request beside it in the same steps is whole."""
     from vllm import SamplingParams
@@ -242,14 +247,6 @@ def test_a_capture_that_cannot_grow_fails_its_request_alone(monkeypatch):
     from tapc.engine import tables
 
     llm, hooks = toy_vllm(TAPS)
-    fallocate = os.posix_fallocate
-
-    def no_room_past_8k(fd, offset, size):
-        if size > 8192:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        fallocate(fd, offset, size)
-
-    monkeypatch.setattr(os, "posix_fallocate", no_room_past_8k)
     # The first allocation sized for 2 rows: the 20-token prompt must grow by 64 rows (20 kB).
     real = tables.expected_rows
     monkeypatch.setattr(tables, "expected_rows", lambda at, plen, gen: 2 if plen == 20 else real(at, plen, gen))
