@@ -1,4 +1,5 @@
-"""`tapc` on the command line. `tapc explain MODEL TAP...` / `tapc explain SPEC.yaml [--json]`."""
+"""`tapc` on the command line. `tapc explain MODEL TAP...` / `tapc explain SPEC.yaml [--json]`;
+`tapc harvest SPEC.yaml PROMPTS` (a GPU and vLLM)."""
 from __future__ import annotations
 
 import argparse
@@ -30,6 +31,33 @@ def _explain(args) -> int:
     return 0
 
 
+def _harvest(args) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from tapc.api import VLLM
+    from tapc.harvest import harvest, read_prompts
+    from tapc.specfile import load_spec
+
+    spec = load_spec(args.spec)
+    if spec.output is None:
+        raise TapcError(f"{args.spec}: a harvest needs an `output:` section (dir, shard_tokens)")
+    prompts = list(read_prompts(args.prompts))[: args.limit]
+    llm = VLLM.from_spec(spec)
+    sampling = None
+    if args.max_tokens != 1:
+        from vllm import SamplingParams
+
+        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    with Progress(TextColumn("harvest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+        task = bar.add_task("prompts", total=len(prompts))
+        m = harvest(llm, prompts, spec.output.dir, shard_tokens=spec.output.shard_tokens,
+                    positions=spec.capture.positions, sampling_params=sampling, batch_size=args.batch_size,
+                    progress=lambda n: bar.update(task, completed=n))
+    print(f"{m.rows} rows of {len(m.keys)} keys from {m.prompts} prompts in {len(m.shards)} shards "
+          f"under {spec.output.dir}" + (f"; {len(m.failed)} prompts failed (see manifest.json)" if m.failed else ""))
+    return 1 if m.failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tapc", description="A declarative tap compiler for vLLM.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -39,11 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--json", action="store_true", help="print the plan as JSON")
     ex.add_argument("--max-num-batched-tokens", type=int, default=8192, help="rows each buffer holds (default 8192)")
     ex.add_argument("--max-num-seqs", type=int, default=256, help="request slots in parameter tables (default 256)")
+    hv = sub.add_parser("harvest", help="run prompts through the spec's engine, write captures to shards (GPU)")
+    hv.add_argument("spec", help="a spec .yaml with an `output:` section")
+    hv.add_argument("prompts", help=".jsonl (strings, token-id lists, or {prompt|prompt_token_ids}) or text, one per line")
+    hv.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    hv.add_argument("--batch-size", type=int, default=256, help="prompts per generate call (default 256)")
+    hv.add_argument("--max-tokens", type=int, default=1, help="tokens generated per prompt (default 1)")
     args = parser.parse_args(argv)
     # vLLM logs to stdout at import; `--json` output must stay clean
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
-        return _explain(args)
+        return _explain(args) if args.command == "explain" else _harvest(args)
     except TapcError as e:
         print(f"tapc: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_SPEC_ERROR

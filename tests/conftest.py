@@ -1,4 +1,6 @@
+import errno
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -47,3 +49,26 @@ def trees():
         return cache[arch]
 
     return get
+
+
+@pytest.fixture
+def no_room_past_8k(monkeypatch):
+    """/dev/shm as if full: an arena file of more than 8 kB cannot be made."""
+    fallocate = os.posix_fallocate
+
+    def refuse(fd, offset, size):
+        if size > 8192:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        fallocate(fd, offset, size)
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+
+
+@pytest.fixture(autouse=True)
+def no_handler_left_behind():
+    """engine_toy.hooks_for installs the runtime as the process-wide boundary handler: take it
+    back after each test (only where the ops are loaded; plan tests stay free of them)."""
+    yield
+    ops = sys.modules.get("tapc.kernels.ops")
+    if ops is not None:
+        ops.set_boundary_handler(None)

@@ -15,15 +15,6 @@ from tapc.engine.requests import TapRequest, to_wire
 from tapc.errors import RequestError
 
 
-@pytest.fixture(autouse=True)
-def no_handler_left_behind():
-    """hooks_for installs the runtime as the process-wide boundary handler: take it back."""
-    from tapc.kernels.ops import set_boundary_handler
-
-    yield
-    set_boundary_handler(None)
-
-
 def requests(plan, asks, seed=0):
     rng = np.random.default_rng(seed)
     return [Req(rid, rng.integers(0, 50, plen).tolist(), max_tokens, to_wire(plan, ask, rid), arrive)

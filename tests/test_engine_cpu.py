@@ -4,9 +4,7 @@ A toy model and scheduler (tests/engine_toy.py) stand in for vLLM; the tap ops r
 references. Every capture is compared with the toy model run on that request's tokens alone,
 with plain forward hooks, and edits with the same edit applied by hand.
 """
-import errno
 import gc
-import os
 
 import numpy as np
 import pytest
@@ -188,19 +186,6 @@ def test_worker_side_request_error_is_reported_at_collect():
     assert "model.layers.9.resid" in result["error"]
     with pytest.raises(RequestError, match="not in this engine's plan"):
         _assemble(output_of(req), wire, result, ArenaReader())
-
-
-@pytest.fixture
-def no_room_past_8k(monkeypatch):
-    """/dev/shm as if full: an arena file of more than 8 kB cannot be made."""
-    fallocate = os.posix_fallocate
-
-    def refuse(fd, offset, size):
-        if size > 8192:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        fallocate(fd, offset, size)
-
-    monkeypatch.setattr(os, "posix_fallocate", refuse)
 
 
 def test_a_request_failing_while_it_runs_fails_alone(no_room_past_8k):

@@ -1,0 +1,135 @@
+"""Harvest to shards and reading them back, over the toy engine (tests/engine_toy.py).
+
+Every row on disk is compared with the toy model run on its request's tokens alone.
+"""
+import json
+
+import numpy as np
+import pytest
+import torch
+from engine_toy import Req, next_token, toy_plan, toy_vllm
+from test_engine_cpu import TAPS, reference
+
+from tapc.cli import main
+from tapc.data import Shards
+from tapc.errors import TapcError
+from tapc.harvest import harvest, read_prompts
+
+LENS = [5, 17, 3, 9, 30, 1, 12]
+
+
+def prompts(seed=0, lens=LENS):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 50, n).tolist() for n in lens]
+
+
+def harvested(tmp_path, positions="all", max_tokens=3, lens=LENS, shard_tokens=16):
+    from vllm import SamplingParams
+
+    llm, hooks = toy_vllm(TAPS + ["logits"])
+    ps = prompts(lens=lens)
+    m = harvest(llm, ps, tmp_path / "acts", shard_tokens=shard_tokens, positions=positions, batch_size=3,
+                sampling_params=SamplingParams(max_tokens=max_tokens))
+    return m, ps, hooks
+
+
+def test_shards_hold_every_row_of_every_request_in_order(tmp_path):
+    m, ps, hooks = harvested(tmp_path)
+    keys = list(toy_plan(TAPS).capture_keys)   # the plan's `logits` is not written
+    assert m.keys == keys and m.prompts == len(ps) and not m.failed
+    assert m.rows == sum(n + 3 - 1 for n in LENS)
+    assert [s.rows for s in m.shards] == [16] * (m.rows // 16) + ([m.rows % 16] if m.rows % 16 else [])
+    acts = Shards(tmp_path / "acts")
+    cols = {k: torch.cat(list(acts.batches(k, 7, shuffle=False))) for k in acts.keys}
+    assert all(len(v) == m.rows for v in cols.values())
+    start = 0
+    for i, prompt in enumerate(ps):
+        n = len(prompt) + 3 - 1
+        rows = slice(start, start + n)
+        assert (cols["request"][rows] == i).all() and torch.equal(cols["position"][rows], torch.arange(n))
+        # the toy engine generates deterministically from the tokens so far
+        req = Req(str(i), prompt, 3, tokens=prompt + _generated(prompt, 3))
+        assert cols["token_ids"][rows].tolist() == req.tokens[:-1]
+        ref = reference(req, keys)
+        for k in keys:
+            torch.testing.assert_close(cols[k][rows], ref[k], rtol=1e-5, atol=1e-5, msg=lambda s: f"prompt {i} {k}: {s}")
+        start += n
+    assert not hooks.by_id and not hooks.records
+
+
+def test_prompt_positions_and_a_shard_larger_than_the_run(tmp_path):
+    m, ps, _ = harvested(tmp_path, positions="prompt", shard_tokens=10_000)
+    assert m.rows == sum(LENS) and [s.rows for s in m.shards] == [sum(LENS)]
+    pos = Shards(tmp_path / "acts").load("position", 0)
+    assert torch.equal(pos, torch.cat([torch.arange(n) for n in LENS]))
+
+
+def test_a_failed_request_is_listed_and_the_harvest_goes_on(tmp_path, no_room_past_8k):
+    # the 60-token prompt's captures (about 24 kB) find no room; the others fit
+    m, ps, _ = harvested(tmp_path, lens=[5, 60, 7])
+    assert [f["request"] for f in m.failed] == [1] and "no room for its captures" in m.failed[0]["error"]
+    assert m.rows == (5 + 2) + (7 + 2)
+    req = Shards(tmp_path / "acts").load("request", 0)
+    assert set(req.tolist()) == {0, 2}
+    on_disk = json.loads((tmp_path / "acts" / "manifest.json").read_text())
+    assert on_disk["failed"] == m.failed and on_disk["rows"] == m.rows
+
+
+def test_shuffled_batches_are_a_permutation_of_the_rows(tmp_path):
+    harvested(tmp_path)
+    acts = Shards(tmp_path / "acts")
+    key = "model.layers.1.resid"
+    plain = torch.cat(list(acts.batches(key, 5, shuffle=False)))
+    batches = list(acts.batches(key, 5, shuffle=True, seed=3))
+    assert all(len(b) == 5 for b in batches[:-1]) and 0 < len(batches[-1]) <= 5
+    mixed = torch.cat(batches)
+    assert not torch.equal(mixed, plain)
+    assert torch.equal(_sorted_rows(mixed), _sorted_rows(plain))
+    assert all(len(b) == 5 for b in acts.batches(key, 5, drop_last=True))
+    with pytest.raises(TapcError, match="'model.layers.9.resid' is not in this harvest; it has model.layers.0.resid"):
+        acts.load("model.layers.9.resid", 0)
+
+
+def test_harvest_refuses_a_folder_with_shards_and_a_plan_without_captures(tmp_path):
+    harvested(tmp_path)
+    llm, _ = toy_vllm(TAPS)
+    with pytest.raises(TapcError, match="already holds shards"):
+        harvest(llm, prompts(), tmp_path / "acts")
+    steer_only, _ = toy_vllm(["model.layers.1.resid | add(steer)"])
+    with pytest.raises(TapcError, match="captures nothing in the graph"):
+        harvest(steer_only, prompts(), tmp_path / "other")
+    with pytest.raises(TapcError, match="no manifest.json"):
+        Shards(tmp_path / "other")
+
+
+def test_read_prompts_forms_and_errors(tmp_path):
+    good = tmp_path / "p.jsonl"
+    good.write_text('"a text"\n[1, 2, 3]\n\n{"prompt": "b"}\n{"prompt_token_ids": [4, 5]}\n')
+    assert list(read_prompts(good)) == ["a text", [1, 2, 3], "b", [4, 5]]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('"ok"\n{"text": 1}\n')
+    with pytest.raises(TapcError, match="bad.jsonl:2: a prompt is a string"):
+        list(read_prompts(bad))
+    (tmp_path / "t.txt").write_text("one\n\ntwo\n")
+    assert list(read_prompts(tmp_path / "t.txt")) == ["one", "two"]
+    with pytest.raises(TapcError, match="no such prompts file"):
+        list(read_prompts(tmp_path / "missing.jsonl"))
+
+
+def test_cli_harvest_needs_an_output_section(capsys):
+    from pathlib import Path
+
+    spec = Path(__file__).parent.parent / "examples" / "steer.yaml"
+    assert main(["harvest", str(spec), "prompts.jsonl"]) == 2
+    assert "needs an `output:` section" in capsys.readouterr().err
+
+
+def _generated(prompt, n):
+    toks = list(prompt)
+    for _ in range(n):
+        toks.append(next_token(toks))
+    return toks[len(prompt):]
+
+
+def _sorted_rows(x):
+    return x[np.lexsort(x.T.numpy()[::-1])]
