@@ -145,7 +145,7 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
                 manifest.failed.append({"request": i, "error": str(out.error)})
                 continue
             writer.add(out.taps, _index(out, positions, i))
-        del outs   # the captures are copied: their shared-memory blocks can go back
+        outs = out = None   # the captures are copied: their shared-memory blocks can go back
         if progress is not None:
             progress(manifest.prompts)
     writer.flush()
