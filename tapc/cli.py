@@ -15,6 +15,8 @@ def _explain(args) -> int:
     from tapc.explain import render
     from tapc.plan import build_plan
 
+    after = ""
+
     if args.target.endswith((".yaml", ".yml")):
         if args.taps:
             raise TapcError(f"give taps either in {args.target} or on the command line, not both")
@@ -22,12 +24,15 @@ def _explain(args) -> int:
 
         spec = load_spec(args.target)
         plan = spec.plan()
+        if spec.output is not None and not args.json:
+            after = (f"harvest (`tapc harvest {args.target} PROMPTS`): the captures at {spec.capture.positions} "
+                     f"positions go to {spec.output.dir}, {spec.output.shard_tokens} rows per shard\n")
     else:
         if not args.taps:
             raise TapcError("no taps: `tapc explain MODEL TAP [TAP ...]`, e.g. `tapc explain ./llama 'model.layers.*.resid'`")
         plan = build_plan(args.target, args.taps, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_num_seqs=args.max_num_seqs)
-    print(plan.to_json(indent=2) if args.json else render(plan), end="\n" if args.json else "")
+    print(plan.to_json(indent=2) if args.json else render(plan) + after, end="\n" if args.json else "")
     return 0
 
 

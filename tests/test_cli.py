@@ -57,3 +57,10 @@ def test_explain_shipped_example_spec_in_a_subprocess():
     bad = subprocess.run([sys.executable, "-m", "tapc.cli", "explain", str(ROOT / "examples" / "missing.yaml")],
                          capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "no such spec file" in bad.stderr
+
+
+def test_explain_a_harvest_spec_says_where_its_shards_go(capsys):
+    assert main(["explain", str(ROOT / "examples" / "harvest.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.2.resid" in out
+    assert "the captures at prompt positions go to " + str(ROOT / "examples" / "acts") + ", 100000 rows per shard" in out
