@@ -81,6 +81,10 @@ class Arena:
         if i > 0 and free[i - 1][0] + free[i - 1][1] == off:
             free[i - 1] = (free[i - 1][0], free[i - 1][1] + free.pop(i)[1])
 
+    def give_back_tensor(self, t: torch.Tensor) -> None:
+        """Free the block of a tensor from `tensor` that no caller was given."""
+        self.give_back(*self.locate(t))
+
     def _take(self, size: int) -> tuple[int, int]:
         for seg, free in enumerate(self.free):
             for i, (off, room) in enumerate(free):

@@ -87,7 +87,7 @@ class RunnerHooks:
             if rec is None:
                 taken: list = []   # chunks this admission got, to give back if it fails
 
-                def alloc(*shape, taken=taken):
+                def alloc(*shape):
                     taken.append(self.arena.tensor(*shape))
                     return taken[-1]
 
@@ -101,7 +101,7 @@ class RunnerHooks:
                     # The reason as a string: a log record holding the exception pins its frames.
                     log.warning("tapc: request %s runs untapped: %s", req.req_id, str(e))
                     for t in taken:
-                        self.arena.give_back(*self.arena.locate(t))
+                        self.arena.give_back_tensor(t)
                     self.errors[wire["id"]] = str(e)
                     continue
                 self.records[req.req_id] = rec
@@ -141,7 +141,7 @@ class RunnerHooks:
             if failed is not None:  # a capture cut short: nobody will view its chunks
                 for st in rec.stores:
                     for chunk in st.chunks:
-                        self.arena.give_back(*self.arena.locate(chunk))
+                        self.arena.give_back_tensor(chunk)
                 out[tid] = {"error": failed}
                 continue
             out[tid] = {"stores": [_store_wire(self.layout, self.arena, st) for st in rec.stores]}
