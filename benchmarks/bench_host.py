@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tapc.engine.requests import TapRequest, to_wire  # noqa: E402
 from tapc.engine.tables import Layout, Record, copy_segments, fill_step  # noqa: E402
-from tapc.plan import build_plan  # noqa: E402
+from tapc.planner import build_plan  # noqa: E402
 from tapc.tree import ModuleTree, Node  # noqa: E402
 
 HIDDEN, LAYERS, ROWS, SEQS = 4096, 32, 8192, 256

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tapc.plan import build_plan
+from tapc.planner import build_plan
 from tapc.tree import load_tree
 
 MODEL = str(Path(__file__).parent / "configs" / "llama-3-70b")

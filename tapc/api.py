@@ -25,17 +25,13 @@ from tapc.engine.config import engine_kwargs
 from tapc.engine.requests import TapRequest, to_wire
 from tapc.engine.tables import expected_rows
 from tapc.errors import EngineError, RequestError, TapcError
-from tapc.plan import ENGINE, TapPlan, build_plan
+from tapc.plan import ENGINE, TapPlan
+from tapc.planner import build_plan
+from tapc.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 __all__ = ["VLLM", "TapRequest", "Taps"]
 
 log = logging.getLogger("tapc")
-
-# The plan sizes buffers and tables for these unless the caller sets them; the engine gets the
-# same values (vLLM's own defaults depend on the GPU).
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-DEFAULT_MAX_NUM_SEQS = 256
-
 
 class VLLM:
     """vLLM's `LLM` with taps. `taps`: tap strings (see `tapc explain`); `blocks`: Python blocks

@@ -7,13 +7,14 @@ import os
 import sys
 
 from tapc.errors import TapcError
+from tapc.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 EXIT_SPEC_ERROR = 2
 
 
 def _explain(args) -> int:
     from tapc.explain import render
-    from tapc.plan import build_plan
+    from tapc.planner import build_plan
 
     after = ""
 
@@ -70,8 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("target", help="a model (directory with config.json, or a cached hub id) or a spec .yaml")
     ex.add_argument("taps", nargs="*", help="tap strings, e.g. 'model.layers.*.resid'")
     ex.add_argument("--json", action="store_true", help="print the plan as JSON")
-    ex.add_argument("--max-num-batched-tokens", type=int, default=8192, help="rows each buffer holds (default 8192)")
-    ex.add_argument("--max-num-seqs", type=int, default=256, help="request slots in parameter tables (default 256)")
+    ex.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                    help=f"rows each buffer holds (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    ex.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                    help=f"requests per step the engine is sized for (default {DEFAULT_MAX_NUM_SEQS})")
     hv = sub.add_parser("harvest", help="run prompts through the spec's engine, write captures to shards (GPU)")
     hv.add_argument("spec", help="a spec .yaml with an `output:` section")
     hv.add_argument("prompts", help=".jsonl (strings, token-id lists, or {prompt|prompt_token_ids}) or text, one per line")

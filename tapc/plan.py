@@ -1,4 +1,4 @@
-"""Tap specs + vLLM's module tree -> a TapPlan: what an engine will install, as plain data.
+"""A TapPlan: what an engine will install, as plain data (tapc/planner.py builds it).
 
 The plan is a value: print it, JSON round-trip it (`to_json` / `from_json`), diff two. Its
 `digest` is the compile-cache key (see `plan_digest` for the fields it covers).
@@ -9,7 +9,6 @@ import dataclasses
 import hashlib
 import json
 
-from tapc.errors import PlanError
 from dataclasses import dataclass
 
 # Kinds of tap (DESIGN.md: three kinds, plus the engine points outside the graphs).
@@ -73,7 +72,7 @@ class PlannedTap:
     block: str | None = None       # name of the Python block for `-> name`
     width: int = 0                 # elements per token (per rank under tensor parallelism)
     dtype: str = "bfloat16"        # dtype of the activation at that point (captures: of the buffer)
-    buffer_bytes: int = 0          # preallocated at max_num_batched_tokens (captures only)
+    buffer_bytes: int = 0          # device memory the engine allocates for it (tapc/sizing.py)
     layer: int | None = None       # decoder layer index, when the point is inside one
 
     @property
@@ -97,7 +96,7 @@ class TapPlan:
     splitting_ops: tuple[str, ...] # vLLM splitting ops the plan adds ("" when none)
     pieces_before: int             # piecewise graph pieces without the plan
     pieces_after: int
-    total_buffer_bytes: int
+    total_buffer_bytes: int        # device memory the engine allocates for the plan (tapc/sizing.py)
     digest: str = ""
 
     def by_kind(self, kind: str) -> tuple[PlannedTap, ...]:
@@ -142,84 +141,3 @@ def plan_digest(plan: TapPlan) -> str:
     d.pop("digest")
     d.pop("model")
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
-
-
-# ----------------------------------------------------------------------------- building a plan
-
-_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int64": 8}
-_SLOT_KIND_BYTES = {"vector": 4, "scalar": 4, "columns": 8, "values": 4, "positions": 0}
-BOUNDARY_OP = "tapc::boundary"
-
-
-def build_plan(model: str, taps, *, max_num_batched_tokens: int = 8192, max_num_seqs: int = 256,
-               capture_dtype: str | None = None, tree=None) -> TapPlan:
-    """Resolve taps (strings, a text, or parsed `TapSpec`s) against `model`'s vLLM module tree."""
-    from tapc.resolve import resolve_tap
-    from tapc.spec import TapSpec, parse_taps
-    from tapc.tree import load_tree
-
-    specs = tuple(taps) if taps and all(isinstance(t, TapSpec) for t in taps) else parse_taps(taps)
-    if not specs:
-        raise PlanError("no taps: give at least one tap")
-    if max_num_batched_tokens < 1 or max_num_seqs < 1:
-        raise PlanError("max_num_batched_tokens and max_num_seqs must be positive")
-    tree = tree or load_tree(model)
-    if capture_dtype is not None and capture_dtype not in _ITEMSIZE:
-        raise PlanError(f"capture dtype {capture_dtype!r}: use one of float32, bfloat16, float16")
-    planned: list[PlannedTap] = []
-    seen: dict[tuple, PlannedTap] = {}
-    for spec in specs:
-        for tap in resolve_tap(spec, tree):
-            if tap.kind == READ and capture_dtype:
-                tap = dataclasses.replace(tap, dtype=capture_dtype)
-            sig = (tap.key, tap.action, tap.args, tap.block)
-            if sig in seen:
-                raise PlanError(f"{tap.key} is tapped twice the same way: by `{seen[sig].source}` and `{tap.source}`")
-            seen[sig] = tap
-            planned.append(_with_cost(tap, max_num_batched_tokens, max_num_seqs))
-    params = _collect_params(planned)
-    block_points = {t.key for t in planned if t.kind == BLOCK}
-    pieces = tree.num_layers + 1  # vLLM splits at each attention op: one compiled piece per gap
-    row_tables = len({t.key for t in planned if t.kind in (READ, EDIT)}) * max_num_batched_tokens * 4
-    plan = TapPlan(
-        model=model, architecture=tree.architecture, num_layers=tree.num_layers, hidden_size=tree.hidden_size,
-        dtype=tree.dtype, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-        taps=tuple(planned), params=params, splitting_ops=(BOUNDARY_OP,) if block_points else (),
-        pieces_before=pieces, pieces_after=pieces + len(block_points),
-        total_buffer_bytes=sum(t.buffer_bytes for t in planned) + row_tables,
-    )
-    return dataclasses.replace(plan, digest=plan_digest(plan))
-
-
-def _with_cost(tap: PlannedTap, rows: int, slots: int) -> PlannedTap:
-    """Captures: a [rows, width] buffer (engine points: one row per request). Edits: per-slot tables."""
-    if tap.kind == READ:
-        return dataclasses.replace(tap, buffer_bytes=rows * tap.width * _ITEMSIZE[tap.dtype])
-    if tap.kind == ENGINE and tap.action == "capture":
-        return dataclasses.replace(tap, buffer_bytes=slots * tap.width * _ITEMSIZE[tap.dtype])
-    per_slot = 0
-    for a in tap.args:
-        per_slot += _SLOT_KIND_BYTES[a.kind] * (tap.width if a.kind == "vector" else 1)
-        if a.kind in ("columns", "values"):
-            per_slot += _SLOT_KIND_BYTES[a.kind] * (len(a.value) - 1 if isinstance(a.value, tuple) else 0)
-    return dataclasses.replace(tap, buffer_bytes=slots * per_slot)
-
-
-def _collect_params(taps: list[PlannedTap]) -> tuple[ParamSpec, ...]:
-    """One entry per parameter name; a name must mean one kind (and one width for vectors)."""
-    found: dict[str, tuple[ParamSpec, PlannedTap]] = {}
-    for tap in taps:
-        for a in tap.args:
-            if a.param is None:
-                continue
-            if a.param in found:
-                first, where = found[a.param]
-                if first.kind != a.kind:
-                    raise PlanError(f"parameter {a.param!r} is a {first.kind} in `{where.source}` "
-                                    f"but a {a.kind} in `{tap.source}`")
-                if a.kind == "vector" and where.width != tap.width:
-                    raise PlanError(f"parameter {a.param!r} is a vector of {where.width} at {where.key} "
-                                    f"but of {tap.width} at {tap.key}: use two names")
-                continue
-            found[a.param] = (ParamSpec(a.param, a.kind, tap.width if a.kind == "vector" else None), tap)
-    return tuple(a for a, _ in found.values())

@@ -10,7 +10,8 @@ import difflib
 
 from tapc.errors import ResolveError
 from tapc.plan import BLOCK, EDIT, ENGINE, READ, Arg, PlannedTap, Point
-from tapc.spec import AT, EDIT_SIGNATURES, Param, Slice, Star, TapSpec
+from tapc.edits import EDITS, check_at_point
+from tapc.spec import Param, Slice, Star, TapSpec
 from tapc.tree import ModuleTree, Node
 
 
@@ -208,26 +209,12 @@ def _planned(spec: TapSpec, point: Point, width: int, dtype: str, layer, kind: s
         raise ResolveError(f"{_where(spec)}: an edit at a `.source` op's input cannot run in-graph (the "
                            "argument is shared with other uses); edit the output of the op that produces it, "
                            "or use a Python block (`-> name`)")
-    kinds = {name: k for name, k, _ in EDIT_SIGNATURES[action.op] + (AT,)}
-    args = []
-    for name, value in action.args:
-        if isinstance(value, Param):
-            args.append(Arg(name=name, kind=kinds[name], param=value.name))
-            continue
-        _check_literal(spec, action.op, name, kinds[name], value, width)
-        args.append(Arg(name=name, kind=kinds[name], value=value))
-    return PlannedTap(source=spec.text, point=point, action=action.op, kind=kind or EDIT, args=tuple(args),
+    kinds = EDITS[action.op].kinds()
+    args = tuple(Arg(name=name, kind=kinds[name], param=value.name) if isinstance(value, Param) else
+                 Arg(name=name, kind=kinds[name], value=value) for name, value in action.args)
+    try:
+        check_at_point(action.op, {a.name: a.value for a in args if a.param is None}, width)
+    except ValueError as e:
+        raise ResolveError(f"{_where(spec)}: {e}") from None
+    return PlannedTap(source=spec.text, point=point, action=action.op, kind=kind or EDIT, args=args,
                       width=width, dtype=dtype, layer=layer)
-
-
-def _check_literal(spec: TapSpec, op: str, name: str, kind: str, value, width: int) -> None:
-    if kind == "vector" and len(value) != width:
-        raise ResolveError(f"{_where(spec)}: {op}() {name} has {len(value)} numbers but the point is {width} wide")
-    if kind == "columns":
-        over = [c for c in value if c >= width]
-        if over:
-            raise ResolveError(f"{_where(spec)}: {op}() columns {over} are past the point's width {width}")
-    if kind == "values" and isinstance(value, tuple):
-        cols = dict(a for a in spec.action.args)["cols"]
-        if isinstance(cols, tuple) and len(cols) != len(value):
-            raise ResolveError(f"{_where(spec)}: {op}() gives {len(value)} values for {len(cols)} columns")

@@ -14,6 +14,7 @@ from typing import Iterable, Union
 import lark
 from lark import Lark, Transformer
 
+from tapc.edits import AT, REQUIRED, SIGNATURES, check_literal
 from tapc.errors import TapSyntaxError
 
 # ----------------------------------------------------------------------------- the AST
@@ -82,19 +83,8 @@ class TapSpec:
 
 # ----------------------------------------------------------------------------- edit signatures
 
-REQUIRED = object()
-POSITIONS = ("all", "prompt", "generated", "last")
-
-# op -> ((argument, kind, default), ...). Kinds say what a value must be; "positions" takes a
-# keyword from POSITIONS. Every edit also takes `at=` (which rows of its request to edit).
-EDIT_SIGNATURES: dict[str, tuple[tuple[str, str, object], ...]] = {
-    "add": (("vector", "vector", REQUIRED), ("alpha", "scalar", 1.0)),
-    "scale": (("factor", "scalar", REQUIRED),),
-    "set": (("cols", "columns", REQUIRED), ("value", "values", REQUIRED)),
-    "zero": (("cols", "columns", REQUIRED),),
-    "project_out": (("direction", "vector", REQUIRED),),
-}
-AT = ("at", "positions", "all")
+# op -> ((argument, kind, default), ...); every edit also takes `at=` (AT). tapc/edits.py.
+EDIT_SIGNATURES = SIGNATURES
 ACTIONS = ("capture", *EDIT_SIGNATURES)
 
 
@@ -308,28 +298,14 @@ def _bind_action(text: str, op: str | None, args: list, where: str) -> Action:
 
 
 def _check_value(text: str, op: str, name: str, kind: str, value: Value, where: str) -> Value:
-    def bad(why: str) -> TapSyntaxError:
-        return _syntax_error(text, len(text), f"{op}(): argument {name!r} {why}", where)
-
-    if kind == "positions":
-        if not isinstance(value, Param) or value.name not in POSITIONS:
-            raise bad(f"must be one of {', '.join(POSITIONS)}")
-        return value.name
-    if isinstance(value, Param):
+    if kind == "positions":   # a keyword, parsed as a name
+        value = value.name if isinstance(value, Param) else value
+    elif isinstance(value, Param):
         return value
-    if kind == "scalar" and not isinstance(value, (int, float)):
-        raise bad("must be a number or a parameter name")
-    if kind == "columns":
-        value = value if isinstance(value, tuple) else (value,)
-        if not value or not all(isinstance(v, int) and v >= 0 for v in value):
-            raise bad("must be column indices (a non-negative integer or a list of them) or a parameter name")
-        if len(set(value)) != len(value):
-            raise bad("names a column twice")
-    if kind == "values" and isinstance(value, tuple) and not all(isinstance(v, (int, float)) for v in value):
-        raise bad("must be a number, a list of numbers, or a parameter name")
-    if kind == "vector" and not (isinstance(value, tuple) and value and all(isinstance(v, (int, float)) for v in value)):
-        raise bad("must be a parameter name (a vector bound per request or per engine) or a list of numbers")
-    return value
+    try:
+        return check_literal(kind, value)
+    except ValueError as e:
+        raise _syntax_error(text, len(text), f"{op}(): argument {name!r} {e}", where) from None
 
 
 def parse_taps(lines: str | Iterable[str]) -> tuple[TapSpec, ...]:

@@ -24,8 +24,10 @@ from pathlib import Path
 
 import yaml
 
+from tapc.edits import POSITIONS
 from tapc.errors import SpecError
-from tapc.spec import POSITIONS, TapSpec, parse_taps
+from tapc.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from tapc.spec import TapSpec, parse_taps
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -76,11 +78,12 @@ class Spec:
     "The spec file this came from (not a YAML key)."
 
     def plan(self):
-        from tapc.plan import build_plan
+        from tapc.planner import build_plan
 
+        engine = self.engine
         return build_plan(self.model, self.taps, capture_dtype=self.capture.dtype,
-                          max_num_batched_tokens=int(self.engine.get("max_num_batched_tokens", 8192)),
-                          max_num_seqs=int(self.engine.get("max_num_seqs", 256)))
+                          max_num_batched_tokens=int(engine.get("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)),
+                          max_num_seqs=int(engine.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)))
 
 
 def load_spec(path: str | Path) -> Spec:

@@ -22,7 +22,7 @@ from tapc.engine.arena import Arena
 from tapc.engine.buffers import ParamTables
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.tables import copy_segments
-from tapc.plan import build_plan
+from tapc.planner import build_plan
 from tapc.tree import ModuleTree, Node, SourceOp
 
 HIDDEN, INTER, LAYERS, VOCAB = 16, 24, 3, 50
@@ -120,7 +120,9 @@ class ToyBuffers:
         self.layout = layout
         self.table = torch.full((layout.num_tables, rows), -1, dtype=torch.int32)
         self.pools = [torch.zeros(len(g.caps) * rows, g.width, dtype=getattr(torch, g.dtype)) for g in layout.groups]
-        self.params = ParamTables(layout, slots, torch.device("cpu"))
+        self.params = ParamTables(layout.edits, slots, torch.device("cpu"))
+        self.logit_params = ParamTables(layout.logit_edits, slots, torch.device("cpu"))
+        self.logit_rows = torch.full((len(layout.logit_edits), slots), -1, dtype=torch.int32)
         self._host = np.empty((layout.num_tables, rows), dtype=np.int32)
         self.uploads = 0
 
@@ -150,6 +152,7 @@ class ToyRunner:
         self.prompt_lens: dict[str, int] = {}
         self.index: dict[str, int] = {}
         self.req_states = NS(prompt_len=NS(np=np.zeros(64, dtype=np.int32)))
+        self.sampler = None   # tests/test_points_cpu.py samples on its own
         self.last = None
 
     def get_model(self):
@@ -249,19 +252,18 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8):
     from tapc.engine.install import install
     from tapc.engine.tables import Layout
 
+    from tapc.engine import patches
     from tapc.engine.points import EnginePoints
-    from tapc.kernels.ops import set_boundary_handler
 
     layout = Layout(plan)
     buffers = ToyBuffers(layout, rows, slots)
     install(model, layout, buffers)
     runner = ToyRunner(model, pad)
-    points = None
-    if layout.blocks or layout.engine:  # as the worker does
-        points = EnginePoints(layout)
-        set_boundary_handler(points.runtime)
+    # as the worker does
+    points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
     # Small arena segments, so a run spans several files and reuses freed space.
     hooks = RunnerHooks(runner, layout, buffers, slots, Arena(segment_bytes=4096), points)
+    patches.apply(runner, hooks, points)
     return runner, hooks
 
 

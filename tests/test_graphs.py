@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from tapc.engine import graphs
-from tapc.engine.graphs import SegmentedGraph, breaking, capture_with_breaks
+from tapc.engine.graphs import SegmentedGraph, breaking
+from tapc.engine.patches import capture_patch
 
 
 @pytest.fixture
@@ -48,7 +49,7 @@ def test_runner_captures_segmented_graphs_and_the_class_comes_back():
             raise RuntimeError("capture failed")
 
     runner = Runner()
-    capture_with_breaks(runner)
+    capture_patch(runner).apply()
     with pytest.raises(RuntimeError, match="capture failed"):
         runner.capture_model()
     assert seen == [SegmentedGraph]

@@ -4,7 +4,8 @@ import dataclasses
 import pytest
 
 from tapc.errors import PlanError, ResolveError, TapcError
-from tapc.plan import BLOCK, EDIT, ENGINE, READ, TapPlan, build_plan
+from tapc.plan import BLOCK, EDIT, ENGINE, READ, TapPlan
+from tapc.planner import build_plan
 
 
 def plan(trees, arch, taps, **kw):
@@ -102,12 +103,13 @@ def test_buffer_arithmetic(trees):
                               "model.layers.1.resid | add(v, alpha=a)", "logits"],
              max_num_batched_tokens=1000, max_num_seqs=10, capture_dtype="float32")
     resid, act, edit, logits = p.taps
-    assert resid.buffer_bytes == 1000 * 256 * 4 and resid.dtype == "float32"
-    assert act.buffer_bytes == 1000 * 704 * 4
-    assert edit.buffer_bytes == 10 * (256 * 4 + 4)          # a float32 vector and a scale per slot
-    assert logits.buffer_bytes == 10 * 1024 * 4             # one row per request, vocab 1024, fp32
-    row_tables = 3 * 1000 * 4                               # one int32 row table per in-graph point
-    assert p.total_buffer_bytes == resid.buffer_bytes + act.buffer_bytes + edit.buffer_bytes + logits.buffer_bytes + row_tables
+    # captures: a pool and its snapshot of [rows, width], and an int32 row table
+    assert resid.buffer_bytes == 2 * 1000 * 256 * 4 + 1000 * 4 and resid.dtype == "float32"
+    assert act.buffer_bytes == 2 * 1000 * 704 * 4 + 1000 * 4
+    # edits: a row table, and a float32 vector and a scale in each of 2 slots per request
+    assert edit.buffer_bytes == 1000 * 4 + 2 * 10 * (256 * 4 + 4)
+    assert logits.buffer_bytes == 0                         # kept per step until collected, not preallocated
+    assert p.total_buffer_bytes == resid.buffer_bytes + act.buffer_bytes + edit.buffer_bytes
     assert {(q.name, q.kind, q.width) for q in p.params} == {("v", "vector", 256), ("a", "scalar", None)}
 
 

@@ -4,9 +4,10 @@ from types import SimpleNamespace as NS
 
 import numpy as np
 import torch
-from engine_toy import VOCAB, toy_plan
+from engine_toy import VOCAB, ToyBuffers, toy_plan
 
-from tapc.engine.points import EnginePoints, wrap_sampler
+from tapc.engine.patches import sampler_patch
+from tapc.engine.points import EnginePoints
 from tapc.engine.requests import TapRequest, to_wire
 from tapc.engine.tables import Layout
 
@@ -21,13 +22,17 @@ class GreedySampler:
 
 def setup(taps, asks):
     plan = toy_plan(taps)
-    points = EnginePoints(Layout(plan))
+    layout = Layout(plan)
+    buffers = ToyBuffers(layout, plan.max_num_batched_tokens, plan.max_num_seqs)
+    points = EnginePoints(layout, buffers)
     sampler = GreedySampler()
-    wrap_sampler(sampler, points)
+    sampler_patch(sampler, points).apply()
     records = {}
-    for rid, plen, ask in asks:
+    for slot, (rid, plen, ask) in enumerate(asks):
         wire = to_wire(plan, ask, rid)
-        rec = NS(id=wire["id"], rid=rid, prompt_len=plen, params=wire["params"])
+        bound = [e for e, names in enumerate(layout.logit_edit_params) if names and all(n in wire["params"] for n in names)]
+        rec = NS(id=wire["id"], rid=rid, prompt_len=plen, params=wire["params"], slot=slot, logit_edits=bound)
+        buffers.logit_params.write(slot, bound, rec.params)   # as the runner does when it admits a request
         records[rid] = rec
         points.admit(rec, wire)
     return points, sampler, records

@@ -19,17 +19,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tapc.edits import slot_row
 from tapc.engine.memcpy import BatchCopy
-from tapc.engine.requests import MAX_COLUMNS
 from tapc.engine.tables import Layout, Segment, copy_segments
+from tapc.sizing import edit_tables, param_slots
 
 
 class Buffers:
-    def __init__(self, layout: Layout, rows: int, slots: int, depth: int, device: torch.device):
+    """Every device tensor tapc allocates for a plan (tapc/sizing.py accounts for each): the row
+    tables, the capture pools and their snapshots, the edits' parameter tables, and for `logits`
+    edits their parameter tables and a row table of `seqs` entries."""
+
+    def __init__(self, layout: Layout, rows: int, seqs: int, depth: int, device: torch.device):
         from vllm.v1.worker.gpu.buffer_utils import UvaBuffer
 
         self.layout = layout
         self.rows = rows
+        self.slots = param_slots(seqs)
         k = layout.num_tables
         self.table = torch.full((k, rows), -1, dtype=torch.int32, device=device)
         self._uva = [UvaBuffer(k * rows, torch.int32) for _ in range(max(depth, 2))]
@@ -40,7 +46,14 @@ class Buffers:
         self._copy_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._batch = BatchCopy.load() if device.type == "cuda" else None
         self._copied: torch.cuda.Event | None = None
-        self.params = ParamTables(layout, slots, device)
+        self.params = ParamTables(layout.edits, self.slots, device)
+        self.logit_params = ParamTables(layout.logit_edits, self.slots, device)
+        self.logit_rows = torch.full((len(layout.logit_edits), seqs), -1, dtype=torch.int32, device=device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor above, once (their bytes are what `tapc explain` says the plan takes)."""
+        return [self.table, *self.pools, *self._snaps, *self.params.tensors(), *self.logit_params.tensors(),
+                self.logit_rows]
 
     # ---------------------------------------------------------------- per step
 
@@ -81,108 +94,55 @@ class Buffers:
 
 
 class ParamTables:
-    """Per-slot parameter tables of the edits, in the shapes the `tapc::` edit ops read.
+    """Per-slot parameter tables of some edits (`taps`), in the shapes their `tapc::` ops read
+    (tapc/edits.py `tables`; tapc/sizing.py counts the same): `tables[e][arg]` of edit e.
 
-    A named parameter's vector or scalar table is shared by every tap that uses the name (a glob
-    `add(steer)` over 32 layers holds one `steer` table); literal arguments, and the column
-    tables of set/zero, belong to their tap and hold the literal in every slot.
+    A named parameter's vector or scalar table is shared by every edit of `taps` that uses the
+    name (a glob `add(steer)` over 32 layers holds one `steer` table); literal arguments, and
+    the column tables of set/zero, belong to their edit and hold the literal in every slot.
     """
 
-    def __init__(self, layout: Layout, slots: int, device: torch.device):
-        self.layout = layout
-        self.device = device
-        self._shared: dict[tuple[str, bool], torch.Tensor] = {}
-        self.tables: list[dict[str, torch.Tensor]] = [self._tables_for(t, slots) for t in layout.edits]
-
-    def _tables_for(self, tap, slots: int) -> dict[str, torch.Tensor]:
-        args = {a.name: a for a in tap.args}
-        unit = tap.action == "project_out"
-        out: dict[str, torch.Tensor] = {}
-        for name, arg in args.items():
-            if arg.kind == "vector":
-                out[name] = self._vector_table(arg, slots, tap.width, unit)
-            elif arg.kind == "scalar":
-                out[name] = self._scalar_table(arg, slots)
-        if tap.action in ("set", "zero"):
-            cols = args["cols"]
-            ncols = MAX_COLUMNS if cols.param else len(cols.value)
-            out["cols"] = torch.full((slots, ncols), -1, dtype=torch.int32, device=self.device)
-            out["vals"] = torch.zeros((slots, ncols), dtype=torch.float32, device=self.device)
-            if cols.param is None:
-                out["cols"][:] = torch.tensor(cols.value, dtype=torch.int32)
-            value = args.get("value")
-            if value is not None and value.param is None:
-                v = value.value
-                out["vals"][:] = torch.tensor([v] * ncols if isinstance(v, (int, float)) else
-                                              list(v) + [0.0] * (ncols - len(v)), dtype=torch.float32)
-        return out
-
-    def _vector_table(self, arg, slots: int, width: int, unit: bool) -> torch.Tensor:
-        if arg.param is not None:
-            key = (arg.param, unit)
-            if key not in self._shared:
-                self._shared[key] = torch.zeros((slots, width), dtype=torch.float32, device=self.device)
-            return self._shared[key]
-        t = torch.zeros((slots, width), dtype=torch.float32, device=self.device)
-        t[:] = _vector(arg.value, unit)
-        return t
-
-    def _scalar_table(self, arg, slots: int) -> torch.Tensor:
-        if arg.param is not None:
-            key = (arg.param, False)
-            if key not in self._shared:
-                self._shared[key] = torch.zeros(slots, dtype=torch.float32, device=self.device)
-            return self._shared[key]
-        return torch.full((slots,), float(arg.value), dtype=torch.float32, device=self.device)
+    def __init__(self, taps, slots: int, device: torch.device):
+        self.taps = taps
+        self.specs = edit_tables(taps)
+        self.tables: list[dict[str, torch.Tensor]] = []
+        shared: dict[tuple, torch.Tensor] = {}
+        for tap, specs in zip(taps, self.specs):
+            literals = {a.name: a.value for a in tap.args if a.param is None}
+            mine = {}
+            for spec, first in specs:
+                if not first:
+                    mine[spec.arg] = shared[spec.share]
+                    continue
+                t = torch.full((slots, *spec.shape), -1 if spec.dtype == "int32" else 0,
+                               dtype=getattr(torch, spec.dtype), device=device)
+                if spec.literal:
+                    t[:] = torch.from_numpy(slot_row(tap.action, spec, literals))
+                if spec.share is not None:
+                    shared[spec.share] = t
+                mine[spec.arg] = t
+            self.tables.append(mine)
 
     def write(self, slot: int, edits: list[int], params: dict) -> None:
-        """Put one request's parameter values in `slot` of every table its edits read."""
+        """Put one request's parameter values in `slot` of every table its edits read (`edits`:
+        indices into `taps`; `params`: the request's wire values by parameter name)."""
         done: set[int] = set()
         for e in edits:
-            tap = self.layout.edits[e]
-            tables = self.tables[e]
-            unit = tap.action == "project_out"
-            for arg in tap.args:
-                if arg.param is None:
+            tap = self.taps[e]
+            values = {a.name: a.value if a.param is None else params[a.param] for a in tap.args}
+            for spec, _ in self.specs[e]:
+                table = self.tables[e][spec.arg]
+                if spec.literal or id(table) in done:
                     continue
-                if arg.kind in ("vector", "scalar"):
-                    table = tables[arg.name]
-                    if id(table) in done:
-                        continue
-                    done.add(id(table))
-                    value = _vector(params[arg.param], unit) if arg.kind == "vector" else \
-                        torch.tensor(params[arg.param], dtype=torch.float32)
-                    _upload(table[slot], value)
-            if tap.action in ("set", "zero"):
-                self._write_columns(slot, tap, tables, params)
+                done.add(id(table))
+                upload_pinned(table[slot], torch.from_numpy(slot_row(tap.action, spec, values)))
 
-    @staticmethod
-    def _write_columns(slot: int, tap, tables: dict[str, torch.Tensor], params: dict) -> None:
-        args = {a.name: a for a in tap.args}
-        ncols = tables["cols"].shape[1]
-        cols = args["cols"]
-        if cols.param is not None:
-            given = params[cols.param]
-            _upload(tables["cols"][slot], torch.tensor(given + [-1] * (ncols - len(given)), dtype=torch.int32))
-        value = args.get("value")
-        if value is not None and value.param is not None:
-            v = params[value.param]
-            n = len(params[cols.param]) if cols.param else ncols
-            v = v * n if len(v) == 1 else v
-            _upload(tables["vals"][slot], torch.tensor(v + [0.0] * (ncols - len(v)), dtype=torch.float32))
+    def tensors(self) -> list[torch.Tensor]:
+        """The tables, a shared one once."""
+        return list({id(t): t for ts in self.tables for t in ts.values()}.values())
 
 
-def _vector(value, unit: bool) -> torch.Tensor:
-    """A literal (tuple) or a request's value (float32 bytes, see requests.to_wire)."""
-    v = torch.frombuffer(bytearray(value), dtype=torch.float32) if isinstance(value, bytes) else \
-        torch.tensor(value, dtype=torch.float32)
-    if unit:
-        norm = v.norm()
-        v = v / norm if norm > 0 else v
-    return v
-
-
-def _upload(dst: torch.Tensor, src: torch.Tensor) -> None:
+def upload_pinned(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Host -> device without stalling: pinned source, ordered on the compute stream before the
     next forward (the caching host allocator keeps `src` alive until the copy has run)."""
     dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=True)

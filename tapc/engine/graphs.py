@@ -2,7 +2,7 @@
 
 vLLM captures a FULL graph per decode batch size with one `torch.cuda.graph` around the whole
 forward: attention included, no Python at replay. A `tapc::boundary` met during that capture
-would run once and be baked in. While the runner captures (`capture_with_breaks`),
+would run once and be baked in. While the runner captures (patches.py `capture_patch`),
 `torch.cuda.CUDAGraph` is `SegmentedGraph`: a CUDA graph that a boundary ends, runs the block
 eagerly, and continues in a new graph on the same memory pool, recording the block for replay.
 vLLM keeps the object as its graph and calls `replay()`, which runs the segments and the
@@ -85,20 +85,3 @@ def breaking(handler: Callable[[int, torch.Tensor, "torch.Tensor | None"], None]
         graph.break_here(lambda: handler(point, xw, bw))
 
     return boundary
-
-
-def capture_with_breaks(runner) -> None:
-    """Make `runner.capture_model` capture SegmentedGraphs: vLLM's graph code makes its graphs
-    with `torch.cuda.CUDAGraph()`, so the class is swapped for the capture and put back after
-    (capture runs once, at engine start, on one thread)."""
-    capture = runner.capture_model
-
-    @functools.wraps(capture)
-    def capture_model(*args, **kwargs):
-        torch.cuda.CUDAGraph = SegmentedGraph
-        try:
-            return capture(*args, **kwargs)
-        finally:
-            torch.cuda.CUDAGraph = _CUDAGraph
-
-    runner.capture_model = capture_model

@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from tapc.edits import EDITS
 from tapc.engine.source import rewrite_forward
 from tapc.engine.tables import Layout
 from tapc.errors import EngineError
@@ -81,17 +82,9 @@ def _bind(module: torch.nn.Module, i: int, tap, what: tuple[str, int], layout: L
         return capture
 
     slot = reg("slot", buffers.table[layout.edit_row(index)])
-    t = {name: reg(name, tensor) for name, tensor in buffers.params.tables[index].items()}
-    g = lambda name: getattr(module, t[name])  # noqa: E731
-    if tap.action == "add":
-        return lambda x, b: torch.ops.tapc.add_(x, b, getattr(module, slot), g("vector"), g("alpha"))
-    if tap.action == "scale":
-        return lambda x, b: torch.ops.tapc.scale_(x, b, getattr(module, slot), g("factor"))
-    if tap.action in ("set", "zero"):
-        return lambda x, b: torch.ops.tapc.set_cols_(x, b, getattr(module, slot), g("cols"), g("vals"))
-    if tap.action == "project_out":
-        return lambda x, b: torch.ops.tapc.project_out_(x, b, getattr(module, slot), g("direction"))
-    raise EngineError(f"`{tap.source}`: no in-graph op for action {tap.action!r}")
+    op = getattr(torch.ops.tapc, EDITS[tap.action].kernel)
+    tables = [reg(name, tensor) for name, tensor in buffers.params.tables[index].items()]
+    return lambda x, b: op(x, b, getattr(module, slot), *[getattr(module, t) for t in tables])
 
 
 def _patch(module: torch.nn.Module, path: str, taps: list) -> None:

@@ -1,12 +1,13 @@
 """What runs in the runner, outside the graphs: `logits`, `samples`, and Python blocks' steps.
 
 vLLM computes logits for each request's last token of the step and samples eagerly, so these
-points are tapped around its sampler (`wrap_sampler`): row i of the logits (and of the sampled
+points are tapped around its sampler (patches.py `sampler_patch`): row i of the logits (and of the sampled
 ids) belongs to the i-th request of the batch. A request's row is a real prediction only once
 its prompt is done; a step that ran a partial prefill chunk is skipped.
 
 - `logits` capture: one float32 row per sampled token; edits (set/zero to mask tokens, add a
-  bias, scale) act in place before sampling; `logits -> name` runs a block on the row.
+  bias, scale) act in place before sampling, on the rows their `at=` covers (`LogitEdits`);
+  `logits -> name` runs a block on the row.
 - `samples` capture: the sampled id; `samples -> name` may overwrite it (force a token): the
   runner feeds back and returns what the block left.
 - Blocks at module points run from `tapc::boundary` inside the forward; `begin_step` gives the
@@ -19,17 +20,21 @@ import pickle
 import numpy as np
 import torch
 
+from tapc.edits import EDITS
+from tapc.engine.buffers import upload_pinned
+from tapc.engine.requests import select
 from tapc.engine.tables import Layout
+from tapc.errors import EngineError
 from tapc.runtime import BlockPoint, BlockRuntime, Span
 
 
 class EnginePoints:
-    def __init__(self, layout: Layout):
+    def __init__(self, layout: Layout, buffers):
         engine_blocks = [t for t in layout.engine if t.action == "block"]
         self.block_taps = layout.blocks + tuple(engine_blocks)
         self.runtime = BlockRuntime([BlockPoint(t.key, t.block) for t in self.block_taps])
         self.block_at = {t.key: len(layout.blocks) + i for i, t in enumerate(engine_blocks)}
-        self.logit_edits = [t for t in layout.engine if t.key == "logits" and t.action not in ("capture", "block")]
+        self.logit_edits = LogitEdits(layout, buffers)
         self.kept: dict[str, dict[str, list[torch.Tensor]]] = {}   # tapc id -> point -> rows
         self.wants: dict[str, tuple[str, ...]] = {}                 # tapc id -> engine captures
         self.rows: list[tuple] = []   # this step: (record, batch index, position) of real predictions
@@ -55,9 +60,7 @@ class EnginePoints:
         self.runtime.begin_step(spans)
 
     def on_logits(self, logits: torch.Tensor) -> None:
-        for rec, i, pos in self.rows:
-            for tap in self.logit_edits:
-                _edit_row(logits[i], tap, rec.params)
+        self.logit_edits.apply(logits, self.rows)
         self._block("logits", logits)
         self._keep("logits", logits, torch.float32)
 
@@ -85,41 +88,45 @@ class EnginePoints:
         return pickle.dumps({"engine": engine, "saved": saved, "error": error})
 
 
-def _edit_row(row: torch.Tensor, tap, params: dict) -> None:
-    """An edit of one request's logits row, from the tap's literals and the request's values.
-    An edit with parameters applies only to requests that bind them (as in-graph edits do)."""
-    values = {}
-    for a in tap.args:
-        if a.param is None:
-            values[a.name] = a.value
-        elif a.param in params:
-            values[a.name] = params[a.param]
-        else:
+class LogitEdits:
+    """Edits of the logits, applied as vLLM's `LogitBiasState` applies logit biases: a request's
+    values are staged once, when it is admitted, into its slot of per-slot device tables
+    (`ParamTables.write`, the same tables and ops as in-graph edits); each step, one op per edit
+    runs over the whole batch's logits, reading a row table that maps logits row i to its
+    request's slot (-1: not edited); an edit that no row of the step uses is not launched."""
+
+    def __init__(self, layout: Layout, buffers):
+        self.taps = layout.logit_edits
+        self.tables = buffers.logit_params.tables
+        self.rows = buffers.logit_rows             # device [edits, max_num_seqs]
+        self.at = [next(a.value for a in t.args if a.name == "at") for t in self.taps]
+        self.always = [not names for names in layout.logit_edit_params]
+        if self.taps:
+            import tapc.kernels  # noqa: F401  registers torch.ops.tapc.*
+        self.ops = [getattr(torch.ops.tapc, EDITS[t.action].kernel) for t in self.taps]
+
+    def apply(self, logits: torch.Tensor, rows: list[tuple]) -> None:
+        """rows: (record, logits row, position) of the step's real predictions."""
+        if not self.taps or not rows:
             return
-    op = tap.action
-    if op == "add":
-        vec = values["vector"]
-        vec = np.frombuffer(vec, dtype=np.float32) if isinstance(vec, bytes) else np.asarray(vec, dtype=np.float32)
-        row.add_(torch.from_numpy(vec.copy()).to(row.device, row.dtype), alpha=float(values["alpha"]))
-    elif op == "scale":
-        row.mul_(float(values["factor"]))
-    elif op in ("set", "zero"):
-        cols = torch.as_tensor(list(values["cols"]), device=row.device)
-        value = values.get("value", 0.0)
-        row[cols] = torch.as_tensor(value, dtype=row.dtype, device=row.device) if isinstance(value, (int, float)) \
-            else torch.as_tensor(list(value), dtype=row.dtype, device=row.device)
-
-
-def wrap_sampler(sampler, points: EnginePoints) -> None:
-    """Run `points` around vLLM's sampler: logits before sampling, sampled ids after."""
-    base = type(sampler)
-
-    class TappedSampler(base):
-        def __call__(self, logits, input_batch):
-            points.on_logits(logits)
-            out = base.__call__(self, logits, input_batch)
-            points.on_samples(out.sampled_token_ids)
-            return out
-
-    TappedSampler.__name__ = f"Tapped{base.__name__}"
-    sampler.__class__ = TappedSampler
+        n = logits.shape[0]
+        if n > self.rows.shape[1]:
+            raise EngineError(f"{n} rows of logits in one step, more than the {self.rows.shape[1]} requests "
+                              "(max_num_seqs) the plan sized its logits edits for")
+        recs = [rec for rec, _, _ in rows]
+        row = np.array([i for _, i, _ in rows], dtype=np.int64)
+        pos = np.array([p for _, _, p in rows], dtype=np.int64)
+        plen = np.array([rec.prompt_len for rec in recs], dtype=np.int64)
+        slot = np.array([rec.slot for rec in recs], dtype=np.int32)
+        table = np.full((len(self.taps), n), -1, dtype=np.int32)
+        for e in range(len(self.taps)):
+            mine = select(self.at[e], pos, plen)
+            if not self.always[e]:   # slot 0 serves edits without parameters: literals fill every slot
+                mine &= np.array([e in rec.logit_edits for rec in recs]) & (slot >= 0)
+            table[e, row[mine]] = 0 if self.always[e] else slot[mine]
+        used = np.flatnonzero((table >= 0).any(axis=1))
+        if not used.size:
+            return
+        upload_pinned(self.rows[:, :n], torch.from_numpy(table))
+        for e in used.tolist():
+            self.ops[e](logits, None, self.rows[e], *self.tables[e].values())

@@ -20,7 +20,6 @@ Edits take the same words in the tap (`at=`), e.g. `add(steer, at=generated)`.
 from __future__ import annotations
 
 import difflib
-import math
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,14 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from tapc.edits import POSITIONS, check_param, set_lengths
 from tapc.errors import RequestError
 from tapc.plan import EDIT, TapPlan
-from tapc.spec import POSITIONS
 
 ENGINE_POINTS = ("logits", "samples")
-
-# Per-request column lists (set/zero with a `columns` parameter) fill a fixed-width slot table.
-MAX_COLUMNS = 64
 
 
 @dataclass(frozen=True)
@@ -155,31 +151,12 @@ def _params(plan: TapPlan, params: Mapping[str, Any], where: str) -> dict:
 
 
 def _value(plan: TapPlan, spec, value, where: str):
-    what = f"{where}: parameter {spec.name!r} ({spec.kind})"
-    if spec.kind == "vector":
-        arr = np.asarray(value.detach().float().cpu() if hasattr(value, "detach") else value, dtype=np.float64)
-        if arr.ndim != 1 or arr.shape[0] != spec.width:
-            raise RequestError(f"{what} must be {spec.width} numbers, got shape {tuple(arr.shape)}")
-        if not np.isfinite(arr).all():
-            raise RequestError(f"{what} has non-finite entries")
-        # float32 bytes: msgpack sends them as one binary field, not thousands of Python floats.
-        return arr.astype(np.float32).tobytes()
-    if spec.kind == "scalar":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise RequestError(f"{what} must be a finite number, got {value!r}")
-        return float(value)
-    if spec.kind == "columns":
-        cols = [value] if isinstance(value, int) else list(value)
-        width = min(t.width for t in plan.taps if any(a.param == spec.name for a in t.args))
-        if not cols or len(cols) > MAX_COLUMNS or len(set(cols)) != len(cols) or \
-                not all(isinstance(c, (int, np.integer)) and 0 <= c < width for c in cols):
-            raise RequestError(f"{what} must be 1..{MAX_COLUMNS} distinct column indices in 0..{width - 1}, "
-                               f"got {value!r}")
-        return [int(c) for c in cols]
-    vals = [value] if isinstance(value, (int, float)) else list(value)
-    if not vals or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in vals):
-        raise RequestError(f"{what} must be a number or a list of numbers, got {value!r}")
-    return [float(v) for v in vals]
+    width = spec.width if spec.kind == "vector" else \
+        min(t.width for t in plan.taps if any(a.param == spec.name for a in t.args))
+    try:
+        return check_param(spec.kind, value, width)
+    except ValueError as e:
+        raise RequestError(f"{where}: parameter {spec.name!r} ({spec.kind}) {e}") from None
 
 
 def _check_set_lengths(tap, bound: dict, where: str) -> None:
@@ -189,8 +166,6 @@ def _check_set_lengths(tap, bound: dict, where: str) -> None:
     args = {a.name: a for a in tap.args}
     cols = bound.get(args["cols"].param) if args["cols"].param else args["cols"].value
     vals = bound.get(args["value"].param) if args["value"].param else args["value"].value
-    if cols is None or vals is None:
-        return
-    n_vals = 1 if isinstance(vals, (int, float)) else len(vals)
-    if n_vals not in (1, len(cols)):
-        raise RequestError(f"{where}: `{tap.source}` gets {n_vals} values for {len(cols)} columns")
+    why = set_lengths(cols, vals)
+    if why:
+        raise RequestError(f"{where}: `{tap.source}` {why}")

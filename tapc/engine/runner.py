@@ -37,10 +37,9 @@ class RunnerHooks:
         self.by_id: dict[str, Record] = {}       # tapc id -> record, until collected
         self.errors: dict[str, str] = {}         # tapc id -> why its taps were not served
         self._step = None
+        # The runner's own methods: patches.py puts ours in their place.
         self._execute = runner.execute_model
         self._prepare = runner.prepare_inputs
-        runner.execute_model = self.execute_model
-        runner.prepare_inputs = self.prepare_inputs
 
     def execute_model(self, scheduler_output, *args, dummy_run: bool = False, **kwargs):
         if dummy_run:
@@ -108,9 +107,10 @@ class RunnerHooks:
                 self.by_id[rec.id] = rec
                 if self.points is not None:
                     self.points.admit(rec, wire)
-            if rec.edits and rec.slot < 0:
+            if (rec.edits or rec.logit_edits) and rec.slot < 0:
                 rec.slot = self.slots.take()
                 self.buffers.params.write(rec.slot, rec.edits, rec.params)
+                self.buffers.logit_params.write(rec.slot, rec.logit_edits, rec.params)
 
     def _release(self, rec: Record) -> None:
         if rec.slot >= 0:

@@ -26,6 +26,7 @@ import torch
 from tapc.engine.requests import select
 from tapc.errors import EngineError, RequestError
 from tapc.plan import BLOCK, EDIT, ENGINE, READ, TapPlan
+from tapc.sizing import is_logit_edit
 
 # Rows a request's host storage grows by past its first allocation, which is sized for every
 # row the request can have (rarely exceeded: a preempted request, or max_tokens unknown).
@@ -64,6 +65,9 @@ class Layout:
         self.num_tables = len(self.captures) + len(self.edits)
         self.edit_at = [next((a.value for a in t.args if a.name == "at"), "all") for t in self.edits]
         self.edit_params = [tuple(a.param for a in t.args if a.param is not None) for t in self.edits]
+        # Edits of the logits, in the runner (points.py): the same ops over the step's logits rows.
+        self.logit_edits = tuple(t for t in self.engine if is_logit_edit(t))
+        self.logit_edit_params = [tuple(a.param for a in t.args if a.param is not None) for t in self.logit_edits]
         # Edits without parameters are part of the engine's model: they apply to every request.
         self.always = [e for e, names in enumerate(self.edit_params) if not names]
 
@@ -161,6 +165,8 @@ class Record:
             if mine.size:
                 self.stores.append(Store(g, mine, group.width, getattr(torch, group.dtype), alloc, first))
         self.edits = [e for e, names in enumerate(layout.edit_params) if names and all(n in self.params for n in names)]
+        self.logit_edits = [e for e, names in enumerate(layout.logit_edit_params)
+                            if names and all(n in self.params for n in names)]
         # The same, as a mask over the plan's edits: fill_step stacks these for a whole batch.
         self.edit_mask = np.zeros(len(layout.edits), dtype=bool)
         self.edit_mask[self.edits] = True

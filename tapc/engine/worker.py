@@ -15,18 +15,14 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
-from tapc.engine.graphs import SegmentedGraph, breaking, capture_with_breaks
+from tapc.engine import patches
+from tapc.engine.graphs import SegmentedGraph
 from tapc.engine.install import install
-from tapc.engine.points import EnginePoints, wrap_sampler
+from tapc.engine.points import EnginePoints
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.tables import Layout
 from tapc.errors import EngineError
-from tapc.kernels.ops import set_boundary_handler
 from tapc.plan import TapPlan
-
-# Parameter slots per scheduled request: a finished request's slot comes back with the next
-# step, so a full batch of new requests can briefly need more than max_num_seqs.
-SLOTS_PER_SEQ = 2
 
 
 class TapWorker(Worker):
@@ -47,24 +43,27 @@ class TapWorker(Worker):
                 "decoder model")
         layout = Layout(plan)
         sched = self.vllm_config.scheduler_config
-        slots = SLOTS_PER_SEQ * sched.max_num_seqs
-        buffers = Buffers(layout, runner.max_num_tokens, slots, self.vllm_config.max_concurrent_batches,
+        before = torch.cuda.memory_allocated(self.device)
+        buffers = Buffers(layout, runner.max_num_tokens, sched.max_num_seqs, self.vllm_config.max_concurrent_batches,
                           self.device)
+        # What tapc took from the GPU, against what `tapc explain` said (tests/test_sizing_gpu.py).
+        self.tapc_allocated = torch.cuda.memory_allocated(self.device) - before
         install(runner.get_model(), layout, buffers)
-        points = None
-        if layout.blocks or layout.engine:
-            points = EnginePoints(layout)
-            set_boundary_handler(breaking(points.runtime))
-            wrap_sampler(runner.sampler, points)
-        if layout.blocks:  # FULL graphs broken at the blocks (graphs.py)
-            capture_with_breaks(runner)
-        self.tapc = RunnerHooks(runner, layout, buffers, slots, Arena(register=_register), points)
+        points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
+        self.tapc = RunnerHooks(runner, layout, buffers, buffers.slots, Arena(register=_register), points)
+        self.tapc_patches = patches.apply(runner, self.tapc, points, breaks=bool(layout.blocks))
 
     def tapc_collect(self, ids: list[str]) -> dict[str, dict]:
         return self.tapc.collect(ids)
 
     def tapc_release(self, chunks: list[tuple[str, int]]) -> None:
         self.tapc.release(chunks)
+
+    def tapc_memory(self) -> dict[str, int]:
+        """tapc's device buffers: `owned`, the bytes of their tensors; `tensors`, how many;
+        `allocated`, what the allocator handed out while they were made."""
+        tensors = self.tapc.buffers.tensors()
+        return {"owned": sum(t.nbytes for t in tensors), "tensors": len(tensors), "allocated": self.tapc_allocated}
 
     def tapc_graph_breaks(self) -> list[tuple[int, int]]:
         """(tokens, blocks it replays between its segments) of each FULL graph the runner

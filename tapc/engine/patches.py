@@ -1,0 +1,115 @@
+"""Every change tapc makes to objects it does not own (vLLM's runner and sampler, torch, the
+`tapc::boundary` handler), in one place, each owned by a `Patch` that can undo it.
+
+The worker applies them at load (`TapWorker.load_model`, `apply`), after the taps are installed
+in the model (install.py patches forwards of that model's own module instances: part of the
+model, not listed here):
+- the runner's `execute_model` and `prepare_inputs` become `RunnerHooks`' (runner.py), which
+  call the originals;
+- the sampler's class becomes a subclass that runs the engine points around sampling
+  (`logits` before, `samples` after; points.py);
+- the process's `tapc::boundary` handler (kernels/ops.py) becomes the block runtime, breaking
+  FULL graphs while they are captured (graphs.py `breaking`);
+- with Python blocks, the runner's `capture_model` captures with `torch.cuda.CUDAGraph` swapped
+  for `SegmentedGraph` (graphs.py), and only while it runs.
+`Patches.undo` puts everything back, last applied first.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_MISSING = object()
+
+
+class Patch:
+    """`owner.name = value` until `undo`; also a context manager for a patch held while a call
+    runs. Where `owner` had no attribute of its own (a method of its class), undo deletes ours."""
+
+    def __init__(self, owner, name: str, value):
+        self.owner, self.name, self.value = owner, name, value
+        self.original = _MISSING
+
+    def apply(self) -> "Patch":
+        own = getattr(self.owner, "__dict__", {})
+        self.original = type(self.owner) if self.name == "__class__" else own.get(self.name, _MISSING)
+        setattr(self.owner, self.name, self.value)
+        return self
+
+    def undo(self) -> None:
+        if self.original is _MISSING:
+            delattr(self.owner, self.name)
+        else:
+            setattr(self.owner, self.name, self.original)
+
+    def __enter__(self) -> "Patch":
+        return self.apply()
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+
+class Patches:
+    """The patches of one worker, in the order they were applied."""
+
+    def __init__(self):
+        self.applied: list[Patch] = []
+
+    def add(self, patch: Patch) -> Patch:
+        self.applied.append(patch.apply())
+        return patch
+
+    def undo(self) -> None:
+        while self.applied:
+            self.applied.pop().undo()
+
+
+def apply(runner, hooks, points=None, breaks: bool = False) -> Patches:
+    """Hook `runner` (vLLM's V2 model runner, or a stand-in with its methods) for `hooks`
+    (RunnerHooks); with `points` (EnginePoints), the sampler and the boundary handler; with
+    `breaks` (the plan has Python blocks), FULL graphs captured broken at them."""
+    from tapc.engine.graphs import breaking
+    from tapc.kernels import ops
+
+    patches = Patches()
+    patches.add(Patch(runner, "execute_model", hooks.execute_model))
+    patches.add(Patch(runner, "prepare_inputs", hooks.prepare_inputs))
+    if points is not None:
+        if runner.sampler is not None:
+            patches.add(sampler_patch(runner.sampler, points))
+        patches.add(Patch(ops, "_boundary_handler", breaking(points.runtime)))
+    if breaks:
+        patches.add(capture_patch(runner))
+    return patches
+
+
+def sampler_patch(sampler, points) -> Patch:
+    """Run `points` around vLLM's sampler: logits before sampling, sampled ids after."""
+    base = type(sampler)
+
+    class TappedSampler(base):
+        def __call__(self, logits, input_batch):
+            points.on_logits(logits)
+            out = base.__call__(self, logits, input_batch)
+            points.on_samples(out.sampled_token_ids)
+            return out
+
+    TappedSampler.__name__ = f"Tapped{base.__name__}"
+    return Patch(sampler, "__class__", TappedSampler)
+
+
+def capture_patch(runner) -> Patch:
+    """`runner.capture_model` that captures SegmentedGraphs: vLLM's graph code makes its graphs
+    with `torch.cuda.CUDAGraph()`, so the class is swapped for the capture and put back after,
+    also when it raises (capture runs once, at engine start, on one thread)."""
+    from tapc.engine.graphs import SegmentedGraph
+
+    capture = runner.capture_model
+
+    @functools.wraps(capture)
+    def capture_model(*args, **kwargs):
+        with Patch(torch.cuda, "CUDAGraph", SegmentedGraph):
+            return capture(*args, **kwargs)
+
+    return Patch(runner, "capture_model", capture_model)

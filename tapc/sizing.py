@@ -1,0 +1,69 @@
+"""What an engine allocates on the device for a plan: one account for the engine and for `explain`.
+
+The worker allocates, once, before vLLM's first forward (engine/buffers.py):
+- per capture tap: its rows of its group's pool, `[rows, width]` of the capture dtype, and as
+  much again for the pool's snapshot (copy-out reads the snapshot while the next step writes
+  the pool);
+- per capture and per in-graph edit tap: an int32 row table of `rows` entries;
+- per edit: its parameter tables, `[slots, ...]` each (tapc/edits.py `tables`), with
+  `slots = SLOTS_PER_SEQ * max_num_seqs`; a named vector or scalar table is one table for every
+  edit that uses the name (counted at the first);
+- per `logits` edit: its parameter tables, and an int32 row of `max_num_seqs` entries mapping
+  the step's logits rows to slots.
+`rows` is max_num_batched_tokens. Captures of `logits` / `samples` are kept per step on the
+device until collected (a row per generated token): not preallocated, not counted here.
+"""
+from __future__ import annotations
+
+from tapc.edits import EDITS, Table, tables
+from tapc.plan import EDIT, ENGINE, READ, PlannedTap
+
+# The plan sizes buffers and tables for these unless the caller sets them; the engine gets the
+# same values (vLLM's own defaults depend on the GPU).
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_SEQS = 256
+
+# Parameter slots per scheduled request: a finished request's slot comes back with the next
+# step, so a full batch of new requests can briefly need more than max_num_seqs.
+SLOTS_PER_SEQ = 2
+
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int32": 4, "int64": 8}
+ROW_ENTRY = 4   # int32 row tables
+
+
+def param_slots(max_num_seqs: int) -> int:
+    return SLOTS_PER_SEQ * max_num_seqs
+
+
+def is_logit_edit(tap: PlannedTap) -> bool:
+    return tap.kind == ENGINE and tap.action in EDITS
+
+
+def edit_tables(taps) -> list[tuple[tuple[Table, bool], ...]]:
+    """Per edit tap, its tables in its op's order, each with whether this tap allocates it
+    (False: a named table an earlier tap of `taps` allocated)."""
+    seen: set[tuple] = set()
+    out = []
+    for tap in taps:
+        mine = []
+        for table in tables(tap.action, tap.args, tap.width):
+            first = table.share is None or table.share not in seen
+            if table.share is not None:
+                seen.add(table.share)
+            mine.append((table, first))
+        out.append(tuple(mine))
+    return out
+
+
+def tap_bytes(taps, rows: int, max_num_seqs: int) -> list[int]:
+    """Device bytes the engine allocates for each tap of a plan (`taps` in plan order)."""
+    slots = param_slots(max_num_seqs)
+    out = [0] * len(taps)
+    for i, tap in enumerate(taps):
+        if tap.kind == READ:
+            out[i] = 2 * rows * tap.width * ITEMSIZE[tap.dtype] + rows * ROW_ENTRY
+    for kind, per_row in ((EDIT, rows), (ENGINE, max_num_seqs)):
+        index = [i for i, t in enumerate(taps) if t.kind == kind and t.action in EDITS]
+        for i, own in zip(index, edit_tables([taps[i] for i in index])):
+            out[i] = per_row * ROW_ENTRY + sum(slots * t.nbytes_per_slot for t, first in own if first)
+    return out

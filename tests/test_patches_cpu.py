@@ -1,0 +1,62 @@
+"""Every process-wide patch the worker makes is applied in one place and undone exactly."""
+import torch
+from engine_toy import ToyBuffers, ToyModel, ToyRunner, toy_plan
+
+from tapc.engine import patches
+from tapc.engine.arena import Arena
+from tapc.engine.points import EnginePoints
+from tapc.engine.runner import RunnerHooks
+from tapc.engine.tables import Layout
+from tapc.kernels import ops
+
+
+class Sampler:
+    def __call__(self, logits, input_batch):
+        return type("Out", (), {"sampled_token_ids": logits.argmax(dim=-1, keepdim=True)})()
+
+
+class Runner(ToyRunner):
+    def capture_model(self):
+        return torch.cuda.CUDAGraph
+
+
+def test_undo_restores_every_original():
+    plan = toy_plan(["model.layers.0.resid -> look", "logits | add(bias)", "samples"])
+    layout = Layout(plan)
+    buffers = ToyBuffers(layout, 64, 8)
+    runner = Runner(ToyModel())
+    runner.sampler = sampler = Sampler()
+    points = EnginePoints(layout, buffers)
+    hooks = RunnerHooks(runner, layout, buffers, 8, Arena(segment_bytes=4096), points)
+    before = (dict(vars(runner)), type(sampler), ops._boundary_handler, torch.cuda.CUDAGraph)
+    assert runner.capture_model() is torch.cuda.CUDAGraph
+
+    applied = patches.apply(runner, hooks, points, breaks=True)
+    assert runner.execute_model == hooks.execute_model and runner.prepare_inputs == hooks.prepare_inputs
+    assert type(sampler) is not Sampler and isinstance(sampler, Sampler)
+    assert ops._boundary_handler is not None
+    from tapc.engine.graphs import SegmentedGraph
+
+    assert runner.capture_model() is SegmentedGraph, "FULL graphs captured breakable"
+    assert torch.cuda.CUDAGraph is before[3], "the class swap lasts only as long as the capture"
+    assert len(applied.applied) == 5
+
+    applied.undo()
+    assert dict(vars(runner)) == before[0], "the runner's methods are its class's again"
+    assert type(sampler) is before[1] and ops._boundary_handler is before[2]
+    assert torch.cuda.CUDAGraph is before[3] and runner.capture_model() is before[3]
+    assert applied.applied == []
+
+
+def test_a_patch_of_an_attribute_the_owner_had_puts_that_one_back():
+    class Owner:
+        pass
+
+    owner = Owner()
+    owner.x = 1
+    with patches.Patch(owner, "x", 2):
+        assert owner.x == 2
+    assert vars(owner) == {"x": 1}
+    with patches.Patch(owner, "y", 3):
+        assert owner.y == 3
+    assert vars(owner) == {"x": 1}
