@@ -25,8 +25,13 @@ from tapc.plan import TapPlan
 
 WORKER = "tapc.engine.worker.TapWorker"
 
-# Code that ends up inside the compiled graphs: a change must invalidate vLLM's compile cache.
-_GRAPH_CODE = Path(__file__).resolve().parent / "install.py"
+# Modules whose code ends up inside the compiled graphs, or decides what does (which call a
+# `.source` tap wraps, which op and tables an edit reads, the tables' shapes): a change to any of
+# them must invalidate vLLM's compile cache. tests/test_digest_cpu.py runs an install and the
+# patched forwards and fails if a tapc file they run is missing here.
+GRAPH_MODULES = ("tapc.engine.install", "tapc.engine.source", "tapc.engine.tables", "tapc.tree", "tapc.edits",
+                 "tapc.sizing")
+GRAPH_PACKAGES = ("tapc.kernels",)   # every module of these
 
 
 def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
@@ -72,10 +77,17 @@ def _with_splits(plan: TapPlan, given) -> dict:
     return config
 
 
+def graph_code() -> list[Path]:
+    """The files of GRAPH_MODULES and GRAPH_PACKAGES."""
+    files = [Path(importlib.util.find_spec(name).origin) for name in GRAPH_MODULES]
+    for name in GRAPH_PACKAGES:
+        files += sorted(Path(importlib.util.find_spec(name).submodule_search_locations[0]).glob("*.py"))
+    return files
+
+
 def digest(plan: TapPlan) -> str:
     """The plan's digest and the source of everything that runs inside the graphs."""
     h = hashlib.sha256(plan.digest.encode())
-    kernels = Path(importlib.util.find_spec("tapc.kernels").submodule_search_locations[0])
-    for path in [_GRAPH_CODE, *sorted(kernels.glob("*.py"))]:
+    for path in graph_code():
         h.update(path.read_bytes())
     return h.hexdigest()[:16]

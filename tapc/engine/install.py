@@ -82,8 +82,9 @@ def _bind(module: torch.nn.Module, i: int, tap, what: tuple[str, int], layout: L
         return capture
 
     slot = reg("slot", buffers.table[layout.edit_row(index)])
-    op = getattr(torch.ops.tapc, EDITS[tap.action].kernel)
-    tables = [reg(name, tensor) for name, tensor in buffers.params.tables[index].items()]
+    edit = EDITS[tap.action]
+    op = getattr(torch.ops.tapc, edit.kernel)
+    tables = [reg(name, buffers.params.tables[index][name]) for name in edit.tables]
     return lambda x, b: op(x, b, getattr(module, slot), *[getattr(module, t) for t in tables])
 
 
