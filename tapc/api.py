@@ -46,7 +46,8 @@ class VLLM:
         kwargs.setdefault("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
         kwargs.setdefault("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
         self.plan: TapPlan = build_plan(model, list(taps), max_num_batched_tokens=kwargs["max_num_batched_tokens"],
-                                        max_num_seqs=kwargs["max_num_seqs"], capture_dtype=capture_dtype)
+                                        max_num_seqs=kwargs["max_num_seqs"], capture_dtype=capture_dtype,
+                                        engine_args=kwargs)
         self._set_params(params)
         self.block_names = {t.block for t in self.plan.taps if t.action == "block"}
         self.blocks = dict(blocks or {})

@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tapc.plan import BLOCK, TapPlan
+from tapc.sizing import param_slots
 
 
 def human_bytes(n: int) -> str:
@@ -70,8 +71,8 @@ def totals(plan: TapPlan) -> list[str]:
     return [
         f"taps: {len(plan.taps)} ({', '.join(f'{n} {k}' for k, n in kinds.items())})",
         f"parameters: {params or 'none'}",
-        f"preallocated: {human_bytes(plan.total_buffer_bytes)} for {plan.max_num_batched_tokens} tokens "
-        f"per step and {plan.max_num_seqs} request slots",
+        f"preallocated: {human_bytes(plan.total_buffer_bytes)} on the device for {plan.max_num_batched_tokens} "
+        f"tokens per step and {plan.max_num_seqs} requests ({param_slots(plan.max_num_seqs)} parameter slots)",
         f"digest: {plan.digest}",
     ]
 

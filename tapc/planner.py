@@ -15,14 +15,16 @@ CAPTURE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def build_plan(model: str, taps, *, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-               max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, capture_dtype: str | None = None, tree=None) -> TapPlan:
-    """Resolve taps (strings, a text, or parsed `TapSpec`s) against `model`'s vLLM module tree."""
+               max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, capture_dtype: str | None = None, tree=None,
+               engine_args: dict | None = None) -> TapPlan:
+    """Resolve taps (strings, a text, or parsed `TapSpec`s) against `model`'s vLLM module tree, as
+    an engine with `engine_args` builds it (tree.py TREE_ENGINE_ARGS: parallel sizes, LoRA)."""
     specs = tuple(taps) if taps and all(isinstance(t, TapSpec) for t in taps) else parse_taps(taps)
     if not specs:
         raise PlanError("no taps: give at least one tap")
     if max_num_batched_tokens < 1 or max_num_seqs < 1:
         raise PlanError("max_num_batched_tokens and max_num_seqs must be positive")
-    tree = tree or load_tree(model)
+    tree = tree or load_tree(model, engine_args)
     if capture_dtype is not None and capture_dtype not in CAPTURE_DTYPES:
         raise PlanError(f"capture dtype {capture_dtype!r}: use one of {', '.join(CAPTURE_DTYPES)}")
     planned: list[PlannedTap] = []

@@ -83,7 +83,7 @@ class Spec:
         engine = self.engine
         return build_plan(self.model, self.taps, capture_dtype=self.capture.dtype,
                           max_num_batched_tokens=int(engine.get("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)),
-                          max_num_seqs=int(engine.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)))
+                          max_num_seqs=int(engine.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)), engine_args=engine)
 
 
 def load_spec(path: str | Path) -> Spec:

@@ -122,15 +122,28 @@ def config_path(model: str) -> Path:
                        "cache (tapc builds trees offline: give a local directory with config.json)")
 
 
-def load_tree(model: str) -> ModuleTree:
-    """The module tree of `model`, from the disk cache or built in a child process."""
+# Engine arguments that change the module tree (sharded widths, LoRA-wrapped layers), with the
+# values a tree is built for when the caller does not give them.
+TREE_ENGINE_ARGS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enable_lora": False}
+
+
+def tree_args(engine_args: dict | None) -> dict:
+    """The engine arguments of TREE_ENGINE_ARGS, from the engine's (others are ignored)."""
+    return {k: (engine_args or {}).get(k, default) for k, default in TREE_ENGINE_ARGS.items()}
+
+
+def load_tree(model: str, engine_args: dict | None = None) -> ModuleTree:
+    """The module tree of `model` as an engine with `engine_args` builds it, from the disk cache
+    or built in a child process."""
     cfg = config_path(model)
-    key = hashlib.sha256(cfg.read_bytes() + _vllm_version().encode() + Path(__file__).read_bytes()).hexdigest()[:20]
+    args = json.dumps(tree_args(engine_args), sort_keys=True)
+    key = hashlib.sha256(cfg.read_bytes() + _vllm_version().encode() + Path(__file__).read_bytes()
+                         + args.encode()).hexdigest()[:20]
     cached = CACHE_DIR / f"{key}.json"
     if cached.is_file():
         return dataclasses.replace(ModuleTree.from_json(cached.read_text()), model=model)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "tapc.tree", str(cfg.parent)], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "tapc.tree", str(cfg.parent), args], capture_output=True,
                           text=True, env=env)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
@@ -152,11 +165,12 @@ def _vllm_version() -> str:
 # ----------------------------------------------------------------------------- building (child process)
 
 
-def build_tree(model_dir: str) -> ModuleTree:
-    """Build vLLM's model for `model_dir` on the meta device and describe it. Needs no GPU."""
+def build_tree(model_dir: str, engine_args: dict | None = None) -> ModuleTree:
+    """Build vLLM's model for `model_dir` on the meta device and describe it. Needs no GPU.
+    `engine_args`: those of TREE_ENGINE_ARGS the engine runs with."""
     import torch
 
-    model = _meta_model(model_dir)
+    model = _meta_model(model_dir, tree_args(engine_args))
     hf = model.config if hasattr(model, "config") else None
     layers_path, layers = _find_layers(model)
     layer_of = {id(m): i for i, m in enumerate(layers)}
@@ -177,8 +191,12 @@ def build_tree(model_dir: str) -> ModuleTree:
                       layers_path=layers_path, vllm_version=_vllm_version(), nodes=tuple(nodes))
 
 
-def _meta_model(model_dir: str):
+def _meta_model(model_dir: str, engine_args: dict):
     """vLLM's model on meta: CPU platform for the config, a one-rank gloo group, `_C` stood in for."""
+    parallel = engine_args["tensor_parallel_size"] * engine_args["pipeline_parallel_size"]
+    if parallel != 1:  # one rank of several needs the others' process group: not built yet
+        raise ResolveError(f"module trees of engines on several GPUs are not built yet ({engine_args}): "
+                           "tapped engines run on one GPU for now")
     import torch
     import vllm.platforms as platforms
     from vllm.platforms.cpu import CpuPlatform
@@ -190,7 +208,7 @@ def _meta_model(model_dir: str):
     from vllm.model_executor.model_loader.utils import initialize_model
 
     config = EngineArgs(model=model_dir, skip_tokenizer_init=True, load_format="dummy", enforce_eager=True,
-                        max_model_len=256).create_engine_config()
+                        max_model_len=256, **engine_args).create_engine_config()
 
     class _KernelStub:  # layers look kernels up while constructing; the meta tree never runs them
         def __getattr__(self, name):
@@ -347,4 +365,4 @@ if __name__ == "__main__":
     import logging
 
     logging.disable(logging.WARNING)
-    print(build_tree(sys.argv[1]).to_json())
+    print(build_tree(sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else None).to_json())

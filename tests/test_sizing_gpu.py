@@ -1,0 +1,59 @@
+"""On the real engine: the device memory tapc allocates is what the plan and `tapc explain` say,
+and `logits` edits (one op per edit over the batch, per-request slots) edit the right rows."""
+import gc
+
+import numpy as np
+import pytest
+import torch
+from test_engine_gpu import SMALL, engine_args, write_checkpoint
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+TAPS = ["model.layers.*.resid", "model.layers.1.mlp.gate_up_proj.output",     # two widths, one pool each
+        "model.layers[0,2].self_attn.qkv_proj.output",
+        "model.layers.*.resid | add(steer, alpha=a)", "model.layers.3.resid | project_out(steer)",
+        "model.layers.0.mlp.down_proj.output | set([1, 5], value=0.5)", "model.layers.2.resid | zero(cols)",
+        "logits", "samples", "logits | add(bias)", "logits | set(banned, value=-1000.0)"]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from tapc import VLLM
+
+    path = write_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+    llm = VLLM(path, taps=TAPS, **engine_args())
+    yield llm
+    del llm
+    gc.collect()
+
+
+def test_engine_allocates_what_explain_says(engine):
+    from tapc.explain import human_bytes, render
+
+    mem = engine.llm.collective_rpc("tapc_memory")[0]
+    assert mem["owned"] == engine.plan.total_buffer_bytes == sum(t.buffer_bytes for t in engine.plan.taps)
+    # The caching allocator hands out blocks in multiples of 512 bytes.
+    assert 0 <= mem["allocated"] - mem["owned"] < 512 * mem["tensors"], mem
+    assert f"preallocated: {human_bytes(mem['owned'])} on the device" in render(engine.plan)
+
+
+def test_logits_edits_apply_per_request_on_the_rows_they_bind(engine):
+    from vllm import SamplingParams
+
+    from tapc.api import TapRequest
+
+    rng = np.random.default_rng(3)
+    prompt = {"prompt_token_ids": rng.integers(0, SMALL["vocab_size"], 17).tolist()}
+    bias = rng.normal(size=SMALL["vocab_size"]).astype(np.float32)
+    banned = sorted(rng.choice(SMALL["vocab_size"], 9, replace=False).tolist())
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    edited, plain = TapRequest(capture="logits", params={"bias": bias, "banned": banned}), TapRequest(capture="logits")
+    outs = engine.generate([prompt, prompt, prompt], [sp] * 3, taps=[plain, edited, plain])
+    a, b, c = (o.taps["logits"] for o in outs)
+    assert a.shape == (6, SMALL["vocab_size"])
+    torch.testing.assert_close(a, c)                       # untouched by the other request's edits
+    want = a[0] + torch.from_numpy(bias)                   # same prompt: the first prediction differs only by the edits
+    want[banned] = -1000.0
+    torch.testing.assert_close(b[0], want, atol=2e-2, rtol=1e-3)
+    assert not set(outs[1].outputs[0].token_ids) & set(banned)
+    assert (b[:, banned] == -1000.0).all()

@@ -1,0 +1,30 @@
+"""The module tree is built for the engine arguments that change it, and cached by them."""
+import pytest
+
+from conftest import CONFIGS
+from tapc.errors import ResolveError
+from tapc.tree import CACHE_DIR, load_tree, tree_args
+
+LLAMA = str(CONFIGS / "llama")
+
+
+def test_tree_args_pick_the_ones_that_change_the_tree():
+    assert tree_args({"tensor_parallel_size": 2, "max_num_seqs": 8, "enable_lora": True}) == \
+        {"tensor_parallel_size": 2, "pipeline_parallel_size": 1, "enable_lora": True}
+    assert tree_args(None) == tree_args({"max_model_len": 99})
+
+
+def test_lora_engines_get_their_own_tree_and_cache_entry(trees):
+    plain = trees("llama")
+    before = set(CACHE_DIR.glob("*.json"))
+    lora = load_tree(LLAMA, {"enable_lora": True, "max_num_seqs": 4})
+    made = set(CACHE_DIR.glob("*.json")) - before
+    assert len(made) == 1, "a tree for other engine arguments is cached under its own key"
+    assert {n.path for n in lora.nodes} >= {n.path for n in plain.nodes if n.path.startswith("model.layers.0.")}
+    assert load_tree(LLAMA, {"enable_lora": True}) == lora      # from the cache: max_num_seqs plays no part
+    assert set(CACHE_DIR.glob("*.json")) - before == made
+
+
+def test_several_gpus_are_refused_clearly():
+    with pytest.raises(ResolveError, match="one GPU"):
+        load_tree(LLAMA, {"tensor_parallel_size": 2})
