@@ -97,3 +97,16 @@ def test_logits_block_sees_one_row_with_its_position():
     step(points, sampler, recs, [("a", 1, 4)])
     seen = pickle.loads(points.take(recs["a"].id))["saved"]["seen"]
     assert seen == [("a", range(3, 4), (1, VOCAB)), ("a", range(4, 5), (1, VOCAB))]
+
+
+def test_logits_edits_cover_the_rows_their_at_says():
+    bias = np.random.default_rng(0).normal(size=VOCAB).astype(np.float32)
+    points, sampler, recs = setup(["logits", "logits | add(bias, at=generated)", "logits | scale(f, at=last)"], [
+        ("a", 3, TapRequest(capture="logits", params={"bias": bias, "f": 2.0})),
+        ("b", 4, TapRequest(capture="logits", params={"f": 3.0}))])
+    _, raw1 = step(points, sampler, recs, [("a", 3, 0), ("b", 4, 0)])    # the prompts' last rows
+    _, raw2 = step(points, sampler, recs, [("b", 1, 4), ("a", 1, 3)])    # generated rows, b first
+    a = pickle.loads(points.take(recs["a"].id))["engine"]["logits"]
+    b = pickle.loads(points.take(recs["b"].id))["engine"]["logits"]
+    torch.testing.assert_close(a, torch.stack([2.0 * raw1[0], raw2[1] + torch.from_numpy(bias)]))
+    torch.testing.assert_close(b, torch.stack([3.0 * raw1[1], raw2[0]]))
