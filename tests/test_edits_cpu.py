@@ -70,3 +70,26 @@ def test_op_on_written_slots_equals_the_edits_meaning(action, params, values):
     want[edited] = expected(want[edited], tap.action, values)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, ref)
+
+
+def test_every_edit_op_lands_in_one_compiled_graph():
+    """Dynamo inlines the patched forwards with each op the registry names, without a break."""
+    from engine_toy import ToyBuffers, ToyModel
+
+    from tapc.engine.install import install
+
+    taps = [f"model.layers.0.resid | {a}" for a in ("add(v, alpha=a)", "scale(0.5)", "set([1, 2], value=w)",
+                                                   "zero(c)", "project_out(v)")]
+    plan = toy_plan(taps)
+    layout = Layout(plan)
+    buffers = ToyBuffers(layout, 64, 8)
+    wire = to_wire(plan, TapRequest(params={"v": V[:16], "a": 2.0, "w": [3.0, 4.0], "c": [0, 5]}), "r")
+    buffers.params.write(1, list(range(len(layout.edits))), wire["params"])
+    buffers.table[len(layout.captures):, :5] = 1
+    model = ToyModel()
+    install(model, layout, buffers)
+    ids, pos = torch.tensor([3, 1, 4, 1, 5]), torch.arange(5)
+    eager = model(ids, pos)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)(ids, pos)
+    torch.testing.assert_close(compiled, eager)
+    assert not torch.equal(eager, ToyModel()(ids, pos)), "the edits changed nothing"

@@ -110,3 +110,17 @@ def test_logits_edits_cover_the_rows_their_at_says():
     b = pickle.loads(points.take(recs["b"].id))["engine"]["logits"]
     torch.testing.assert_close(a, torch.stack([2.0 * raw1[0], raw2[1] + torch.from_numpy(bias)]))
     torch.testing.assert_close(b, torch.stack([3.0 * raw1[1], raw2[0]]))
+
+
+def test_logits_edit_values_are_checked_as_in_graph_ones_are():
+    import pytest
+
+    from tapc.errors import RequestError
+
+    plan = toy_plan(["logits | set(banned, value=w)"])
+    with pytest.raises(RequestError, match="r: `logits | set\\(banned, value=w\\)` gives 2 values for 3 columns"):
+        to_wire(plan, TapRequest(params={"banned": [1, 2, 3], "w": [1.0, 2.0]}), "r")
+    with pytest.raises(RequestError, match="binds 'banned' but not 'w'"):
+        to_wire(plan, TapRequest(params={"banned": [1, 2, 3]}), "r")
+    with pytest.raises(RequestError, match="distinct column indices in 0..49"):
+        to_wire(plan, TapRequest(params={"banned": [50], "w": 1.0}), "r")

@@ -1,8 +1,8 @@
 """What runs in the runner, outside the graphs: `logits`, `samples`, and Python blocks' steps.
 
 vLLM computes logits for each request's last token of the step and samples eagerly, so these
-points are tapped around its sampler (patches.py `sampler_patch`): row i of the logits (and of the sampled
-ids) belongs to the i-th request of the batch. A request's row is a real prediction only once
+points are tapped around its sampler (patches.py `sampler_patch`): row i of the logits (and of
+the sampled ids) belongs to the i-th request of the batch. A request's row is a real prediction only once
 its prompt is done; a step that ran a partial prefill chunk is skipped.
 
 - `logits` capture: one float32 row per sampled token; edits (set/zero to mask tokens, add a
@@ -121,9 +121,11 @@ class LogitEdits:
         table = np.full((len(self.taps), n), -1, dtype=np.int32)
         for e in range(len(self.taps)):
             mine = select(self.at[e], pos, plen)
-            if not self.always[e]:   # slot 0 serves edits without parameters: literals fill every slot
+            if self.always[e]:   # its literals fill every slot: slot 0 serves every request
+                table[e, row[mine]] = 0
+            else:
                 mine &= np.array([e in rec.logit_edits for rec in recs]) & (slot >= 0)
-            table[e, row[mine]] = 0 if self.always[e] else slot[mine]
+                table[e, row[mine]] = slot[mine]
         used = np.flatnonzero((table >= 0).any(axis=1))
         if not used.size:
             return

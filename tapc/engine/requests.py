@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from tapc.edits import POSITIONS, check_param, set_lengths
+from tapc.edits import EDITS, POSITIONS, check_param, set_lengths
 from tapc.errors import RequestError
-from tapc.plan import EDIT, TapPlan
+from tapc.plan import TapPlan
 
 ENGINE_POINTS = ("logits", "samples")
 
@@ -139,7 +139,7 @@ def _params(plan: TapPlan, params: Mapping[str, Any], where: str) -> dict:
             raise RequestError(f"{where}: parameter {name!r} is not named by any tap of this engine's plan "
                                f"(its parameters: {known})")
         out[name] = _value(plan, specs[name], value, where)
-    for tap in plan.by_kind(EDIT):
+    for tap in (t for t in plan.taps if t.action in EDITS):   # in the graphs and on the logits
         names = [a.param for a in tap.args if a.param is not None]
         given = [n for n in names if n in out]
         if given and len(given) != len(names):
