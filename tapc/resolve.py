@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import difflib
 
+from tapc.edits import EDITS, check_at_point
 from tapc.errors import ResolveError
 from tapc.plan import BLOCK, EDIT, ENGINE, READ, Arg, PlannedTap, Point
-from tapc.edits import EDITS, check_at_point
 from tapc.spec import Param, Slice, Star, TapSpec
 from tapc.tree import ModuleTree, Node
 

@@ -13,9 +13,9 @@ import pickle
 import torch
 from vllm.v1.worker.gpu_worker import Worker
 
+from tapc.engine import patches
 from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
-from tapc.engine import patches
 from tapc.engine.graphs import SegmentedGraph
 from tapc.engine.install import install
 from tapc.engine.points import EnginePoints
