@@ -11,7 +11,9 @@ The worker allocates, once, before vLLM's first forward (engine/buffers.py):
 - per `logits` edit: its parameter tables, and an int32 row of `max_num_seqs` entries mapping
   the step's logits rows to slots.
 `rows` is max_num_batched_tokens. Captures of `logits` / `samples` are kept per step on the
-device until collected (a row per generated token): not preallocated, not counted here.
+device until collected (a row per generated token): not preallocated, not counted here. Nor is
+host memory: the pinned staging buffers of the row tables and the captures' arena in /dev/shm
+(engine/arena.py), which grows with what requests ask for.
 """
 from __future__ import annotations
 

@@ -7,6 +7,7 @@ from engine_toy import HIDDEN, VOCAB, toy_plan, toy_tree
 from tapc.edits import EDITS
 from tapc.engine.buffers import Buffers
 from tapc.engine.tables import Layout
+from tapc.planner import build_plan
 from tapc.sizing import param_slots
 
 TAPS = [
@@ -40,10 +41,8 @@ def cpu_uva(monkeypatch):
     monkeypatch.setattr(bu, "UvaBuffer", CpuUva)
 
 
-@pytest.mark.parametrize("dtype", [None, "float32"])
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
 def test_buffers_hold_exactly_what_the_plan_says(cpu_uva, dtype):
-    from tapc.planner import build_plan
-
     rows, seqs = 37, 5
     plan = build_plan("toy", TAPS, max_num_batched_tokens=rows, max_num_seqs=seqs, tree=toy_tree(),
                       capture_dtype=dtype)

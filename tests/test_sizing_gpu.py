@@ -51,7 +51,7 @@ def test_logits_edits_apply_per_request_on_the_rows_they_bind(engine):
     outs = engine.generate([prompt, prompt, prompt], [sp] * 3, taps=[plain, edited, plain])
     a, b, c = (o.taps["logits"] for o in outs)
     assert a.shape == (6, SMALL["vocab_size"])
-    torch.testing.assert_close(a, c)                       # untouched by the other request's edits
+    torch.testing.assert_close(a, c, atol=1e-2, rtol=1e-3)  # untouched by the other request's edits
     want = a[0] + torch.from_numpy(bias)                   # same prompt: the first prediction differs only by the edits
     want[banned] = -1000.0
     torch.testing.assert_close(b[0], want, atol=2e-2, rtol=1e-3)
