@@ -118,7 +118,7 @@ class LogitEdits:
         pos = np.array([p for _, _, p in rows], dtype=np.int64)
         plen = np.array([rec.prompt_len for rec in recs], dtype=np.int64)
         slot = np.array([rec.slot for rec in recs], dtype=np.int32)
-        table = np.full((len(self.taps), n), -1, dtype=np.int32)
+        table = np.full(self.rows.shape, -1, dtype=np.int32)   # whole: one contiguous copy up
         for e in range(len(self.taps)):
             mine = select(self.at[e], pos, plen)
             if self.always[e]:   # its literals fill every slot: slot 0 serves every request
@@ -129,6 +129,6 @@ class LogitEdits:
         used = np.flatnonzero((table >= 0).any(axis=1))
         if not used.size:
             return
-        upload_pinned(self.rows[:, :n], torch.from_numpy(table))
+        upload_pinned(self.rows, torch.from_numpy(table))
         for e in used.tolist():
             self.ops[e](logits, None, self.rows[e], *self.tables[e].values())
