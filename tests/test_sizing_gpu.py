@@ -54,6 +54,6 @@ def test_logits_edits_apply_per_request_on_the_rows_they_bind(engine):
     torch.testing.assert_close(a, c, atol=1e-2, rtol=1e-3)  # untouched by the other request's edits
     want = a[0] + torch.from_numpy(bias)                   # same prompt: the first prediction differs only by the edits
     want[banned] = -1000.0
-    torch.testing.assert_close(b[0], want, atol=2e-2, rtol=1e-3)
+    torch.testing.assert_close(b[0], want, atol=2e-2, rtol=1e-2)   # the edit is rounded once, to the logits' dtype
     assert not set(outs[1].outputs[0].token_ids) & set(banned)
     assert (b[:, banned] == -1000.0).all()
