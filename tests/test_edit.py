@@ -2,17 +2,20 @@
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from kernel_cases import (
     DEVICE, DTYPES, GPU_WIDTHS, ON_GPU, SLOTS, assert_close, assert_rows_untouched, randn, seed,
     skipped_rows, slot_table,
 )
 
+from tapc.kernels import edit
 from tapc.kernels.edit import (
     add_, add_ref, project_out_, project_out_ref, scale_, scale_ref, set_cols_, set_cols_ref,
 )
 
-# Odd widths; 2560 spans two column blocks, 4100 two row blocks of project_out.
-SHAPES = [(1, 5), (7, 123), (37, 896), (5, 2560), (2, 4100)]
+# Odd widths; 2560 spans two column blocks; project_out holds 4100 in registers and loops over
+# 8200 in blocks.
+SHAPES = [(1, 5), (7, 123), (37, 896), (5, 2560), (2, 4100), (3, 8200)]
 NUM_COLS = 5  # set_cols entries per slot: not a power of two
 
 # Triton's interpreter warns on its own `range` over a runtime bound (numpy 1.25+).
@@ -78,6 +81,33 @@ def test_project_out_leaves_no_component_along_the_direction():
     kept = slot[:37] >= 0
     dots = ((x + b)[kept] * dirs[slot[:37][kept].long()]).sum(dim=1)
     assert dots.abs().max() < 1e-4, dots
+
+
+@pytest.mark.parametrize("with_b", [False, True], ids=["x", "x+b"])
+@pytest.mark.parametrize("rows, one_pass", [(1, True), (2, True), (4, True), (1, False),
+                                            (4, False)])
+def test_project_out_every_kernel_shape(rows, one_pass, with_b, monkeypatch):
+    # Whatever project_out_config picks for a size: several rows per program (the last
+    # program's rows past the batch), the whole row in registers or two passes over blocks.
+    def config(num_tokens, width):
+        return rows, triton.next_power_of_2(width) if one_pass else 32, one_pass, 4
+
+    monkeypatch.setattr(edit, "project_out_config", config)
+    seed("shapes", rows, one_pass, with_b)
+    num_tokens, width = 7, 123
+    # x is the top of a taller buffer: a program writing rows past the batch would show.
+    buffer = randn(num_tokens + 4, width, torch.float32)
+    before = buffer.clone()
+    b = randn(num_tokens, width, torch.float32) if with_b else None
+    slot = slot_table(num_tokens)
+    (dirs,) = params("project_out", width)
+    project_out_(buffer[:num_tokens], b, slot, dirs)
+    expected = before[:num_tokens].clone()
+    project_out_ref(expected, b, slot, dirs)
+    assert_close(buffer[:num_tokens], expected, torch.float32, f"rows={rows} one_pass={one_pass}")
+    assert torch.equal(buffer[num_tokens:], before[num_tokens:]), "rows past the batch written"
+    assert_rows_untouched(buffer[:num_tokens], before[:num_tokens], skipped_rows(num_tokens),
+                          "project_out")
 
 
 def test_set_cols_sets_the_residual_stream_through_x():
