@@ -16,7 +16,7 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 MAX_COL_BLOCK = 2048
 # project_out keeps a whole row in registers up to this width (one read of x); wider rows
 # loop over blocks of MAX_LOOP_BLOCK columns twice (dot, then write).
-MAX_ROW_BLOCK = 8192
+MAX_ROW_BLOCK = 16384
 MAX_LOOP_BLOCK = 4096
 
 

@@ -13,8 +13,8 @@ from tapc.kernels.edit import (
     add_, add_ref, project_out_, project_out_ref, scale_, scale_ref, set_cols_, set_cols_ref,
 )
 
-# Odd widths; 2560 spans two column blocks; project_out holds 4100 in registers and loops over
-# 8200 in blocks.
+# Odd widths; 2560 spans two column blocks; 4100 and 8200 fill most of a register block of
+# project_out (8192, 16384). Its two-pass path: test_project_out_both_kernel_paths.
 SHAPES = [(1, 5), (7, 123), (37, 896), (5, 2560), (2, 4100), (3, 8200)]
 NUM_COLS = 5  # set_cols entries per slot: not a power of two
 
@@ -84,30 +84,16 @@ def test_project_out_leaves_no_component_along_the_direction():
 
 
 @pytest.mark.parametrize("with_b", [False, True], ids=["x", "x+b"])
-@pytest.mark.parametrize("rows, one_pass", [(1, True), (2, True), (4, True), (1, False),
-                                            (4, False)])
-def test_project_out_every_kernel_shape(rows, one_pass, with_b, monkeypatch):
-    # Whatever project_out_config picks for a size: several rows per program (the last
-    # program's rows past the batch), the whole row in registers or two passes over blocks.
+@pytest.mark.parametrize("one_pass", [True, False], ids=["in registers", "two passes"])
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_project_out_both_kernel_paths(num_tokens, one_pass, with_b, monkeypatch):
+    # Whatever project_out_config picks for a size: the whole row in registers, or two passes
+    # over blocks narrower than the row (123 columns: four blocks of 32, the last partial).
     def config(num_tokens, width):
-        return rows, triton.next_power_of_2(width) if one_pass else 32, one_pass, 4
+        return (triton.next_power_of_2(width), True, 4) if one_pass else (32, False, 4)
 
     monkeypatch.setattr(edit, "project_out_config", config)
-    seed("shapes", rows, one_pass, with_b)
-    num_tokens, width = 7, 123
-    # x is the top of a taller buffer: a program writing rows past the batch would show.
-    buffer = randn(num_tokens + 4, width, torch.float32)
-    before = buffer.clone()
-    b = randn(num_tokens, width, torch.float32) if with_b else None
-    slot = slot_table(num_tokens)
-    (dirs,) = params("project_out", width)
-    project_out_(buffer[:num_tokens], b, slot, dirs)
-    expected = before[:num_tokens].clone()
-    project_out_ref(expected, b, slot, dirs)
-    assert_close(buffer[:num_tokens], expected, torch.float32, f"rows={rows} one_pass={one_pass}")
-    assert torch.equal(buffer[num_tokens:], before[num_tokens:]), "rows past the batch written"
-    assert_rows_untouched(buffer[:num_tokens], before[:num_tokens], skipped_rows(num_tokens),
-                          "project_out")
+    check_edit("project_out", num_tokens, 123, torch.float32, with_b)
 
 
 def test_set_cols_sets_the_residual_stream_through_x():
