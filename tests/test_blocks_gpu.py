@@ -1,17 +1,16 @@
 """Python blocks, `logits` and `samples` on a real vLLM engine (GPU machine).
 
-A random Llama checkpoint (tests/test_engine_gpu.py writes it), vLLM's defaults otherwise:
+The session's random Llama checkpoint (tests/gpu_engines.py), vLLM's defaults otherwise:
 multi-process engine core, torch.compile, async scheduling, FULL_AND_PIECEWISE graphs: decode
 steps replay FULL graphs broken at each `tapc::boundary`, mixed steps PIECEWISE graphs split
 there. Blocks are compared with the in-graph taps of the same
 points, logits with HF transformers on the same weights, samples with the generated tokens.
 """
-import gc
-
 import numpy as np
 import pytest
 import torch
-from test_engine_gpu import SMALL, assert_matches, engine_args, prompts, sampling, write_checkpoint
+from gpu_engines import SMALL, engine_args, shutdown
+from test_engine_gpu import assert_matches, prompts, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -42,12 +41,13 @@ def force(ctx, ids):
 
 
 @pytest.fixture(scope="module")
-def path(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+def path(checkpoints):
+    return checkpoints("llama")
 
 
 @pytest.fixture(scope="module")
 def engine(path):
+    """This module's alone: stopped when its tests are done."""
     from tapc import VLLM
 
     llm = VLLM(path, taps=["model.layers.1.resid", "model.layers.1.resid -> rec",
@@ -56,8 +56,7 @@ def engine(path):
                blocks={"rec": recorder, "edit": lambda ctx, x: None, "pick": lambda ctx, ids: None},
                **engine_args())
     yield llm
-    del llm
-    gc.collect()
+    shutdown(llm)
 
 
 def same_prompt(n: int, seed: int, length: int = 23):

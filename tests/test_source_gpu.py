@@ -1,10 +1,9 @@
 """`.source` taps on a real vLLM engine (GPU machine): q and k out of Llama attention's
 `qkv.split(...)`, against HF transformers' q_proj / k_proj outputs on the same weights."""
-import gc
-
 import pytest
 import torch
-from test_engine_gpu import assert_matches, engine_args, prompts, sampling, write_checkpoint
+from gpu_engines import engine_args, shutdown
+from test_engine_gpu import assert_matches, prompts, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -29,17 +28,18 @@ def hf_points(path, tokens):
     return seen
 
 
-def test_qkv_split_and_down_proj_input_equal_hf(tmp_path):
+def test_qkv_split_and_down_proj_input_equal_hf(checkpoints):
     from tapc import VLLM
     from tapc.api import TapRequest
 
-    path = write_checkpoint(tmp_path / "llama", "llama")
+    path = checkpoints("llama")
     llm = VLLM(path, taps=TAPS, **engine_args())
-    outs = llm.generate(prompts(), sampling(), taps=TapRequest(capture="*"))
-    for i, out in enumerate(outs):
-        tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-        ref = hf_points(path, tokens[:-1])
-        for key in TAPS:
-            assert_matches(out.taps[key], ref[key], f"request {i} {key}")
-    del llm
-    gc.collect()
+    try:
+        outs = llm.generate(prompts(), sampling(), taps=TapRequest(capture="*"))
+        for i, out in enumerate(outs):
+            tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+            ref = hf_points(path, tokens[:-1])
+            for key in TAPS:
+                assert_matches(out.taps[key], ref[key], f"request {i} {key}")
+    finally:
+        shutdown(llm)   # this test's engine alone
