@@ -3,7 +3,8 @@
 Not a test module: conftest.py imports its fixtures, so every module can ask for them. An
 engine start costs about a minute (a spawned engine-core process, torch.compile, CUDA-graph
 capture), so a configuration that several tests use is started once and kept until the
-session ends (`engines`), and the random checkpoints are written once (`checkpoints`).
+session ends (`engines`), the random checkpoints are written once (`checkpoints`) and
+HF transformers loads each once (`hf_model`).
 Engines that one module or one test alone uses are built there and stopped with `shutdown`
 when done.
 
@@ -20,6 +21,7 @@ and Triton's caches, keyed by the graphs' and kernels' contents, stay on and are
 every engine of the run (their default folders; set TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR
 to move them): identical graph pieces compile once.
 """
+import functools
 import gc
 import os
 from collections.abc import Callable
@@ -64,6 +66,16 @@ def write_checkpoint(path, arch: str) -> str:
         model = transformers.Qwen3ForCausalLM(config)
     model.to(torch.bfloat16).save_pretrained(path)
     return str(path)
+
+
+@functools.cache
+def hf_model(path: str):
+    """HF transformers' model of a checkpoint on the GPU, loaded once: the references only run
+    it (hooks they add are removed again)."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
 
 
 def shutdown(llm) -> None:

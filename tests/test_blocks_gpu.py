@@ -9,7 +9,7 @@ points, logits with HF transformers on the same weights, samples with the genera
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL, engine_args, shutdown
+from gpu_engines import SMALL, engine_args, hf_model, shutdown
 from test_engine_gpu import assert_matches, prompts, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -121,12 +121,10 @@ def test_a_raising_block_fails_only_its_request(engine):
 
 
 def test_logits_equal_reference_and_samples_are_the_tokens(engine, path):
-    import transformers
-
     from tapc.api import TapRequest
 
     outs = engine.generate(prompts(5)[:3], sampling()[:3], taps=TapRequest(capture=["logits", "samples"]))
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    model = hf_model(path)
     for i, out in enumerate(outs):
         gen = list(out.outputs[0].token_ids)
         assert out.taps["samples"].tolist() == gen
@@ -137,7 +135,6 @@ def test_logits_equal_reference_and_samples_are_the_tokens(engine, path):
         assert out.taps["logits"].shape == ref.shape == (len(gen), SMALL["vocab_size"])
         assert_matches(out.taps["logits"], ref, f"request {i} logits")
         assert out.taps["logits"].argmax(-1).tolist() == gen   # greedy: the logits chose the tokens
-    del model
 
 
 def test_forced_sample_is_returned_and_fed_back(engine):

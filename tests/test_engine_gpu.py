@@ -10,7 +10,7 @@ The checkpoints and engines are the session's (tests/gpu_engines.py).
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL
+from gpu_engines import SMALL, hf_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -32,9 +32,7 @@ def sampling():
 def hf_reference(path: str, tokens: list[int], steer=None) -> dict[str, torch.Tensor]:
     """Activations of HF transformers on `tokens`, keyed like tapc's points. steer: (layer,
     vector, alpha) added to that layer's output (after it is recorded, like the plan's order)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    model = hf_model(path)
     seen = {}
 
     def layer_hook(i):
@@ -46,14 +44,19 @@ def hf_reference(path: str, tokens: list[int], steer=None) -> dict[str, torch.Te
                 return (h, *out[1:]) if isinstance(out, tuple) else h
         return hook
 
+    hooks = []
     for i, layer in enumerate(model.model.layers):
-        layer.register_forward_hook(layer_hook(i))
-        layer.mlp.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.output[0]", o.float()))
-        layer.mlp.down_proj.register_forward_hook(
-            lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.mlp.down_proj.output", o.float()))
-    with torch.no_grad():
-        model(torch.tensor([tokens], device="cuda"))
-    del model
+        hooks.append(layer.register_forward_hook(layer_hook(i)))
+        hooks.append(layer.mlp.register_forward_hook(
+            lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.output[0]", o.float())))
+        hooks.append(layer.mlp.down_proj.register_forward_hook(
+            lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.mlp.down_proj.output", o.float())))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([tokens], device="cuda"))
+    finally:
+        for hook in hooks:
+            hook.remove()
     return {k: v[0].cpu() for k, v in seen.items()}
 
 
