@@ -4,7 +4,7 @@ Not a test module: conftest.py imports its fixtures, so every module can ask for
 engine start costs about a minute (a spawned engine-core process, torch.compile, CUDA-graph
 capture), so a configuration that several tests use is started once and kept until the
 session ends (`engines`), the random checkpoints are written once (`checkpoints`) and
-HF transformers loads each once (`hf_model`).
+HF transformers loads each once (`hf_forward`).
 Engines that one module or one test alone uses are built there and stopped with `shutdown`
 when done.
 
@@ -70,12 +70,26 @@ def write_checkpoint(path, arch: str) -> str:
 
 @functools.cache
 def hf_model(path: str):
-    """HF transformers' model of a checkpoint on the GPU, loaded once: the references only run
-    it (hooks they add are removed again)."""
+    """HF transformers' model of a checkpoint on the GPU, loaded once (`hf_forward` runs it)."""
     import torch
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+
+
+def hf_forward(path: str, tokens: list[int], hooks: Callable = lambda model: []):
+    """HF's output on `tokens` (one sequence). `hooks(model)` adds hooks for this run and returns
+    their handles; they are removed afterwards, so the shared model stays as loaded."""
+    import torch
+
+    model = hf_model(path)
+    handles = hooks(model)
+    try:
+        with torch.no_grad():
+            return model(torch.tensor([tokens], device="cuda"))
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def shutdown(llm) -> None:

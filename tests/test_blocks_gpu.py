@@ -9,7 +9,7 @@ points, logits with HF transformers on the same weights, samples with the genera
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL, engine_args, hf_model, shutdown
+from gpu_engines import SMALL, engine_args, hf_forward, shutdown
 from test_engine_gpu import assert_matches, prompts, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -124,13 +124,11 @@ def test_logits_equal_reference_and_samples_are_the_tokens(engine, path):
     from tapc.api import TapRequest
 
     outs = engine.generate(prompts(5)[:3], sampling()[:3], taps=TapRequest(capture=["logits", "samples"]))
-    model = hf_model(path)
     for i, out in enumerate(outs):
         gen = list(out.outputs[0].token_ids)
         assert out.taps["samples"].tolist() == gen
         tokens = list(out.prompt_token_ids) + gen
-        with torch.no_grad():
-            ref = model(torch.tensor([tokens[:-1]], device="cuda")).logits[0].float().cpu()
+        ref = hf_forward(path, tokens[:-1]).logits[0].float().cpu()
         ref = ref[len(out.prompt_token_ids) - 1:]
         assert out.taps["logits"].shape == ref.shape == (len(gen), SMALL["vocab_size"])
         assert_matches(out.taps["logits"], ref, f"request {i} logits")

@@ -10,7 +10,7 @@ The checkpoints and engines are the session's (tests/gpu_engines.py).
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL, hf_model
+from gpu_engines import SMALL, hf_forward
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -32,7 +32,6 @@ def sampling():
 def hf_reference(path: str, tokens: list[int], steer=None) -> dict[str, torch.Tensor]:
     """Activations of HF transformers on `tokens`, keyed like tapc's points. steer: (layer,
     vector, alpha) added to that layer's output (after it is recorded, like the plan's order)."""
-    model = hf_model(path)
     seen = {}
 
     def layer_hook(i):
@@ -44,19 +43,17 @@ def hf_reference(path: str, tokens: list[int], steer=None) -> dict[str, torch.Te
                 return (h, *out[1:]) if isinstance(out, tuple) else h
         return hook
 
-    hooks = []
-    for i, layer in enumerate(model.model.layers):
-        hooks.append(layer.register_forward_hook(layer_hook(i)))
-        hooks.append(layer.mlp.register_forward_hook(
-            lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.output[0]", o.float())))
-        hooks.append(layer.mlp.down_proj.register_forward_hook(
-            lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.mlp.down_proj.output", o.float())))
-    try:
-        with torch.no_grad():
-            model(torch.tensor([tokens], device="cuda"))
-    finally:
-        for hook in hooks:
-            hook.remove()
+    def hooks(model):
+        handles = []
+        for i, layer in enumerate(model.model.layers):
+            handles.append(layer.register_forward_hook(layer_hook(i)))
+            handles.append(layer.mlp.register_forward_hook(
+                lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.output[0]", o.float())))
+            handles.append(layer.mlp.down_proj.register_forward_hook(
+                lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.mlp.down_proj.output", o.float())))
+        return handles
+
+    hf_forward(path, tokens, hooks)
     return {k: v[0].cpu() for k, v in seen.items()}
 
 

@@ -2,7 +2,7 @@
 `qkv.split(...)`, against HF transformers' q_proj / k_proj outputs on the same weights."""
 import pytest
 import torch
-from gpu_engines import engine_args, hf_model, shutdown
+from gpu_engines import engine_args, hf_forward, shutdown
 from test_engine_gpu import assert_matches, prompts, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -13,19 +13,16 @@ TAPS = ["model.layers.1.self_attn.source.qkv_split_0.output[0]",
 
 
 def hf_points(path, tokens):
-    model = hf_model(path)
     seen = {}
-    attn = model.model.layers[1].self_attn
-    hooks = [attn.q_proj.register_forward_hook(lambda m, a, o: seen.__setitem__(TAPS[0], o[0].float().cpu())),
-             attn.k_proj.register_forward_hook(lambda m, a, o: seen.__setitem__(TAPS[1], o[0].float().cpu())),
-             model.model.layers[2].mlp.down_proj.register_forward_pre_hook(
-                 lambda m, a: seen.__setitem__(TAPS[2], a[0][0].float().cpu()))]
-    try:
-        with torch.no_grad():
-            model(torch.tensor([tokens], device="cuda"))
-    finally:
-        for hook in hooks:
-            hook.remove()
+
+    def hooks(model):
+        attn = model.model.layers[1].self_attn
+        return [attn.q_proj.register_forward_hook(lambda m, a, o: seen.__setitem__(TAPS[0], o[0].float().cpu())),
+                attn.k_proj.register_forward_hook(lambda m, a, o: seen.__setitem__(TAPS[1], o[0].float().cpu())),
+                model.model.layers[2].mlp.down_proj.register_forward_pre_hook(
+                    lambda m, a: seen.__setitem__(TAPS[2], a[0][0].float().cpu()))]
+
+    hf_forward(path, tokens, hooks)
     return seen
 
 
