@@ -89,11 +89,15 @@ def test_project_out_leaves_no_component_along_the_direction():
 def test_project_out_both_kernel_paths(num_tokens, one_pass, with_b, monkeypatch):
     # Whatever project_out_config picks for a size: the whole row in registers, or two passes
     # over blocks narrower than the row (123 columns: four blocks of 32, the last partial).
+    asked = []
+
     def config(num_tokens, width):
+        asked.append(width)
         return (triton.next_power_of_2(width), True, 4) if one_pass else (32, False, 4)
 
     monkeypatch.setattr(edit, "project_out_config", config)
     check_edit("project_out", num_tokens, 123, torch.float32, with_b)
+    assert asked == [123], "project_out_ did not take its configuration from project_out_config"
 
 
 def test_set_cols_sets_the_residual_stream_through_x():
