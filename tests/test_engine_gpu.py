@@ -10,7 +10,8 @@ The checkpoints and engines are the session's (tests/gpu_engines.py).
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL, hf_forward
+from gpu_engines import SMALL, engine_args, hf_forward, write_checkpoint  # noqa: F401
+# (engine_args and write_checkpoint: GPU test modules of other branches import them from here)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
