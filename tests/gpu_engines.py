@@ -19,7 +19,7 @@ vLLM's own compile cache stays off (`VLLM_DISABLE_COMPILE_CACHE=1`): it is keyed
 configuration, which no two engines of a session share, so it would never hit. Inductor's
 and Triton's caches, keyed by the graphs' and kernels' contents, stay on and are shared by
 every engine of the run (their default folders; set TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR
-to move them): identical graph pieces compile once.
+to move them), so what one engine compiled another can reuse.
 """
 import functools
 import gc
