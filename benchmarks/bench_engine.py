@@ -19,6 +19,7 @@ Directional ablation (`project_out` on every layer's residual stream, every requ
 second tapc engine, so that its 32 edit ops do not run in the first engine's variants: after
 those rounds the first tapc engine is shut down, the ablating one started, and its decode runs
 interleaved with vanilla's the same way. vanilla's medians are over both phases.
+`--phases` runs some of the three (taps, ablation, eager), e.g. `--phases ablation` alone.
 """
 import argparse
 import gc
@@ -43,6 +44,7 @@ LLAMA_31_8B = {
 TAPS = ["model.layers.*.resid", "model.layers.16.resid | add(steer, alpha=4.0)"]
 ABLATE_TAPS = ["model.layers.*.resid | project_out(refusal)"]
 ABLATE_WORKLOADS = ["decode bs1", "decode bs64"]
+PHASES = ("taps", "ablation", "eager")
 HARVEST_LAYER = "model.layers.16.resid"
 ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, max_num_batched_tokens=8192,
               max_num_seqs=256, seed=0)
@@ -114,6 +116,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_engine.md")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the first is warmup")
+    ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
+                    help="tapc's engine beside vanilla; the ablating engine beside vanilla; enforce_eager")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the parent touches CUDA between engines
@@ -128,18 +132,10 @@ def main():
         json.dump(LLAMA_31_8B, f)
     common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"))
 
-    t0 = time.perf_counter()
-    vanilla = LLM(model, gpu_memory_utilization=0.42, **common)
-    t_vanilla = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    tapped = VLLM(model, taps=TAPS, gpu_memory_utilization=0.42, **common)
-    t_tapc = time.perf_counter() - t0
-    print(f"engine start: vanilla {t_vanilla:.0f} s, tapc {t_tapc:.0f} s", flush=True)
-
     results: dict[tuple[str, str], list[float]] = {}
 
     def report() -> None:  # after every measured round and at the end: a run cut short keeps its table
-        rounds = len(results[(next(iter(WORKLOADS)), "tapc, nothing asked")])
+        rounds = max(1, args.repeats - 1)
         eager = "enforce_eager: 1" if (next(iter(WORKLOADS)), "vanilla enforce_eager") in results else "enforce_eager: not yet run"
         lines = [f"# bench_engine: {torch.cuda.get_device_name()}, vLLM {vllm.__version__}, torch {torch.__version__}, "
                  f"Python {platform.python_version()}",
@@ -155,16 +151,31 @@ def main():
             return out
         return runs
 
-    run_rounds(WORKLOADS, runs_for(tapped, tapc_variants), args.repeats, results, report)
-    del tapped
-    gc.collect()
-    torch.cuda.empty_cache()
+    def started(what: str, start):
+        t0 = time.perf_counter()
+        engine = start()
+        print(f"engine start: {what} {time.perf_counter() - t0:.0f} s", flush=True)
+        return engine
 
-    ablating = VLLM(model, taps=ABLATE_TAPS, gpu_memory_utilization=0.42, **common)
-    run_rounds(ABLATE_WORKLOADS, runs_for(ablating, ablation), args.repeats, results, report)
-    del vanilla, ablating
-    gc.collect()
-    torch.cuda.empty_cache()
+    if "taps" in args.phases or "ablation" in args.phases:
+        vanilla = started("vanilla", lambda: LLM(model, gpu_memory_utilization=0.42, **common))
+    if "taps" in args.phases:
+        tapped = started("tapc", lambda: VLLM(model, taps=TAPS, gpu_memory_utilization=0.42, **common))
+        run_rounds(WORKLOADS, runs_for(tapped, tapc_variants), args.repeats, results, report)
+        del tapped
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "ablation" in args.phases:
+        ablating = started("tapc ablation", lambda: VLLM(model, taps=ABLATE_TAPS, gpu_memory_utilization=0.42,
+                                                         **common))
+        run_rounds(ABLATE_WORKLOADS, runs_for(ablating, ablation), args.repeats, results, report)
+        del ablating
+    if "taps" in args.phases or "ablation" in args.phases:
+        del vanilla
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "eager" not in args.phases:
+        return
 
     eager = LLM(model, enforce_eager=True, gpu_memory_utilization=0.85, **common)
     for w in WORKLOADS:
@@ -178,12 +189,14 @@ def write_table(head: list[str], results: dict, workloads, out: str) -> None:
     written to `out`. results: (workload, variant) -> values; "vanilla" is the baseline."""
     lines = head + ["| workload | variant | value | ratio to vanilla |", "|---|---|---:|---:|"]
     for w in workloads:
-        base = statistics.median(results[(w, "vanilla")])
+        # vanilla is missing where this run's phases left it out (e.g. `--phases eager`)
+        base = statistics.median(results[(w, "vanilla")]) if (w, "vanilla") in results else None
         unit = "s" if w.startswith("harvest") else "tok/s"
         for (wl, name), values in results.items():
             if wl == w:
                 v = statistics.median(values)
-                lines.append(f"| {w} | {name} | {v:.2f} {unit} | {v / base:.3f}x |")
+                ratio = f"{v / base:.3f}x" if base else "-"
+                lines.append(f"| {w} | {name} | {v:.2f} {unit} | {ratio} |")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(out, "w") as f:
