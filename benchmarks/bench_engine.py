@@ -89,7 +89,7 @@ def tapc_variants(llm, workload: str):
             "tapc, steer 1 layer": TapRequest(params={"steer": steer})}
 
 
-def ablation(workload: str):
+def ablation(llm, workload: str):
     """The ablating engine's one variant: every request projects a direction out of all 32
     layers' residual streams (the engine normalizes it)."""
     from tapc.api import TapRequest
@@ -146,7 +146,7 @@ def main():
     def runs_for(engine, variants):
         def runs(w: str) -> dict:
             out = {"vanilla": lambda ps, sp: vanilla.generate(ps, sp, use_tqdm=False)}
-            for name, ask in variants(w).items():
+            for name, ask in variants(engine, w).items():
                 out[name] = lambda ps, sp, ask=ask: engine.generate(ps, sp, taps=ask, use_tqdm=False)
             return out
         return runs
