@@ -14,6 +14,12 @@ on the same engine: requests asking for nothing; capturing every layer's residua
 every position (prompt and generated) or at generated positions only; steering every request
 at layer 16; for the harvest, one layer's residual stream at every prompt position. Times
 include bringing the captures back to the caller as CPU tensors.
+
+Directional ablation (`project_out` on every layer's residual stream, every request) runs on a
+second tapc engine, so that its 32 edit ops do not run in the first engine's variants: after
+those rounds the first tapc engine is shut down, the ablating one started, and its decode runs
+interleaved with vanilla's the same way. vanilla's medians are over both phases.
+`--phases` runs some of the three (taps, ablation, eager), e.g. `--phases ablation` alone.
 """
 import argparse
 import gc
@@ -36,6 +42,9 @@ LLAMA_31_8B = {
     "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 128256,
 }
 TAPS = ["model.layers.*.resid", "model.layers.16.resid | add(steer, alpha=4.0)"]
+ABLATE_TAPS = ["model.layers.*.resid | project_out(refusal)"]
+ABLATE_WORKLOADS = ["decode bs1", "decode bs64"]
+PHASES = ("taps", "ablation", "eager")
 HARVEST_LAYER = "model.layers.16.resid"
 ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, max_num_batched_tokens=8192,
               max_num_seqs=256, seed=0)
@@ -80,10 +89,35 @@ def tapc_variants(llm, workload: str):
             "tapc, steer 1 layer": TapRequest(params={"steer": steer})}
 
 
+def ablation(llm, workload: str):
+    """The ablating engine's one variant: every request projects a direction out of all 32
+    layers' residual streams (the engine normalizes it)."""
+    from tapc.api import TapRequest
+
+    direction = np.random.default_rng(1).standard_normal(4096).tolist()
+    return {"tapc, project_out 32 layers": TapRequest(params={"refusal": direction})}
+
+
+def run_rounds(workloads, runs_for, repeats: int, results: dict, report) -> None:
+    """`repeats` rounds over `workloads`, each running every variant of `runs_for(workload)`
+    ({name: generate}) in turn; round 0 is warmup unless it is the only one."""
+    for rnd in range(repeats):
+        for w in workloads:
+            for name, gen in runs_for(w).items():
+                value = timed(gen, w, seed=rnd)
+                print(f"round {rnd} {w:18s} {name:42s} {value:10.2f}", flush=True)
+                if rnd > 0 or repeats == 1:
+                    results.setdefault((w, name), []).append(value)
+        if results:
+            report()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_engine.md")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the first is warmup")
+    ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES),
+                    help="tapc's engine beside vanilla; the ablating engine beside vanilla; enforce_eager")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # the parent touches CUDA between engines
@@ -98,18 +132,10 @@ def main():
         json.dump(LLAMA_31_8B, f)
     common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"))
 
-    t0 = time.perf_counter()
-    vanilla = LLM(model, gpu_memory_utilization=0.42, **common)
-    t_vanilla = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    tapped = VLLM(model, taps=TAPS, gpu_memory_utilization=0.42, **common)
-    t_tapc = time.perf_counter() - t0
-    print(f"engine start: vanilla {t_vanilla:.0f} s, tapc {t_tapc:.0f} s", flush=True)
-
     results: dict[tuple[str, str], list[float]] = {}
 
     def report() -> None:  # after every measured round and at the end: a run cut short keeps its table
-        rounds = len(results[(next(iter(WORKLOADS)), "vanilla")])
+        rounds = max(1, args.repeats - 1)
         eager = "enforce_eager: 1" if (next(iter(WORKLOADS)), "vanilla enforce_eager") in results else "enforce_eager: not yet run"
         lines = [f"# bench_engine: {torch.cuda.get_device_name()}, vLLM {vllm.__version__}, torch {torch.__version__}, "
                  f"Python {platform.python_version()}",
@@ -117,21 +143,39 @@ def main():
                  "tok/s (higher is better); harvest: seconds (lower is better).", ""]
         write_table(lines, results, WORKLOADS, args.out)
 
-    for rnd in range(args.repeats):
-        for w in WORKLOADS:
-            runs = {"vanilla": lambda ps, sp: vanilla.generate(ps, sp, use_tqdm=False)}
-            for name, ask in tapc_variants(tapped, w).items():
-                runs[name] = lambda ps, sp, ask=ask: tapped.generate(ps, sp, taps=ask, use_tqdm=False)
-            for name, gen in runs.items():
-                value = timed(gen, w, seed=rnd)
-                print(f"round {rnd} {w:18s} {name:42s} {value:10.2f}", flush=True)
-                if rnd > 0 or args.repeats == 1:
-                    results.setdefault((w, name), []).append(value)
-        if results:
-            report()
-    del vanilla, tapped
-    gc.collect()
-    torch.cuda.empty_cache()
+    def runs_for(engine, variants):
+        def runs(w: str) -> dict:
+            out = {"vanilla": lambda ps, sp: vanilla.generate(ps, sp, use_tqdm=False)}
+            for name, ask in variants(engine, w).items():
+                out[name] = lambda ps, sp, ask=ask: engine.generate(ps, sp, taps=ask, use_tqdm=False)
+            return out
+        return runs
+
+    def started(what: str, start):
+        t0 = time.perf_counter()
+        engine = start()
+        print(f"engine start: {what} {time.perf_counter() - t0:.0f} s", flush=True)
+        return engine
+
+    if "taps" in args.phases or "ablation" in args.phases:
+        vanilla = started("vanilla", lambda: LLM(model, gpu_memory_utilization=0.42, **common))
+    if "taps" in args.phases:
+        tapped = started("tapc", lambda: VLLM(model, taps=TAPS, gpu_memory_utilization=0.42, **common))
+        run_rounds(WORKLOADS, runs_for(tapped, tapc_variants), args.repeats, results, report)
+        del tapped
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "ablation" in args.phases:
+        ablating = started("tapc ablation", lambda: VLLM(model, taps=ABLATE_TAPS, gpu_memory_utilization=0.42,
+                                                         **common))
+        run_rounds(ABLATE_WORKLOADS, runs_for(ablating, ablation), args.repeats, results, report)
+        del ablating
+    if "taps" in args.phases or "ablation" in args.phases:
+        del vanilla
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "eager" not in args.phases:
+        return
 
     eager = LLM(model, enforce_eager=True, gpu_memory_utilization=0.85, **common)
     for w in WORKLOADS:
@@ -145,12 +189,14 @@ def write_table(head: list[str], results: dict, workloads, out: str) -> None:
     written to `out`. results: (workload, variant) -> values; "vanilla" is the baseline."""
     lines = head + ["| workload | variant | value | ratio to vanilla |", "|---|---|---:|---:|"]
     for w in workloads:
-        base = statistics.median(results[(w, "vanilla")])
+        # vanilla is missing where this run's phases left it out (e.g. `--phases eager`)
+        base = statistics.median(results[(w, "vanilla")]) if (w, "vanilla") in results else None
         unit = "s" if w.startswith("harvest") else "tok/s"
         for (wl, name), values in results.items():
             if wl == w:
                 v = statistics.median(values)
-                lines.append(f"| {w} | {name} | {v:.2f} {unit} | {v / base:.3f}x |")
+                ratio = f"{v / base:.3f}x" if base else "-"
+                lines.append(f"| {w} | {name} | {v:.2f} {unit} | {ratio} |")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(out, "w") as f:

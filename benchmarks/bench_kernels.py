@@ -141,10 +141,10 @@ def _vs_copy(nbytes: int, kernel_us: float, copy_us: float) -> tuple:
             f"{copy_us / kernel_us:.2f}")
 
 
-def bandwidth_rows(tokens_list, widths):
+def bandwidth_rows(kernels, tokens_list, widths):
     yield ("kernel", "tokens", "width", "elements", "MB", "graph p50 us (p20-p80)",
            "graph GB/s", "copy GB/s", "ratio", "eager GB/s", "eager copy GB/s", "eager ratio")
-    for kernel in BANDWIDTH_KERNELS:
+    for kernel in kernels:
         for width in widths:
             for tokens in tokens_list:
                 fn, nbytes = setup(kernel, tokens, width)
@@ -158,9 +158,9 @@ def bandwidth_rows(tokens_list, widths):
                 )
 
 
-def launch_rows(width: int):
+def launch_rows(kernels, width: int):
     yield ("op (1 token)", "in graph p50 us (p20-p80)", "eager host us per call")
-    for kernel in LAUNCH_KERNELS:
+    for kernel in kernels:
         fn, _ = setup(kernel, 1, width)
         g = graph_us(fn)
         yield kernel, f"{g[0]:.2f} ({g[1]:.2f}-{g[2]:.2f})", f"{host_us(fn):.1f}"
@@ -181,6 +181,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024, 4096, 16384])
     parser.add_argument("--widths", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--launch-width", type=int, default=4096)
+    parser.add_argument("--kernels", nargs="+", choices=LAUNCH_KERNELS, default=LAUNCH_KERNELS,
+                        metavar="KERNEL", help=f"only these (default all: {LAUNCH_KERNELS})")
     parser.add_argument("--out", help="also write the tables here, as markdown")
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name() if ON_GPU else f"CPU {platform.processor()} (interpreter)"
@@ -189,8 +191,9 @@ def main() -> None:
     print(header, flush=True)
     parts = [header]
     for title, rows in (
-        ("Launch cost", launch_rows(args.launch_width)),
-        ("Bandwidth", bandwidth_rows(args.tokens, args.widths)),
+        ("Launch cost", launch_rows(args.kernels, args.launch_width)),
+        ("Bandwidth", bandwidth_rows([k for k in args.kernels if k in BANDWIDTH_KERNELS],
+                                     args.tokens, args.widths)),
     ):
         table = []
         for row in rows:

@@ -14,8 +14,10 @@ INTERPRET = bool(triton.knobs.runtime.interpret)
 # Columns one program handles in the row-parallel kernels: 2048 x 2 bytes is 4 KiB read and
 # 4 KiB written per program, enough to keep the H200's memory pipes full at 4 warps.
 MAX_COL_BLOCK = 2048
-# project_out keeps a whole row block in registers while it accumulates the dot product.
-MAX_ROW_BLOCK = 4096
+# project_out keeps a whole row in registers up to this width (one read of x); wider rows
+# loop over blocks of MAX_LOOP_BLOCK columns twice (dot, then write).
+MAX_ROW_BLOCK = 16384
+MAX_LOOP_BLOCK = 4096
 
 
 def runs_triton(t: torch.Tensor) -> bool:

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from .common import (
-    MAX_ROW_BLOCK, check_activation, check_partner, check_row_table, check_slot_table, col_block,
-    warps_for,
+    MAX_LOOP_BLOCK, MAX_ROW_BLOCK, check_activation, check_partner, check_row_table,
+    check_slot_table, col_block, warps_for,
 )
 
 
@@ -90,7 +90,7 @@ def _set_cols_kernel(
 def _project_out_kernel(
     x_ptr, b_ptr, slot_ptr, dirs_ptr, width, num_slots,
     stride_x, stride_xc, stride_b, stride_bc, stride_dirs,
-    HAS_B: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_B: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     # One program per row: the dot product needs the whole row before any column is written.
     row = tl.program_id(0)
@@ -99,25 +99,37 @@ def _project_out_kernel(
         return
     r = row.to(tl.int64)
     x_row = x_ptr + r * stride_x
+    b_row = b_ptr + r * stride_b
     d_row = dirs_ptr + s.to(tl.int64) * stride_dirs
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, width, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
+    if ONE_PASS:
+        # The row fits in registers (BLOCK >= width): x is read once, then written.
+        cols = tl.arange(0, BLOCK)
         mask = cols < width
-        v = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        d = tl.load(d_row + cols, mask=mask, other=0.0).to(tl.float32)
+        total = x
         if HAS_B:
-            b = tl.load(b_ptr + r * stride_b + cols * stride_bc, mask=mask, other=0.0)
-            v += b.to(tl.float32)
-        acc += v * tl.load(d_row + cols, mask=mask, other=0.0).to(tl.float32)
-    dot = tl.sum(acc, axis=0)
-    # Second pass re-reads x and d, mostly from L1/L2 (a row is at most tens of KiB).
-    for start in range(0, width, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < width
-        ptrs = x_row + cols * stride_xc
-        v = tl.load(ptrs, mask=mask).to(tl.float32)
-        d = tl.load(d_row + cols, mask=mask).to(tl.float32)
-        tl.store(ptrs, (v - dot * d).to(x_ptr.dtype.element_ty), mask=mask)
+            total += tl.load(b_row + cols * stride_bc, mask=mask, other=0.0).to(tl.float32)
+        dot = tl.sum(total * d, axis=0)
+        tl.store(x_row + cols * stride_xc, (x - dot * d).to(x_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, width, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < width
+            v = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
+            if HAS_B:
+                v += tl.load(b_row + cols * stride_bc, mask=mask, other=0.0).to(tl.float32)
+            acc += v * tl.load(d_row + cols, mask=mask, other=0.0).to(tl.float32)
+        dot = tl.sum(acc, axis=0)
+        # Second pass re-reads x and d, mostly from L1/L2 (a row is at most tens of KiB).
+        for start in range(0, width, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < width
+            ptrs = x_row + cols * stride_xc
+            v = tl.load(ptrs, mask=mask).to(tl.float32)
+            d = tl.load(d_row + cols, mask=mask).to(tl.float32)
+            tl.store(ptrs, (v - dot * d).to(x_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_common(x: torch.Tensor, b: torch.Tensor | None, slot: torch.Tensor) -> None:
@@ -203,13 +215,32 @@ def project_out_(x: torch.Tensor, b: torch.Tensor | None, slot: torch.Tensor,
     num_tokens, width = x.shape
     if num_tokens == 0:
         return
-    block = col_block(width, MAX_ROW_BLOCK)
+    block, one_pass, warps = project_out_config(num_tokens, width)
     other, stride_b, stride_bc = _b_args(x, b)
     _project_out_kernel[(num_tokens,)](
         x, other, slot, dirs, width, slots, x.stride(0), x.stride(1), stride_b, stride_bc,
         dirs.stride(0),
-        HAS_B=b is not None, BLOCK=block, num_warps=warps_for(block),
+        HAS_B=b is not None, BLOCK=block, ONE_PASS=one_pass, num_warps=warps,
     )
+
+
+# Below this many rows project_out_ is bound by latency and by what one multiprocessor can
+# move for its row, not by the whole chip's bandwidth (measured on an H200: docs/kernels.md).
+FEW_ROWS = 512
+
+
+def project_out_config(num_tokens: int, width: int) -> tuple[int, bool, int]:
+    """(column block, whole row in registers, warps) for `project_out_`, as timed on an H200.
+
+    Few rows: twice the warps (more loads in flight for each row), rows up to 16384 wide in
+    registers. Many rows: rows up to 8192 wide in registers. Wider rows loop twice over blocks
+    of 4096 columns (dot, then write).
+    """
+    few = num_tokens < FEW_ROWS
+    if width > (MAX_ROW_BLOCK if few else MAX_ROW_BLOCK // 2):
+        return MAX_LOOP_BLOCK, False, 8
+    block = triton.next_power_of_2(width)
+    return block, True, max(4, min(16, block // (512 if few else 1024)))
 
 
 def _edited_rows(x: torch.Tensor, slot: torch.Tensor, slots: int) -> tuple:

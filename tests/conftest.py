@@ -26,6 +26,9 @@ if not _cuda():
 
 CONFIGS = Path(__file__).parent / "configs"
 
+# The GPU tests' shared checkpoints and engines (fixtures; nothing heavy is imported here).
+from gpu_engines import checkpoints, engines, tapped_engine, vanilla_llama  # noqa: E402,F401
+
 
 def pytest_collection_modifyitems(config, items):
     if _cuda():

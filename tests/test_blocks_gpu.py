@@ -1,17 +1,16 @@
 """Python blocks, `logits` and `samples` on a real vLLM engine (GPU machine).
 
-A random Llama checkpoint (tests/test_engine_gpu.py writes it), vLLM's defaults otherwise:
+The session's random Llama checkpoint (tests/gpu_engines.py), vLLM's defaults otherwise:
 multi-process engine core, torch.compile, async scheduling, FULL_AND_PIECEWISE graphs: decode
 steps replay FULL graphs broken at each `tapc::boundary`, mixed steps PIECEWISE graphs split
 there. Blocks are compared with the in-graph taps of the same
 points, logits with HF transformers on the same weights, samples with the generated tokens.
 """
-import gc
-
 import numpy as np
 import pytest
 import torch
-from test_engine_gpu import SMALL, assert_matches, engine_args, prompts, sampling, write_checkpoint
+from gpu_engines import SMALL, engine_args, hf_forward, shutdown
+from test_engine_gpu import assert_matches, prompts, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -42,12 +41,13 @@ def force(ctx, ids):
 
 
 @pytest.fixture(scope="module")
-def path(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+def path(checkpoints):
+    return checkpoints("llama")
 
 
 @pytest.fixture(scope="module")
 def engine(path):
+    """This module's alone: stopped when its tests are done."""
     from tapc import VLLM
 
     llm = VLLM(path, taps=["model.layers.1.resid", "model.layers.1.resid -> rec",
@@ -56,8 +56,7 @@ def engine(path):
                blocks={"rec": recorder, "edit": lambda ctx, x: None, "pick": lambda ctx, ids: None},
                **engine_args())
     yield llm
-    del llm
-    gc.collect()
+    shutdown(llm)
 
 
 def same_prompt(n: int, seed: int, length: int = 23):
@@ -122,23 +121,18 @@ def test_a_raising_block_fails_only_its_request(engine):
 
 
 def test_logits_equal_reference_and_samples_are_the_tokens(engine, path):
-    import transformers
-
     from tapc.api import TapRequest
 
     outs = engine.generate(prompts(5)[:3], sampling()[:3], taps=TapRequest(capture=["logits", "samples"]))
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     for i, out in enumerate(outs):
         gen = list(out.outputs[0].token_ids)
         assert out.taps["samples"].tolist() == gen
         tokens = list(out.prompt_token_ids) + gen
-        with torch.no_grad():
-            ref = model(torch.tensor([tokens[:-1]], device="cuda")).logits[0].float().cpu()
+        ref = hf_forward(path, tokens[:-1]).logits[0].float().cpu()
         ref = ref[len(out.prompt_token_ids) - 1:]
         assert out.taps["logits"].shape == ref.shape == (len(gen), SMALL["vocab_size"])
         assert_matches(out.taps["logits"], ref, f"request {i} logits")
         assert out.taps["logits"].argmax(-1).tolist() == gen   # greedy: the logits chose the tokens
-    del model
 
 
 def test_forced_sample_is_returned_and_fed_back(engine):

@@ -2,17 +2,20 @@
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
 from kernel_cases import (
     DEVICE, DTYPES, GPU_WIDTHS, ON_GPU, SLOTS, assert_close, assert_rows_untouched, randn, seed,
     skipped_rows, slot_table,
 )
 
+from tapc.kernels import edit
 from tapc.kernels.edit import (
     add_, add_ref, project_out_, project_out_ref, scale_, scale_ref, set_cols_, set_cols_ref,
 )
 
-# Odd widths; 2560 spans two column blocks, 4100 two row blocks of project_out.
-SHAPES = [(1, 5), (7, 123), (37, 896), (5, 2560), (2, 4100)]
+# Odd widths; 2560 spans two column blocks; 4100 and 8200 fill most of a register block of
+# project_out (8192, 16384). Its two-pass path: test_project_out_both_kernel_paths.
+SHAPES = [(1, 5), (7, 123), (37, 896), (5, 2560), (2, 4100), (3, 8200)]
 NUM_COLS = 5  # set_cols entries per slot: not a power of two
 
 # Triton's interpreter warns on its own `range` over a runtime bound (numpy 1.25+).
@@ -78,6 +81,23 @@ def test_project_out_leaves_no_component_along_the_direction():
     kept = slot[:37] >= 0
     dots = ((x + b)[kept] * dirs[slot[:37][kept].long()]).sum(dim=1)
     assert dots.abs().max() < 1e-4, dots
+
+
+@pytest.mark.parametrize("with_b", [False, True], ids=["x", "x+b"])
+@pytest.mark.parametrize("one_pass", [True, False], ids=["in registers", "two passes"])
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_project_out_both_kernel_paths(num_tokens, one_pass, with_b, monkeypatch):
+    # Whatever project_out_config picks for a size: the whole row in registers, or two passes
+    # over blocks narrower than the row (123 columns: four blocks of 32, the last partial).
+    asked = []
+
+    def config(num_tokens, width):
+        asked.append(width)
+        return (triton.next_power_of_2(width), True, 4) if one_pass else (32, False, 4)
+
+    monkeypatch.setattr(edit, "project_out_config", config)
+    check_edit("project_out", num_tokens, 123, torch.float32, with_b)
+    assert asked == [123], "project_out_ did not take its configuration from project_out_config"
 
 
 def test_set_cols_sets_the_residual_stream_through_x():

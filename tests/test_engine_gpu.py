@@ -5,53 +5,18 @@ written as safetensors. vLLM runs its defaults: multi-process engine core, torch
 FULL_AND_PIECEWISE CUDA graphs, async scheduling, chunked prefill. max_num_seqs=3 and a
 128-token budget force continuous batching (requests start while others decode, a 300-token
 prompt is split over steps, decode batches are padded up to graph sizes).
+The checkpoints and engines are the session's (tests/gpu_engines.py).
 """
-import gc
-import os
-
 import numpy as np
 import pytest
 import torch
+from gpu_engines import SMALL, engine_args, hf_forward, write_checkpoint  # noqa: F401
+# (engine_args and write_checkpoint: GPU test modules of other branches import them from here)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
-# torch.cuda.is_available() above already touched the driver: fork would give the engine core a
-# poisoned CUDA, so vLLM must spawn it.
-os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-
-SMALL = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=4,
-             num_hidden_layers=4, vocab_size=1024, max_position_embeddings=2048, rms_norm_eps=1e-5,
-             initializer_range=0.02, tie_word_embeddings=False)
 PROMPT_LENS = [5, 37, 300, 12, 90, 3]
 MAX_TOKENS = [6, 12, 4, 9, 7, 10]
-CAPTURES = ["model.layers.*.resid", "model.layers.1.output[0]", "model.layers.2.mlp.down_proj.output"]
-STEER = "model.layers.2.resid | add(steer, alpha=8.0)"
-ENGINE = dict(max_num_seqs=3, max_num_batched_tokens=128, gpu_memory_utilization=0.25, skip_tokenizer_init=True,
-              max_model_len=1024, seed=0)
-
-
-def write_checkpoint(path, arch: str) -> str:
-    import transformers
-
-    torch.manual_seed(0)
-    if arch == "llama":
-        config = transformers.LlamaConfig(**SMALL)
-        model = transformers.LlamaForCausalLM(config)
-    else:
-        config = transformers.Qwen3Config(**SMALL, head_dim=32)
-        model = transformers.Qwen3ForCausalLM(config)
-    model.to(torch.bfloat16).save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def checkpoint(request, tmp_path_factory):
-    return request.param, write_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
-
-
-def engine_args():
-    return dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"))
 
 
 def prompts(seed: int = 1):
@@ -68,9 +33,6 @@ def sampling():
 def hf_reference(path: str, tokens: list[int], steer=None) -> dict[str, torch.Tensor]:
     """Activations of HF transformers on `tokens`, keyed like tapc's points. steer: (layer,
     vector, alpha) added to that layer's output (after it is recorded, like the plan's order)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     seen = {}
 
     def layer_hook(i):
@@ -82,14 +44,17 @@ def hf_reference(path: str, tokens: list[int], steer=None) -> dict[str, torch.Te
                 return (h, *out[1:]) if isinstance(out, tuple) else h
         return hook
 
-    for i, layer in enumerate(model.model.layers):
-        layer.register_forward_hook(layer_hook(i))
-        layer.mlp.register_forward_hook(lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.output[0]", o.float()))
-        layer.mlp.down_proj.register_forward_hook(
-            lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.mlp.down_proj.output", o.float()))
-    with torch.no_grad():
-        model(torch.tensor([tokens], device="cuda"))
-    del model
+    def hooks(model):
+        handles = []
+        for i, layer in enumerate(model.model.layers):
+            handles.append(layer.register_forward_hook(layer_hook(i)))
+            handles.append(layer.mlp.register_forward_hook(
+                lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.output[0]", o.float())))
+            handles.append(layer.mlp.down_proj.register_forward_hook(
+                lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.mlp.down_proj.output", o.float())))
+        return handles
+
+    hf_forward(path, tokens, hooks)
     return {k: v[0].cpu() for k, v in seen.items()}
 
 
@@ -109,15 +74,10 @@ def rows_for(positions: str, prompt_len: int, n_gen: int) -> slice:
             "last": slice(prompt_len - 1, prompt_len)}[positions]
 
 
-@pytest.fixture(scope="module")
-def tapped(checkpoint):
-    from tapc import VLLM
-
-    arch, path = checkpoint
-    llm = VLLM(path, taps=CAPTURES + [STEER], **engine_args())
-    yield arch, path, llm
-    del llm
-    gc.collect()
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def tapped(request, checkpoints, tapped_engine):
+    arch = request.param
+    return arch, checkpoints(arch), tapped_engine(arch)
 
 
 def test_captures_equal_hf_under_continuous_batching(tapped):
@@ -145,17 +105,16 @@ def test_captures_equal_hf_under_continuous_batching(tapped):
             assert not torch.equal(gen[0], gen[1]), "decode rows repeat: stale graph memory"
 
 
-def test_steering_per_request(tapped):
+def test_steering_per_request(tapped, request):
     """Two steered requests with different vectors and two plain ones in one batch: the plain
     ones generate exactly what an untapped engine does; the steered ones change; the steered
     residual stream equals HF's with the same vector added."""
-    from vllm import LLM
-
     from tapc.api import TapRequest
 
     arch, path, llm = tapped
     if arch != "llama":
         pytest.skip("steering against an untapped engine is checked on Llama (one engine start less)")
+    vanilla = request.getfixturevalue("vanilla_llama")
     rng = np.random.default_rng(7)
     v1, v2 = (rng.standard_normal(SMALL["hidden_size"]).tolist() for _ in range(2))
     asks = [TapRequest(capture="model.layers.3.resid", params={"steer": v1}), None,
@@ -163,10 +122,7 @@ def test_steering_per_request(tapped):
     outs = llm.generate(prompts(2), sampling(), taps=asks)
     tapped_tokens = [list(o.outputs[0].token_ids) for o in outs]
 
-    vanilla = LLM(path, **engine_args())
     plain_tokens = [list(o.outputs[0].token_ids) for o in vanilla.generate(prompts(2), sampling())]
-    del vanilla
-    gc.collect()
     for i in (1, 3, 4, 5):
         assert tapped_tokens[i] == plain_tokens[i], f"{arch}: unsteered request {i} differs from an untapped engine"
     for i in (0, 2):

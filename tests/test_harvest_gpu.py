@@ -1,19 +1,23 @@
-"""`tapc harvest` on a real engine: shards on disk equal HF transformers on the same weights."""
+"""`tapc harvest` on a real engine: shards on disk equal HF transformers on the same weights.
+
+The API harvest runs on the session's tapped Llama engine (tests/gpu_engines.py): it captures
+every resid, `model.layers.1.output[0]` and layer 2's down_proj output, all checked against HF.
+"""
 import numpy as np
 import pytest
 import torch
-from test_engine_gpu import SMALL, assert_matches, engine_args, hf_reference, write_checkpoint
+from gpu_engines import SMALL, engine_args, shutdown
+from test_engine_gpu import assert_matches, hf_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_harvest_shards_equal_hf(tmp_path):
-    from tapc import VLLM
+def test_harvest_shards_equal_hf(tmp_path, checkpoints, tapped_engine):
     from tapc.data import Shards
     from tapc.harvest import harvest
 
-    path = write_checkpoint(tmp_path / "llama", "llama")
-    llm = VLLM(path, taps=["model.layers.*.resid", "model.layers.2.mlp.down_proj.output"], **engine_args())
+    path = checkpoints("llama")
+    llm = tapped_engine("llama")
     rng = np.random.default_rng(11)
     lens = [7, 130, 3, 41, 64, 9, 200, 15]   # 130 and 200 are split over steps (budget 128)
     prompts = [rng.integers(0, SMALL["vocab_size"], n).tolist() for n in lens]
@@ -31,16 +35,26 @@ def test_harvest_shards_equal_hf(tmp_path):
         start += len(p)
 
 
-def test_cli_harvest_writes_what_the_api_does(tmp_path):
+def test_cli_harvest_writes_what_the_api_does(tmp_path, checkpoints, monkeypatch):
     """`tapc harvest spec.yaml prompts.jsonl` on the same checkpoint: the same rows."""
     import json
 
     import yaml
 
+    from tapc.api import VLLM
     from tapc.cli import main
     from tapc.data import Shards
 
-    path = write_checkpoint(tmp_path / "llama", "llama")
+    path = checkpoints("llama")
+    # The command's engine is this test's alone: keep hold of it to stop it when done.
+    started = []
+    start = VLLM.from_spec
+
+    def keep(*args, **kwargs):
+        started.append(start(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(VLLM, "from_spec", keep)
     rng = np.random.default_rng(12)
     prompts = [rng.integers(0, SMALL["vocab_size"], n).tolist() for n in (12, 150, 5)]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
@@ -48,7 +62,11 @@ def test_cli_harvest_writes_what_the_api_does(tmp_path):
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump({
         "model": path, "engine": engine, "taps": ["model.layers.1.resid"],
         "capture": {"positions": "prompt"}, "output": {"dir": "acts", "shard_tokens": 64}}))
-    assert main(["harvest", str(tmp_path / "spec.yaml"), str(tmp_path / "prompts.jsonl")]) == 0
+    try:
+        assert main(["harvest", str(tmp_path / "spec.yaml"), str(tmp_path / "prompts.jsonl")]) == 0
+    finally:
+        for llm in started:
+            shutdown(llm)
     acts = Shards(tmp_path / "acts")
     assert len(acts) == 167 and [s.rows for s in acts.manifest.shards] == [64, 64, 39]
     got = torch.cat(list(acts.batches("model.layers.1.resid", 1000, shuffle=False)))

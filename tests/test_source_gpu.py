@@ -1,10 +1,9 @@
 """`.source` taps on a real vLLM engine (GPU machine): q and k out of Llama attention's
 `qkv.split(...)`, against HF transformers' q_proj / k_proj outputs on the same weights."""
-import gc
-
 import pytest
 import torch
-from test_engine_gpu import assert_matches, engine_args, prompts, sampling, write_checkpoint
+from gpu_engines import engine_args, hf_forward, shutdown
+from test_engine_gpu import assert_matches, prompts, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -14,32 +13,31 @@ TAPS = ["model.layers.1.self_attn.source.qkv_split_0.output[0]",
 
 
 def hf_points(path, tokens):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     seen = {}
-    attn = model.model.layers[1].self_attn
-    attn.q_proj.register_forward_hook(lambda m, a, o: seen.__setitem__(TAPS[0], o[0].float().cpu()))
-    attn.k_proj.register_forward_hook(lambda m, a, o: seen.__setitem__(TAPS[1], o[0].float().cpu()))
-    model.model.layers[2].mlp.down_proj.register_forward_pre_hook(
-        lambda m, a: seen.__setitem__(TAPS[2], a[0][0].float().cpu()))
-    with torch.no_grad():
-        model(torch.tensor([tokens], device="cuda"))
-    del model
+
+    def hooks(model):
+        attn = model.model.layers[1].self_attn
+        return [attn.q_proj.register_forward_hook(lambda m, a, o: seen.__setitem__(TAPS[0], o[0].float().cpu())),
+                attn.k_proj.register_forward_hook(lambda m, a, o: seen.__setitem__(TAPS[1], o[0].float().cpu())),
+                model.model.layers[2].mlp.down_proj.register_forward_pre_hook(
+                    lambda m, a: seen.__setitem__(TAPS[2], a[0][0].float().cpu()))]
+
+    hf_forward(path, tokens, hooks)
     return seen
 
 
-def test_qkv_split_and_down_proj_input_equal_hf(tmp_path):
+def test_qkv_split_and_down_proj_input_equal_hf(checkpoints):
     from tapc import VLLM
     from tapc.api import TapRequest
 
-    path = write_checkpoint(tmp_path / "llama", "llama")
+    path = checkpoints("llama")
     llm = VLLM(path, taps=TAPS, **engine_args())
-    outs = llm.generate(prompts(), sampling(), taps=TapRequest(capture="*"))
-    for i, out in enumerate(outs):
-        tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-        ref = hf_points(path, tokens[:-1])
-        for key in TAPS:
-            assert_matches(out.taps[key], ref[key], f"request {i} {key}")
-    del llm
-    gc.collect()
+    try:
+        outs = llm.generate(prompts(), sampling(), taps=TapRequest(capture="*"))
+        for i, out in enumerate(outs):
+            tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+            ref = hf_points(path, tokens[:-1])
+            for key in TAPS:
+                assert_matches(out.taps[key], ref[key], f"request {i} {key}")
+    finally:
+        shutdown(llm)   # this test's engine alone

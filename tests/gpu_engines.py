@@ -1,0 +1,159 @@
+"""Checkpoints and vLLM engines the GPU tests share, each made once per pytest session.
+
+Not a test module: conftest.py imports its fixtures, so every module can ask for them. An
+engine start costs about a minute (a spawned engine-core process, torch.compile, CUDA-graph
+capture), so a configuration that several tests use is started once and kept until the
+session ends (`engines`), the random checkpoints are written once (`checkpoints`) and
+HF transformers loads each once (`hf_forward`).
+Engines that one module or one test alone uses are built there and stopped with `shutdown`
+when done.
+
+Several engines are alive at once, so each takes a small share of GPU memory
+(`gpu_memory_utilization` 0.1, about 14 GB of an H200: the 4-layer models and their KV
+caches need far less). vLLM refuses to start when less than its share is free, and its memory
+profile fails when another process frees GPU memory while it profiles: engines are therefore
+stopped explicitly (the core process has exited when `shutdown` returns), never left to the
+garbage collector while the next one starts.
+
+vLLM's own compile cache stays off (`VLLM_DISABLE_COMPILE_CACHE=1`): it is keyed by the whole
+configuration, which no two engines of a session share, so it would never hit. Inductor's
+and Triton's caches, keyed by the graphs' and kernels' contents, stay on and are shared by
+every engine of the run (their default folders; set TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR
+to move them), so what one engine compiled another can reuse.
+"""
+import functools
+import gc
+import os
+from collections.abc import Callable
+
+import pytest
+
+SMALL = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=4,
+             num_hidden_layers=4, vocab_size=1024, max_position_embeddings=2048, rms_norm_eps=1e-5,
+             initializer_range=0.02, tie_word_embeddings=False)
+# max_num_seqs=3 and a 128-token budget force continuous batching. vLLM captures decode
+# graphs for batch sizes up to twice max_num_seqs: [1, 2, 4] here, already a short list.
+ENGINE = dict(max_num_seqs=3, max_num_batched_tokens=128, gpu_memory_utilization=0.1, skip_tokenizer_init=True,
+              max_model_len=1024, seed=0)
+# The tapped engine of tests/test_engine_gpu.py, which tests/test_harvest_gpu.py shares.
+CAPTURES = ["model.layers.*.resid", "model.layers.1.output[0]", "model.layers.2.mlp.down_proj.output"]
+STEER = "model.layers.2.resid | add(steer, alpha=8.0)"
+
+
+def engine_env() -> None:
+    """The environment every engine of the session starts with (inherited by its core process)."""
+    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+    # torch.cuda.is_available() already touched the driver in this process: fork would give the
+    # engine core a poisoned CUDA, so vLLM must spawn it.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+def engine_args() -> dict:
+    engine_env()
+    return dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"))
+
+
+def write_checkpoint(path, arch: str) -> str:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**SMALL)
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen3Config(**SMALL, head_dim=32)
+        model = transformers.Qwen3ForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
+@functools.cache
+def hf_model(path: str):
+    """HF transformers' model of a checkpoint on the GPU, loaded once (`hf_forward` runs it)."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+
+
+def hf_forward(path: str, tokens: list[int], hooks: Callable = lambda model: []):
+    """HF's output on `tokens` (one sequence). `hooks(model)` adds hooks for this run and returns
+    their handles; they are removed afterwards, so the shared model stays as loaded."""
+    import torch
+
+    model = hf_model(path)
+    handles = hooks(model)
+    try:
+        with torch.no_grad():
+            return model(torch.tensor([tokens], device="cuda"))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def shutdown(llm) -> None:
+    """Stop an engine (a `tapc.VLLM` or a `vllm.LLM`) now: its core process exits and gives
+    back its GPU memory before this returns."""
+    inner = getattr(llm, "llm", llm)
+    inner.llm_engine.engine_core.shutdown()
+    gc.collect()
+
+
+class Engines:
+    """Engines by configuration name: started on first use, stopped at the session's end."""
+
+    def __init__(self):
+        self._started: dict[str, object] = {}
+
+    def get(self, name: str, start: Callable[[], object]):
+        if name not in self._started:
+            self._started[name] = start()
+        return self._started[name]
+
+    def close(self) -> None:
+        while self._started:
+            shutdown(self._started.popitem()[1])
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    """arch ("llama" | "qwen3") -> the path of its random checkpoint, written on first use."""
+    paths: dict[str, str] = {}
+
+    def get(arch: str) -> str:
+        if arch not in paths:
+            paths[arch] = write_checkpoint(tmp_path_factory.mktemp(arch), arch)
+        return paths[arch]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def engines():
+    started = Engines()
+    yield started
+    started.close()
+
+
+@pytest.fixture(scope="session")
+def tapped_engine(engines, checkpoints):
+    """arch -> the engine with CAPTURES and STEER on that arch's checkpoint."""
+    def get(arch: str):
+        from tapc import VLLM
+
+        return engines.get(f"tapped {arch}", lambda: VLLM(checkpoints(arch), taps=CAPTURES + [STEER],
+                                                          **engine_args()))
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def vanilla_llama(engines, checkpoints):
+    """vLLM with no taps on the Llama checkpoint."""
+    def start():
+        from vllm import LLM
+
+        return LLM(checkpoints("llama"), **engine_args())
+
+    return engines.get("vanilla llama", start)
