@@ -23,7 +23,7 @@ import torch
 from tapc.engine.arena import ArenaReader
 from tapc.engine.config import engine_kwargs
 from tapc.engine.requests import TapRequest, to_wire
-from tapc.engine.tables import expected_rows
+from tapc.engine.positions import expected_rows
 from tapc.errors import EngineError, RequestError, TapcError
 from tapc.plan import ENGINE, TapPlan, build_plan
 

@@ -5,8 +5,8 @@ layers `model.layers.i` returning (hidden_states, residual), a linear returning 
 It has no attention, so a row depends only on its own token and position: the reference for a
 request is the model run on that request's tokens alone.
 
-`ToyRunner` plays vLLM's V2 runner (execute_model calls self.prepare_inputs, which the hooks
-replace), `ToyBuffers` plays `tapc.engine.buffers.Buffers` on the CPU, and `run` plays the
+`ToyRunner` plays vLLM's V2 runner (execute_model calls self.prepare_inputs; the worker's V2
+adapter, runner_v2.py, wraps both), `ToyBuffers` plays `tapc.engine.buffers.Buffers` on the CPU, and `run` plays the
 scheduler: a token budget per step (chunked prefill), decode one token per step, requests
 arriving late, finishing at max_tokens, and optionally one preemption (recompute from 0).
 """
@@ -21,7 +21,8 @@ import torch
 from tapc.engine.arena import Arena
 from tapc.engine.buffers import ParamTables
 from tapc.engine.runner import RunnerHooks
-from tapc.engine.tables import copy_segments
+from tapc.engine.runner_v2 import V2Adapter
+from tapc.engine.memcpy import copy_segments
 from tapc.plan import build_plan
 from tapc.tree import ModuleTree, Node, SourceOp
 
@@ -247,7 +248,7 @@ def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
 
 def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8):
     from tapc.engine.install import install
-    from tapc.engine.tables import Layout
+    from tapc.engine.layout import Layout
 
     from tapc.engine.points import EnginePoints
     from tapc.kernels.ops import set_boundary_handler
@@ -261,7 +262,8 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8):
         points = EnginePoints(layout)
         set_boundary_handler(points.runtime)
     # Small arena segments, so a run spans several files and reuses freed space.
-    hooks = RunnerHooks(runner, layout, buffers, slots, Arena(segment_bytes=4096), points)
+    hooks = RunnerHooks(layout, buffers, slots, Arena(segment_bytes=4096), points)
+    V2Adapter(runner, hooks).attach()
     return runner, hooks
 
 

@@ -13,7 +13,8 @@ from engine_toy import HIDDEN, LAYERS, Req, ToyModel, hooks_for, output_of, run,
 
 from tapc.api import _assemble
 from tapc.engine.arena import ArenaReader
-from tapc.engine.requests import TapRequest, select, to_wire
+from tapc.engine.positions import select
+from tapc.engine.requests import TapRequest, to_wire
 from tapc.errors import RequestError
 
 
@@ -161,7 +162,7 @@ def test_dummy_runs_see_tables_that_own_no_rows():
     reqs[0].max_tokens = 50
     run(runner, [reqs[1]], budget=64)
     hooks.buffers.table.fill_(7)
-    hooks.execute_model(_empty(), dummy_run=True)
+    runner.execute_model(_empty(), dummy_run=True)
     assert (hooks.buffers.table == -1).all()
 
 
@@ -229,12 +230,12 @@ def test_a_capture_that_cannot_grow_fails_its_request_alone(no_room_past_8k, mon
     from vllm import SamplingParams
 
     from tapc.api import TapRequest
-    from tapc.engine import tables
+    from tapc.engine import records
 
     llm, hooks = toy_vllm(TAPS)
     # The first allocation sized for 2 rows: the 20-token prompt must grow by 64 rows (20 kB).
-    real = tables.expected_rows
-    monkeypatch.setattr(tables, "expected_rows", lambda at, plen, gen: 2 if plen == 20 else real(at, plen, gen))
+    real = records.expected_rows
+    monkeypatch.setattr(records, "expected_rows", lambda at, plen, gen: 2 if plen == 20 else real(at, plen, gen))
     rng = np.random.default_rng(6)
     prompts = [{"prompt_token_ids": rng.integers(0, 50, n).tolist()} for n in (20, 6)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=4), taps=TapRequest(capture="*"))

@@ -5,8 +5,15 @@ import torch
 from engine_toy import HIDDEN, toy_plan
 
 from tapc.engine.config import WORKER, engine_kwargs
-from tapc.engine.requests import TapRequest, select, to_wire
-from tapc.engine.tables import Layout, Record, Slots, Store, expected_rows, fill_step
+from tapc.engine.positions import select
+from tapc.engine.requests import TapRequest, to_wire
+from tapc.engine.fill import fill_step
+from tapc.engine.layout import Layout
+from tapc.engine.positions import expected_rows
+from tapc.engine.records import Record
+from tapc.engine.slots import Slots
+from tapc.engine.step import StepBatch
+from tapc.engine.storage import Store
 from tapc.errors import EngineError, RequestError
 
 PLAN_TAPS = ["model.layers.*.resid", "model.layers.1.mlp.up_proj.output",
@@ -45,8 +52,8 @@ def test_fill_lays_each_request_block_out_position_major():
     rec.slot = 5
     table = np.zeros((layout.num_tables, 16), dtype=np.int32)
     # Batch: an untapped decode row, then rows 1..3 of our request (positions 2..4), padding to 8.
-    segs, used = fill_step(layout, table, {"rid": rec}, ["other", "rid"], np.array([0, 1, 4]),
-                           np.array([9, 2]), np.array([3, 4]), padded=8)
+    segs, used = fill_step(layout, table, {"rid": rec}, StepBatch(["other", "rid"], np.array([0, 1, 4]),
+                                                                  np.array([9, 2]), np.array([3, 4]), padded=8))
     assert used == [6, 3]
     resid = layout.groups[0].caps
     assert table[resid[0], :8].tolist() == [-1, 0, 2, 4, -1, -1, -1, -1]

@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 import torch
 
-from tapc.engine.memcpy import BatchCopy
-from tapc.engine.tables import Segment, Store, copy_segments
+from tapc.engine.fill import Segment
+from tapc.engine.memcpy import BatchCopy, copy_segments
+from tapc.engine.storage import Store
 
 
 def cpu_alloc(rows, caps, width, dtype):

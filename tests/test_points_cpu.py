@@ -8,7 +8,8 @@ from engine_toy import VOCAB, toy_plan
 
 from tapc.engine.points import EnginePoints, wrap_sampler
 from tapc.engine.requests import TapRequest, to_wire
-from tapc.engine.tables import Layout
+from tapc.engine.step import StepBatch
+from tapc.engine.layout import Layout
 
 
 class GreedySampler:
@@ -36,7 +37,9 @@ def setup(taps, asks):
 def step(points, sampler, records, sched):
     """sched: [(rid, tokens this step, computed before)] in batch order; returns sampled ids."""
     qsl = np.concatenate([[0], np.cumsum([n for _, n, _ in sched])])
-    points.begin_step(records, [r for r, _, _ in sched], qsl, np.array([c for _, _, c in sched]))
+    computed = np.array([c for _, _, c in sched])
+    plens = np.array([records[r].prompt_len for r, _, _ in sched])
+    points.begin_step(records, StepBatch([r for r, _, _ in sched], qsl, computed, plens, int(qsl[-1])))
     logits = torch.randn(len(sched), VOCAB, generator=torch.Generator().manual_seed(int(qsl[-1])))
     expected = logits.clone()
     return sampler(logits, None).sampled_token_ids.reshape(-1), expected

@@ -1,7 +1,12 @@
 """vLLM wiring: the only part of tapc that touches vLLM's runner internals.
 
 - `requests`: what one request asks for (`TapRequest`), checked against a plan, and its wire form.
-- `tables`: the host side of each step: which rows go where, per-request capture storage.
+- `positions`: which token positions a request's `positions` (or an edit's `at=`) covers.
+- `layout`: the plan's in-graph taps as table rows, captures grouped into pools.
+- `records`, `storage`, `slots`: what the worker keeps per request (its captures' host
+  storage, its parameter slot).
+- `fill`: the host side of each step: the row tables from the batch layout.
+- `memcpy`: the step's capture copies to host memory.
 - `buffers`: the device side: row tables, capture pools, per-slot parameter tables, copy-out.
 - `install`: patch module forwards so the tap ops land in the compiled graphs.
 - `runner`: hooks on vLLM's V2 model runner that fill the tables each step.

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from tapc.engine.source import rewrite_forward
-from tapc.engine.tables import Layout
+from tapc.engine.layout import Layout
 from tapc.errors import EngineError
 
 # An op bound to its tables: f(x, b), b the residual for `resid` points (else None).

@@ -19,7 +19,8 @@ import pickle
 import numpy as np
 import torch
 
-from tapc.engine.tables import Layout
+from tapc.engine.layout import Layout
+from tapc.engine.step import StepBatch
 from tapc.runtime import BlockPoint, BlockRuntime, Span
 
 
@@ -40,14 +41,15 @@ class EnginePoints:
         self.wants[rec.id] = tuple(wire.get("engine", ()))
         self.kept[rec.id] = {k: [] for k in self.wants[rec.id]}
 
-    def begin_step(self, records: dict, req_ids, query_start_loc, num_computed) -> None:
+    def begin_step(self, records: dict, batch: StepBatch) -> None:
         spans, self.rows = [], []
-        for i, rid in enumerate(req_ids):
+        qsl, computed = batch.query_start_loc, batch.num_computed
+        for i, rid in enumerate(batch.req_ids):
             rec = records.get(rid)
             if rec is None:
                 continue
-            start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-            first = int(num_computed[i])
+            start, end = int(qsl[i]), int(qsl[i + 1])
+            first = int(computed[i])
             spans.append(Span(rec.id, start, end, first))
             last = first + end - start - 1
             if last >= rec.prompt_len - 1:   # the prompt is done: this row predicts a real token

@@ -6,16 +6,7 @@ turns it into plain data (lists, numbers, strings) that travels to the engine-co
 `SamplingParams.extra_args["tapc"]`; anything wrong is a `RequestError` for that request,
 raised before the engine sees it.
 
-Positions are absolute token positions of the request: the prompt is 0..P-1, and the k-th
-generated token (k from 0) is fed back at position P+k. A capture row at position p is the
-activation while token p is the input. The last generated token is never fed back, so a
-request with G generated tokens has P + G - 1 rows under "all".
-    "all":       0 .. P+G-2        every token that went through the model
-    "prompt":    0 .. P-1
-    "generated": P .. P+G-2        rows whose input is a generated token
-    "last":      P-1               the last prompt token (its output predicts generated token 0)
-    [p, ...]:    exactly these positions (those that exist)
-Edits take the same words in the tap (`at=`), e.g. `add(steer, at=generated)`.
+Which rows `positions` covers is engine/positions.py.
 """
 from __future__ import annotations
 
@@ -57,19 +48,6 @@ class TapRequest:
     positions: str | Sequence[int] = "all"
     params: Mapping[str, Any] = field(default_factory=dict)
     blocks: Mapping[str, Any] = field(default_factory=dict)
-
-
-def select(positions: str | Sequence[int], pos: np.ndarray, prompt_len: int) -> np.ndarray:
-    """Mask over `pos` (absolute positions of one request) of the rows `positions` covers."""
-    if positions == "all":
-        return np.ones(pos.shape, dtype=bool)
-    if positions == "prompt":
-        return pos < prompt_len
-    if positions == "generated":
-        return pos >= prompt_len
-    if positions == "last":
-        return pos == prompt_len - 1
-    return np.isin(pos, np.asarray(positions, dtype=np.int64))
 
 
 def to_wire(plan: TapPlan, req: TapRequest, where: str) -> dict:

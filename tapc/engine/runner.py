@@ -1,13 +1,14 @@
-"""Hooks on vLLM 0.26's V2 model runner (`vllm/v1/worker/gpu/model_runner.py`).
+"""The worker's per-request and per-step bookkeeping, whichever model runner drives it.
 
-`execute_model(scheduler_output)` is one step. Around it:
-- before: requests that finished or were preempted give back their parameter slot; new
-  requests carrying `extra_args["tapc"]` get a `Record` (and a slot, with their parameter values
-  written to the device tables) -- a preempted request that comes back keeps its record;
-- `prepare_inputs` (called inside, before the forward, with the batch's final row layout):
+A runner adapter (runner_v2.py for vLLM's V2 runner) calls, for each step:
+- `schedule(scheduler_output)` before the step: requests that finished or were preempted give
+  back their parameter slot; new requests carrying `extra_args["tapc"]` get a `Record` (and a
+  slot, with their parameter values written to the device tables) -- a preempted request that
+  comes back keeps its record. The scheduler's output is the same for every runner;
+- `begin_step(batch)` before the forward, with the batch's final row layout (a `StepBatch`):
   the host fills the row tables and uploads them;
-- after (the forward is enqueued): the captured rows start their way to host memory.
-Dummy runs (profiling, warmup without requests) see tables that own no rows.
+- `end_step()` after the forward is enqueued: the captured rows start their way to host memory;
+- `reset()` for dummy runs (profiling, warmup without requests): tables that own no rows.
 
 `collect(ids)` hands finished requests' captures back, by the ids the API put in extra_args.
 """
@@ -17,17 +18,20 @@ import logging
 
 from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
+from tapc.engine.fill import fill_step
+from tapc.engine.layout import Layout
 from tapc.engine.points import EnginePoints
-from tapc.engine.tables import Layout, Record, Slots, fill_step
+from tapc.engine.records import Record
+from tapc.engine.slots import Slots
+from tapc.engine.step import StepBatch
 from tapc.errors import RequestError
 
 log = logging.getLogger("tapc")
 
 
 class RunnerHooks:
-    def __init__(self, runner, layout: Layout, buffers: Buffers, slots: int, arena: Arena,
+    def __init__(self, layout: Layout, buffers: Buffers, slots: int, arena: Arena,
                  points: EnginePoints | None = None):
-        self.runner = runner
         self.points = points                     # logits, samples and Python blocks (points.py)
         self.layout = layout
         self.buffers = buffers
@@ -37,36 +41,31 @@ class RunnerHooks:
         self.by_id: dict[str, Record] = {}       # tapc id -> record, until collected
         self.errors: dict[str, str] = {}         # tapc id -> why its taps were not served
         self._step = None
-        self._execute = runner.execute_model
-        self._prepare = runner.prepare_inputs
-        runner.execute_model = self.execute_model
-        runner.prepare_inputs = self.prepare_inputs
 
-    def execute_model(self, scheduler_output, *args, dummy_run: bool = False, **kwargs):
-        if dummy_run:
-            self.buffers.reset()
-            return self._execute(scheduler_output, *args, dummy_run=True, **kwargs)
+    # ---------------------------------------------------------------- per step (the adapter calls)
+
+    def schedule(self, scheduler_output) -> None:
         self._retire(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids or ())
         self._admit(scheduler_output.scheduled_new_reqs)
         self._step = None
-        out = self._execute(scheduler_output, *args, **kwargs)
+
+    def begin_step(self, batch: StepBatch) -> None:
+        self._step = fill_step(self.layout, self.buffers.host_table(batch.padded), self.records, batch)
+        self.buffers.upload(batch.padded)
+        if self.points is not None:
+            self.points.begin_step(self.records, batch)
+
+    def end_step(self) -> None:
         if self.points is not None:  # boundary ops in later (dummy) forwards must see no rows
             self.points.runtime.begin_step([])
         if self._step is not None and self._step[0]:
             self.buffers.copy_out(*self._step)
         self._step = None
-        return out
 
-    def prepare_inputs(self, scheduler_output, batch_desc):
-        batch = self._prepare(scheduler_output, batch_desc)
-        padded = batch.num_tokens_after_padding
-        prompt_lens = self.runner.req_states.prompt_len.np[batch.idx_mapping_np] if self.layout.always else None
-        self._step = fill_step(self.layout, self.buffers.host_table(padded), self.records, batch.req_ids,
-                               batch.query_start_loc_np, batch.num_computed_tokens_np, prompt_lens, padded)
-        self.buffers.upload(padded)
-        if self.points is not None:
-            self.points.begin_step(self.records, batch.req_ids, batch.query_start_loc_np, batch.num_computed_tokens_np)
-        return batch
+    def reset(self) -> None:
+        self.buffers.reset()
+
+    # ---------------------------------------------------------------- requests
 
     def _retire(self, finished, preempted) -> None:
         for rid in (*finished, *preempted):
@@ -116,7 +115,6 @@ class RunnerHooks:
         if rec.slot >= 0:
             self.slots.give(rec.slot)
             rec.slot = -1
-
     def collect(self, ids: list[str]) -> dict[str, dict]:
         """Captures of the given tapc ids, as plain data: per group of captures of one width,
         `{"keys", "dtype", "width", "rows", "chunks": [(file, byte offset, rows allocated, rows

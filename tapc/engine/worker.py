@@ -19,7 +19,8 @@ from tapc.engine.graphs import SegmentedGraph, breaking, capture_with_breaks
 from tapc.engine.install import install
 from tapc.engine.points import EnginePoints, wrap_sampler
 from tapc.engine.runner import RunnerHooks
-from tapc.engine.tables import Layout
+from tapc.engine.runner_v2 import V2Adapter
+from tapc.engine.layout import Layout
 from tapc.errors import EngineError
 from tapc.kernels.ops import set_boundary_handler
 from tapc.plan import TapPlan
@@ -58,7 +59,8 @@ class TapWorker(Worker):
             wrap_sampler(runner.sampler, points)
         if layout.blocks:  # FULL graphs broken at the blocks (graphs.py)
             capture_with_breaks(runner)
-        self.tapc = RunnerHooks(runner, layout, buffers, slots, Arena(register=_register), points)
+        self.tapc = RunnerHooks(layout, buffers, slots, Arena(register=_register), points)
+        V2Adapter(runner, self.tapc).attach()
 
     def tapc_collect(self, ids: list[str]) -> dict[str, dict]:
         return self.tapc.collect(ids)
