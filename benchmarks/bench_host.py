@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tapc.engine.requests import TapRequest, to_wire  # noqa: E402
+from tapc.engine.protocol import WireRequest  # noqa: E402
+from tapc.engine.requests import TapRequest, check  # noqa: E402
 from tapc.engine.fill import fill_step  # noqa: E402
 from tapc.engine.layout import Layout  # noqa: E402
 from tapc.engine.memcpy import copy_segments  # noqa: E402
@@ -47,10 +48,10 @@ def meta_alloc(rows, caps, width, dtype):
 def scenario(plan, layout, ask: TapRequest, n_reqs: int, prompt_len: int, decode: bool):
     """(records, step arguments): n_reqs requests, all decoding one token at position
     prompt_len + 5, or all prefilling their whole prompt in one step."""
-    wire = to_wire(plan, ask, "bench")
+    checked = check(plan, ask, "bench")
     records, rids = {}, [f"r{i}" for i in range(n_reqs)]
     for rid in rids:
-        rec = Record(layout, rid, dict(wire, id=rid), prompt_len, 128, meta_alloc)
+        rec = Record(layout, rid, WireRequest(rid, checked), prompt_len, 128, meta_alloc)
         rec.slot = 0 if rec.edits else -1
         records[rid] = rec
     per = 1 if decode else prompt_len

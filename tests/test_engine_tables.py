@@ -6,7 +6,8 @@ from engine_toy import HIDDEN, toy_plan
 
 from tapc.engine.config import WORKER, engine_kwargs
 from tapc.engine.positions import select
-from tapc.engine.requests import TapRequest, to_wire
+from tapc.engine.protocol import WireRequest
+from tapc.engine.requests import TapRequest, check
 from tapc.engine.fill import fill_step
 from tapc.engine.layout import Layout
 from tapc.engine.positions import expected_rows
@@ -44,9 +45,9 @@ def test_fill_lays_each_request_block_out_position_major():
     plan = toy_plan(PLAN_TAPS)
     layout = Layout(plan)
     assert [len(g.caps) for g in layout.groups] == [3, 1], "resid (16 wide) and up_proj (24 wide)"
-    wire = to_wire(plan, TapRequest(capture=["model.layers.0.resid", "model.layers.2.resid",
-                                             "model.layers.1.mlp.up_proj.output"], params={"steer": [0.0] * HIDDEN,
-                                                                                           "a": 1.0}), "r")
+    wire = WireRequest("t", check(plan, TapRequest(capture=["model.layers.0.resid", "model.layers.2.resid",
+                                                            "model.layers.1.mlp.up_proj.output"],
+                                                   params={"steer": [0.0] * HIDDEN, "a": 1.0}), "r"))
     rec = Record(layout, "rid", wire, prompt_len=4, max_tokens=3, alloc=cpu_alloc)
     assert [st.first for st in rec.stores] == [7, 7], "4 + 3 - 1 rows, and one for a step past the end"
     rec.slot = 5
@@ -105,13 +106,13 @@ def test_slots_run_out_loudly():
 ])
 def test_request_errors(ask, words):
     with pytest.raises(RequestError, match="request 2: .*" + words.replace("(", r"\(").replace(")", r"\)")):
-        to_wire(toy_plan(PLAN_TAPS), ask, "request 2")
+        check(toy_plan(PLAN_TAPS), ask, "request 2")
 
 
 def test_request_by_tap_line_expands_the_glob():
-    wire = to_wire(toy_plan(PLAN_TAPS), TapRequest(capture="model.layers.*.resid", params={"cols": 3}), "r")
-    assert wire["capture"] == [f"model.layers.{i}.resid" for i in range(3)]
-    assert wire["params"] == {"cols": [3]} and wire["positions"] == "all"
+    ask = check(toy_plan(PLAN_TAPS), TapRequest(capture="model.layers.*.resid", params={"cols": 3}), "r")
+    assert ask.capture == tuple(f"model.layers.{i}.resid" for i in range(3))
+    assert ask.params == {"cols": [3]} and ask.positions == "all"
 
 
 def test_engine_kwargs():

@@ -185,7 +185,7 @@ class ParamTables:
 
 
 def _vector(value, unit: bool) -> torch.Tensor:
-    """A literal (tuple) or a request's value (float32 bytes, see requests.to_wire)."""
+    """A literal (tuple) or a request's value (float32 bytes, see requests.check)."""
     v = torch.frombuffer(bytearray(value), dtype=torch.float32) if isinstance(value, bytes) else \
         torch.tensor(value, dtype=torch.float32)
     if unit:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from tapc.engine.layout import Layout
+from tapc.engine.protocol import BlockFailure, TensorData, WireRequest
 from tapc.engine.step import StepBatch
 from tapc.runtime import BlockPoint, BlockRuntime, Span
 
@@ -35,10 +36,11 @@ class EnginePoints:
         self.wants: dict[str, tuple[str, ...]] = {}                 # tapc id -> engine captures
         self.rows: list[tuple] = []   # this step: (record, batch index, position) of real predictions
 
-    def admit(self, rec, wire: dict) -> None:
-        blocks = pickle.loads(wire["blocks"]) if wire.get("blocks") else None
+    def admit(self, rec, wire: WireRequest) -> None:
+        # Functions the offline API cloudpickled in the caller's process (protocol.Ask.blocks).
+        blocks = pickle.loads(wire.ask.blocks) if wire.ask.blocks else None
         self.runtime.admit(rec.id, rec.prompt_len, blocks, request_id=rec.rid)
-        self.wants[rec.id] = tuple(wire.get("engine", ()))
+        self.wants[rec.id] = wire.ask.engine
         self.kept[rec.id] = {k: [] for k in self.wants[rec.id]}
 
     def begin_step(self, records: dict, batch: StepBatch) -> None:
@@ -78,13 +80,13 @@ class EnginePoints:
                 # a device copy: stays in stream order, no sync; moved to the host at collect
                 self.kept[rec.id][key].append(x[i:i + 1].to(dtype or x.dtype, copy=True))
 
-    def take(self, tid: str) -> bytes:
-        """The request's engine captures, saved values and block error, pickled for the trip."""
+    def take(self, tid: str) -> tuple[dict[str, TensorData], dict, BlockFailure | None]:
+        """The request's engine captures (rows moved to the host now), saved values and block error."""
         kept = self.kept.pop(tid, {})
         self.wants.pop(tid, None)
         saved, error = self.runtime.take(tid)
-        engine = {k: torch.cat(v).cpu() if v else torch.empty(0) for k, v in kept.items()}
-        return pickle.dumps({"engine": engine, "saved": saved, "error": error})
+        engine = {k: TensorData.of(torch.cat(v) if v else torch.empty(0)) for k, v in kept.items()}
+        return engine, saved, error
 
 
 def _edit_row(row: torch.Tensor, tap, params: dict) -> None:

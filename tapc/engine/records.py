@@ -6,19 +6,20 @@ import torch
 
 from tapc.engine.layout import Layout
 from tapc.engine.positions import expected_rows
+from tapc.engine.protocol import WireRequest
 from tapc.engine.storage import Alloc, Store
 from tapc.errors import RequestError
 
 
 class Record:
-    def __init__(self, layout: Layout, rid: str, wire: dict, prompt_len: int, max_tokens: int, alloc: Alloc):
+    def __init__(self, layout: Layout, rid: str, wire: WireRequest, prompt_len: int, max_tokens: int, alloc: Alloc):
         self.rid = rid                 # vLLM's request id
-        self.id: str = wire["id"]      # the API's id for it
+        self.id = wire.id              # tapc's id for it
         self.prompt_len = prompt_len
-        self.positions = wire["positions"]
-        self.params: dict = wire["params"]
+        self.positions = wire.ask.positions
+        self.params = wire.ask.params
         try:
-            caps = np.array(sorted(layout.cap_index[k] for k in wire["capture"]), dtype=np.int64)
+            caps = np.array(sorted(layout.cap_index[k] for k in wire.ask.capture), dtype=np.int64)
         except KeyError as e:
             raise RequestError(f"capture {e.args[0]!r} is not in this engine's plan") from None
         # Every row it can have, plus one: with async scheduling vLLM may run one more step for a

@@ -1,10 +1,11 @@
 """What one request asks of a tapped engine, checked against the plan before it is submitted.
 
 A `TapRequest` names the captures it wants (point keys, tap lines of the plan, or "*"), which
-positions to capture, and values for the plan's named parameters. `to_wire` checks it and
-turns it into plain data (lists, numbers, strings) that travels to the engine-core process in
-`SamplingParams.extra_args["tapc"]`; anything wrong is a `RequestError` for that request,
-raised before the engine sees it.
+positions to capture, and values for the plan's named parameters. `check` checks it and
+turns it into an `Ask` (protocol.py: plain data, lists, numbers, strings, bytes), which travels
+to the engine-core process in `SamplingParams.extra_args["tapc"]` under the id the session
+gives each submitted request; anything wrong is a `RequestError` for that request, raised
+before the engine sees it.
 
 Which rows `positions` covers is engine/positions.py.
 """
@@ -12,13 +13,13 @@ from __future__ import annotations
 
 import difflib
 import math
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from tapc.engine.protocol import Ask
 from tapc.errors import RequestError
 from tapc.plan import EDIT, TapPlan
 from tapc.spec import POSITIONS
@@ -50,18 +51,15 @@ class TapRequest:
     blocks: Mapping[str, Any] = field(default_factory=dict)
 
 
-def to_wire(plan: TapPlan, req: TapRequest, where: str) -> dict:
-    """Check `req` against `plan`; the plain dict the engine's workers read. `where` names the
-    request in error messages (e.g. "request 3")."""
+def check(plan: TapPlan, req: TapRequest, where: str) -> Ask:
+    """Check `req` against `plan`; what the engine's workers read. `where` names the request in
+    error messages (e.g. "request 3")."""
     keys = _capture_keys(plan, req.capture, where)
-    return {
-        "id": uuid.uuid4().hex,
-        "capture": [k for k in keys if k not in ENGINE_POINTS],
-        "engine": [k for k in keys if k in ENGINE_POINTS],
-        "positions": _positions(req.positions, where),
-        "params": _params(plan, req.params, where),
-        "blocks": _blocks(plan, req.blocks, where),
-    }
+    positions = _positions(req.positions, where)
+    return Ask(capture=tuple(k for k in keys if k not in ENGINE_POINTS),
+               engine=tuple(k for k in keys if k in ENGINE_POINTS),
+               positions=positions if isinstance(positions, str) else tuple(positions),
+               params=_params(plan, req.params, where), blocks=_blocks(plan, req.blocks, where))
 
 
 def _blocks(plan: TapPlan, blocks: Mapping[str, Any], where: str) -> bytes | None:

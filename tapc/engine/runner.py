@@ -21,10 +21,12 @@ from tapc.engine.buffers import Buffers
 from tapc.engine.fill import fill_step
 from tapc.engine.layout import Layout
 from tapc.engine.points import EnginePoints
+from tapc.engine.protocol import Chunk, CollectReply, Result, StoreResult, WireRequest
 from tapc.engine.records import Record
 from tapc.engine.slots import Slots
 from tapc.engine.step import StepBatch
-from tapc.errors import RequestError
+from tapc.engine.storage import Store
+from tapc.errors import ProtocolError, RequestError
 
 log = logging.getLogger("tapc")
 
@@ -79,8 +81,17 @@ class RunnerHooks:
 
     def _admit(self, new_reqs) -> None:
         for req in new_reqs:
-            wire = (req.sampling_params.extra_args or {}).get("tapc") if req.sampling_params else None
-            if wire is None:
+            raw = (req.sampling_params.extra_args or {}).get("tapc") if req.sampling_params else None
+            if raw is None:
+                continue
+            try:
+                wire = WireRequest.from_wire(raw)
+            except ProtocolError as e:
+                # Not from this tapc's API: it runs untapped; its id, if it has one, hears why.
+                log.warning("tapc: request %s runs untapped: %s", req.req_id, str(e))
+                rid = raw.get("id") if isinstance(raw, dict) else None
+                if isinstance(rid, str):
+                    self.errors[rid] = str(e)
                 continue
             rec = self.records.get(req.req_id)
             if rec is None:
@@ -101,7 +112,7 @@ class RunnerHooks:
                     log.warning("tapc: request %s runs untapped: %s", req.req_id, str(e))
                     for t in taken:
                         self.arena.give_back_tensor(t)
-                    self.errors[wire["id"]] = str(e)
+                    self.errors[wire.id] = str(e)
                     continue
                 self.records[req.req_id] = rec
                 self.by_id[rec.id] = rec
@@ -115,22 +126,21 @@ class RunnerHooks:
         if rec.slot >= 0:
             self.slots.give(rec.slot)
             rec.slot = -1
-    def collect(self, ids: list[str]) -> dict[str, dict]:
-        """Captures of the given tapc ids, as plain data: per group of captures of one width,
-        `{"keys", "dtype", "width", "rows", "chunks": [(file, byte offset, rows allocated, rows
-        written)]}`, each chunk `[rows, keys, width]` in the arena. The record is dropped; the
-        chunks now belong to the API, which gives each back (`release`) when the caller no
-        longer uses it."""
+    def collect(self, ids: list[str]) -> CollectReply:
+        """The results of the given tapc ids: per group of captures of one width, where its rows
+        are in the arena (protocol.StoreResult), and the engine points' rows, saved values and
+        block error. The record is dropped; the chunks now belong to the API, which gives each
+        back (`release`) when the caller no longer uses it."""
         self.buffers.wait_copies()
-        out: dict[str, dict] = {}
+        out: dict[str, Result] = {}
         for tid in ids:
             if tid in self.errors:
-                out[tid] = {"error": self.errors.pop(tid)}
+                out[tid] = Result(tid, error=self.errors.pop(tid))
                 continue
             rec = self.by_id.pop(tid, None)
             if rec is None:
-                out[tid] = {"error": "the engine has no captures for this request (it never ran, or was "
-                                     "collected already)"}
+                out[tid] = Result(tid, error="the engine has no captures for this request (it never ran, or was "
+                                             "collected already)")
                 continue
             if not rec.finished:  # vLLM tells the worker only with its next step
                 self._release(rec)
@@ -140,12 +150,17 @@ class RunnerHooks:
                 for st in rec.stores:
                     for chunk in st.chunks:
                         self.arena.give_back_tensor(chunk)
-                out[tid] = {"error": failed}
+                if self.points is not None:
+                    self.points.take(tid)
+                out[tid] = Result(tid, error=failed)
                 continue
-            out[tid] = {"stores": [_store_wire(self.layout, self.arena, st) for st in rec.stores]}
-            if self.points is not None:
-                out[tid]["points"] = self.points.take(tid)
-        return out
+            stores = tuple(_store_result(self.layout, self.arena, st) for st in rec.stores)
+            if self.points is None:
+                out[tid] = Result(tid, stores=stores)
+            else:
+                engine, saved, block_error = self.points.take(tid)
+                out[tid] = Result(tid, stores=stores, engine=engine, saved=saved, block_error=block_error)
+        return CollectReply(tuple(out.values()))
 
     def release(self, chunks: list[tuple[str, int]]) -> None:
         """The API no longer uses these chunks (file, byte offset): their space is free again."""
@@ -153,11 +168,7 @@ class RunnerHooks:
             self.arena.give_back(path, offset)
 
 
-def _store_wire(layout: Layout, arena: Arena, store) -> dict:
-    return {
-        "keys": [layout.captures[c].key for c in store.caps],
-        "dtype": str(store.dtype).removeprefix("torch."),
-        "width": store.width,
-        "rows": store.rows,
-        "chunks": [(*arena.locate(c), c.shape[0], n) for c, n in store.filled()],
-    }
+def _store_result(layout: Layout, arena: Arena, store: Store) -> StoreResult:
+    return StoreResult(keys=tuple(layout.captures[c].key for c in store.caps),
+                       dtype=str(store.dtype).removeprefix("torch."), width=store.width, rows=store.rows,
+                       chunks=tuple(Chunk(*arena.locate(c), c.shape[0], n) for c, n in store.filled()))

@@ -62,8 +62,9 @@ class TapWorker(Worker):
         self.tapc = RunnerHooks(layout, buffers, slots, Arena(register=_register), points)
         V2Adapter(runner, self.tapc).attach()
 
-    def tapc_collect(self, ids: list[str]) -> dict[str, dict]:
-        return self.tapc.collect(ids)
+    def tapc_collect(self, ids: list[str]) -> dict:
+        """The results of these tapc ids, as a `protocol.CollectReply` in wire form."""
+        return self.tapc.collect(ids).to_wire()
 
     def tapc_release(self, chunks: list[tuple[str, int]]) -> None:
         self.tapc.release(chunks)
