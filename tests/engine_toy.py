@@ -126,14 +126,12 @@ class ToyBuffers:
         self.pools = [torch.zeros(len(g.caps) * rows, g.width, dtype=getattr(torch, g.dtype)) for g in layout.groups]
         self.params = ParamTables(layout, slots, torch.device("cpu"))
         self._host = np.empty((layout.num_tables, rows), dtype=np.int32)
-        self.uploads = 0
 
     def host_table(self, padded):
         return self._host[:, :padded]
 
     def upload(self, padded):
         self.table[:, :padded] = torch.from_numpy(self._host[:, :padded].copy())
-        self.uploads += 1
 
     def reset(self):
         self.table.fill_(-1)

@@ -165,12 +165,21 @@ def test_dummy_runs_see_tables_that_own_no_rows():
     assert (hooks.buffers.table == -1).all()
 
 
-def test_untapped_batches_upload_tables_but_copy_nothing():
+def test_untapped_batches_own_no_rows_and_copy_nothing():
+    """After a capturing request, untapped steps see tables that own no row (nothing stale from
+    the earlier step) and write no pool row."""
     plan = toy_plan(TAPS)
     runner, hooks = hooks_for(plan, ToyModel())
     rng = np.random.default_rng(3)
+    tapped = Req("t", rng.integers(0, 50, 9).tolist(), 2, wire_for(plan, TapRequest(capture="*"), "t"))
+    run(runner, [tapped], budget=64)
+    assert (hooks.buffers.table >= 0).any()
+    collect(hooks, [tapped], TapSession(plan))
+    for p in hooks.buffers.pools:
+        p.fill_(0)
     run(runner, [Req("u", rng.integers(0, 50, 9).tolist(), 3, None)], budget=64)
-    assert hooks.buffers.uploads == 3 and not hooks.by_id
+    assert not hooks.by_id and not hooks.records
+    assert (hooks.buffers.table == -1).all(), "the step's tables own no row"
     assert all((p == 0).all() for p in hooks.buffers.pools), "no pool row written"
 
 
