@@ -9,7 +9,10 @@
 - `memcpy`: the step's capture copies to host memory.
 - `buffers`: the device side: row tables, capture pools, per-slot parameter tables, copy-out.
 - `install`: patch module forwards so the tap ops land in the compiled graphs.
-- `runner`: hooks on vLLM's V2 model runner that fill the tables each step.
+- `step`: the batch of one step as a plain value (`StepBatch`).
+- `runner`: the per-request and per-step bookkeeping a runner adapter calls each step;
+  `runner_v2`: that adapter for vLLM's V2 model runner.
+- `protocol`: what travels between the API and the worker (typed values, their wire form).
 - `worker`: the vLLM worker class that installs all of it after the model loads.
 - `config`: the engine arguments a plan needs (compilation, prefix caching, worker class).
 See docs/engine.md.
