@@ -201,3 +201,12 @@ def test_v1_runner_is_refused_before_starting(monkeypatch):
         engine_kwargs(toy_plan(PLAN_TAPS), {})
 
 
+
+
+def test_another_runner_is_refused_by_the_v2_adapter():
+    from engine_toy import ToyRunner
+
+    from tapc.engine.runner_v2 import V2Adapter
+
+    with pytest.raises(EngineError, match="V2 model runner .* but this engine runs engine_toy.ToyRunner"):
+        V2Adapter.check_runner(ToyRunner(None))

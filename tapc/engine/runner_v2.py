@@ -11,9 +11,22 @@ from __future__ import annotations
 
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.step import StepBatch
+from tapc.errors import EngineError
 
 
 class V2Adapter:
+    @staticmethod
+    def check_runner(runner) -> None:
+        """Refuse any other runner before anything is allocated."""
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+        if not isinstance(runner, V2Runner):
+            raise EngineError(
+                f"tapc instruments vLLM's V2 model runner (vllm/v1/worker/gpu/), but this engine runs "
+                f"{type(runner).__module__}.{type(runner).__name__}: vLLM picks V1 for MoE, hybrid and "
+                "pooling models and when VLLM_USE_V2_MODEL_RUNNER=0. Unset that variable, or use a dense "
+                "decoder model")
+
     def __init__(self, runner, hooks: RunnerHooks):
         self.runner = runner
         self.hooks = hooks

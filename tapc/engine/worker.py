@@ -38,14 +38,7 @@ class TapWorker(Worker):
             raise EngineError("tapc's worker runs without a plan: build engines with tapc.VLLM(...)")
         plan = TapPlan.from_json(config["plan"])
         runner = self.model_runner
-        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
-
-        if not isinstance(runner, V2Runner):
-            raise EngineError(
-                f"tapc instruments vLLM's V2 model runner (vllm/v1/worker/gpu/), but this engine runs "
-                f"{type(runner).__module__}.{type(runner).__name__}: vLLM picks V1 for MoE, hybrid and "
-                "pooling models and when VLLM_USE_V2_MODEL_RUNNER=0. Unset that variable, or use a dense "
-                "decoder model")
+        V2Adapter.check_runner(runner)
         layout = Layout(plan)
         sched = self.vllm_config.scheduler_config
         slots = SLOTS_PER_SEQ * sched.max_num_seqs
