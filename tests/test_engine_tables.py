@@ -210,3 +210,16 @@ def test_another_runner_is_refused_by_the_v2_adapter():
 
     with pytest.raises(EngineError, match="V2 model runner .* but this engine runs engine_toy.ToyRunner"):
         V2Adapter.check_runner(ToyRunner(None))
+
+
+def test_a_detached_adapter_leaves_the_runner_as_it_was():
+    from engine_toy import Req, ToyModel, hooks_for, run, wire_for
+
+    from tapc.engine.runner_v2 import V2Adapter
+
+    plan = toy_plan(["model.layers.*.resid"])
+    runner, hooks = hooks_for(plan, ToyModel())
+    V2Adapter(runner, hooks).detach()
+    assert "execute_model" not in vars(runner) and "prepare_inputs" not in vars(runner)
+    run(runner, [Req("r", [1, 2, 3], 2, wire_for(plan, TapRequest(capture="*"), "r"))], budget=16)
+    assert not hooks.records and not hooks.by_id, "the hooks saw no step"

@@ -13,10 +13,7 @@ from tapc.engine.layout import Layout
 
 
 class GreedySampler:
-    calls = 0
-
     def __call__(self, logits, input_batch):
-        GreedySampler.calls += 1
         return NS(sampled_token_ids=logits.argmax(dim=-1, keepdim=True))
 
 
