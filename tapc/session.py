@@ -3,10 +3,11 @@
 `VLLM.generate` (api.py) drives these steps around its own engine calls, and so can an async
 engine or an HTTP route around theirs:
 
-    prepared = session.prepare(ask, sampling_params, "request 3")   # check, tapc id, SamplingParams
-    chunks = session.released()       # -> collective_rpc("tapc_release", chunks), before submitting
+    checked = session.check(ask, "request 3")             # RequestError before anything is sent
+    prepared = session.prepare(sampling_params, checked, "request 3")   # tapc id, SamplingParams
+    chunks = session.released()      # -> collective_rpc("tapc_release", chunks), before submitting
     ... submit the prompt with prepared.params; wait for its final output `out` ...
-    reply = collective_rpc("tapc_collect", [prepared.id])             # ids of tapped requests only
+    reply = collective_rpc("tapc_collect", session.wanted([prepared]))  # tapped requests only
     session.finish(out, prepared.wire, session.results(reply).get(prepared.id))
     out.taps, out.saved, out.error
 

@@ -55,6 +55,8 @@ def test_tensors_travel_as_bytes_dtype_and_shape(dtype, shape):
     (lambda d: d.pop("positions"), "no field 'positions'"),
     (lambda d: d.update(capture="model.layers.0.resid"), "field 'capture' is a str"),
     (lambda d: d.update(blocks="code"), "field 'blocks' is a str"),
+    (lambda d: d.update(params={"steer": "0.5"}), "parameter 'steer' is a str, not bytes"),
+    (lambda d: d.update(positions=[1, "2"]), "'positions' holds something other than numbers"),
 ])
 def test_a_malformed_request_is_refused_with_the_field(edit, words):
     d = WireRequest("id", check(toy_plan(TAPS), TapRequest(capture="*"), "r")).to_wire()

@@ -93,11 +93,26 @@ class WireRequest:
         blocks = d.get("blocks")
         if blocks is not None and not isinstance(blocks, bytes):
             raise ProtocolError(f"{what}: field 'blocks' is a {type(blocks).__name__}")
+        params = dict(_get(d, "params", Mapping, what))
+        bad = next((k for k, v in params.items() if not _is_param_value(v)), None)
+        if bad is not None:
+            raise ProtocolError(f"{what}: parameter {bad!r} is a {type(params[bad]).__name__}, not bytes, a "
+                                "number or a list of numbers")
+        if not isinstance(positions, str) and not all(_is_number(p) for p in positions):
+            raise ProtocolError(f"{what}: field 'positions' holds something other than numbers")
         ask = Ask(capture=tuple(_get(d, "capture", (list, tuple), what)),
                   engine=tuple(_get(d, "engine", (list, tuple), what)),
                   positions=positions if isinstance(positions, str) else tuple(positions),
-                  params=dict(_get(d, "params", Mapping, what)), blocks=blocks)
+                  params=params, blocks=blocks)
         return cls(_get(d, "id", str, what), ask)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_param_value(v) -> bool:
+    return isinstance(v, bytes) or _is_number(v) or (isinstance(v, (list, tuple)) and all(_is_number(x) for x in v))
 
 
 # ----------------------------------------------------------------------------- values

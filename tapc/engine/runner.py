@@ -84,17 +84,17 @@ class RunnerHooks:
             raw = (req.sampling_params.extra_args or {}).get("tapc") if req.sampling_params else None
             if raw is None:
                 continue
-            try:
-                wire = WireRequest.from_wire(raw)
-            except ProtocolError as e:
-                # Not from this tapc's API: it runs untapped; its id, if it has one, hears why.
-                log.warning("tapc: request %s runs untapped: %s", req.req_id, str(e))
-                rid = raw.get("id") if isinstance(raw, dict) else None
-                if isinstance(rid, str):
-                    self.errors[rid] = str(e)
-                continue
-            rec = self.records.get(req.req_id)
+            rec = self.records.get(req.req_id)   # a preempted request that resumes has one
             if rec is None:
+                try:
+                    wire = WireRequest.from_wire(raw)
+                except ProtocolError as e:
+                    # Not from this tapc's API: it runs untapped; its id, if it has one, hears why.
+                    log.warning("tapc: request %s runs untapped: %s", req.req_id, str(e))
+                    tid = raw.get("id") if isinstance(raw, dict) else None
+                    if isinstance(tid, str):
+                        self.errors[tid] = str(e)
+                    continue
                 taken: list = []   # chunks this admission got, to give back if it fails
 
                 def alloc(*shape):
@@ -126,6 +126,9 @@ class RunnerHooks:
         if rec.slot >= 0:
             self.slots.give(rec.slot)
             rec.slot = -1
+
+    # ---------------------------------------------------------------- to the API
+
     def collect(self, ids: list[str]) -> CollectReply:
         """The results of the given tapc ids: per group of captures of one width, where its rows
         are in the arena (protocol.StoreResult), and the engine points' rows, saved values and
