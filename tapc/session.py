@@ -191,7 +191,7 @@ class TapSession:
                 self.finish(out, p.wire, got.pop(p.id, None) if p.wire is not None else None)
         finally:  # results not assembled (an error above): no tensor will hold their chunks
             for result in got.values():
-                self._disown(result)
+                self.discard(result)
         return outs
 
     def _assemble(self, out, wire: WireRequest, result: Result) -> dict[str, torch.Tensor]:
@@ -205,7 +205,7 @@ class TapSession:
         keep = expected_rows(wire.ask.positions, len(out.prompt_token_ids), generated)
         short = [store.rows for store in result.stores if store.rows < keep]
         if short:
-            self._disown(result)
+            self.discard(result)
             raise EngineError(f"request {out.request_id}: {short[0]} rows captured for {keep} positions")
         taps: dict[str, torch.Tensor] = {}
         for store in result.stores:
@@ -224,8 +224,9 @@ class TapSession:
             taps.update({k: block[:, j] for j, k in enumerate(keys)})
         return taps
 
-    def _disown(self, result: Result) -> None:
-        """A collected result no tensor will view: every chunk of it can go back."""
+    def discard(self, result: Result) -> None:
+        """A collected result nobody will see (its request was cancelled, or failed before it
+        was assembled): every chunk of it goes back with the next `released()`."""
         for store in result.stores:
             for chunk in store.chunks:
                 self.arena.unused(chunk.path, chunk.offset)

@@ -268,18 +268,23 @@ def _empty():
 
 def test_session_pieces_serve_requests_one_at_a_time():
     """The steps an async engine or a server route takes with the session, per request: each
-    prepared on its own, submitted together, collected and finished separately in another order."""
+    prepared on its own, submitted together, collected and finished separately in another
+    order; a cancelled one collected and discarded. Every chunk goes back in the end."""
     from vllm import SamplingParams
 
     llm, hooks = toy_vllm(TAPS)
     session, engine = llm.session, llm.llm
     rng = np.random.default_rng(7)
-    asks = [TapRequest(capture="*"), TapRequest(capture="model.layers.1.resid", positions="prompt"), None]
+    asks = [TapRequest(capture="*"), TapRequest(capture="model.layers.1.resid", positions="prompt"), None,
+            TapRequest(capture="*")]
     prepared = [session.prepare(SamplingParams(max_tokens=3 + i), session.check(ask, f"request {i}"), f"request {i}")
                 for i, ask in enumerate(asks)]
-    assert prepared[2].wire is None and prepared[0].id != prepared[1].id
-    outs = engine.generate([{"prompt_token_ids": rng.integers(0, 50, n).tolist()} for n in (5, 9, 4)],
+    assert prepared[2].wire is None and len({p.id for p in prepared}) == 4
+    outs = engine.generate([{"prompt_token_ids": rng.integers(0, 50, n).tolist()} for n in (5, 9, 4, 6)],
                            [p.params for p in prepared])
+    cancelled = prepared.pop()
+    reply = engine.collective_rpc("tapc_collect", args=(session.wanted([cancelled]),))[0]
+    session.discard(session.results(reply)[cancelled.id])
     for out, p in reversed(list(zip(outs, prepared))):
         reply = engine.collective_rpc("tapc_collect", args=(session.wanted([p]),))[0] if p.wire else None
         session.finish(out, p.wire, None if reply is None else session.results(reply).get(p.id))
@@ -288,3 +293,7 @@ def test_session_pieces_serve_requests_one_at_a_time():
             req = Req(out.request_id, out.prompt_token_ids, 0, tokens=out.prompt_token_ids + out.outputs[0].token_ids)
             check(req, dict(out.taps), p.wire.ask.positions)
     assert outs[2].taps == {} and not hooks.by_id and not hooks.records
+    del outs, out
+    gc.collect()
+    llm._give_back()
+    assert not hooks.arena.held, "the cancelled request's chunks and the dropped captures are back"

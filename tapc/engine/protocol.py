@@ -11,6 +11,7 @@ Two messages, each with a `version`:
 
 Both ends hold the typed values; `to_wire` / `from_wire` are the only conversions, and a
 message of another version, or one that is malformed, is a `ProtocolError` naming the field.
+A change to what a field means, or a field added or removed, bumps `VERSION`.
 One field holds code, not data: `Ask.blocks`, per-request Python blocks cloudpickled by the
 offline API in the caller's own process (docs/blocks.md). A server must never fill it from a
 request.
