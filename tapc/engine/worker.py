@@ -17,10 +17,10 @@ from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
 from tapc.engine.graphs import SegmentedGraph, breaking, capture_with_breaks
 from tapc.engine.install import install
+from tapc.engine.layout import Layout
 from tapc.engine.points import EnginePoints, wrap_sampler
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.runner_v2 import V2Adapter
-from tapc.engine.layout import Layout
 from tapc.errors import EngineError
 from tapc.kernels.ops import set_boundary_handler
 from tapc.plan import TapPlan
