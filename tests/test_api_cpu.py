@@ -77,3 +77,26 @@ def test_a_bad_request_among_shared_ones_fails_before_anything_is_submitted():
     with pytest.raises(RequestError, match="request 3: .*model.layers.9.resid"):
         llm.generate([{"prompt_token_ids": [1]}] * 5, SamplingParams(max_tokens=2), taps=[good] * 3 + [bad, good])
     assert llm.llm.submitted is None
+
+
+def test_engine_blocks_the_plan_does_not_run_are_refused():
+    from engine_toy import toy_plan
+
+    from tapc.errors import EngineError
+    from tapc.session import TapSession
+
+    with pytest.raises(EngineError, match="blocks= names prob, which no tap of the plan runs .*blocks: probe"):
+        TapSession(toy_plan(["model.layers.0.resid -> probe"]), blocks={"prob"})
+
+
+def test_generate_refuses_what_it_cannot_tap_before_submitting():
+    from vllm import SamplingParams
+
+    llm, _ = toy_vllm(["model.layers.*.resid"])
+    one = [{"prompt_token_ids": [1, 2]}]
+    with pytest.raises(RequestError, match="request 0: taps with n=2 samples per prompt are not supported"):
+        llm.generate(one, SamplingParams(n=2, max_tokens=2), taps=TapRequest(capture="*"))
+    with pytest.raises(RequestError, match="2 prompts but 1 sampling params and 2 tap requests"):
+        llm.generate(one * 2, [SamplingParams(max_tokens=2)], taps=TapRequest(capture="*"))
+    assert llm.llm.submitted is None
+    llm.generate(one, SamplingParams(n=2, max_tokens=2))   # untapped: vLLM's own n is fine
