@@ -19,8 +19,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tapc.engine.requests import TapRequest, to_wire  # noqa: E402
-from tapc.engine.tables import Layout, Record, copy_segments, fill_step  # noqa: E402
+from tapc.engine.protocol import WireRequest  # noqa: E402
+from tapc.engine.requests import TapRequest, check  # noqa: E402
+from tapc.engine.fill import fill_step  # noqa: E402
+from tapc.engine.layout import Layout  # noqa: E402
+from tapc.engine.memcpy import copy_segments  # noqa: E402
+from tapc.engine.records import Record  # noqa: E402
+from tapc.engine.step import StepBatch  # noqa: E402
 from tapc.planner import build_plan  # noqa: E402
 from tapc.tree import ModuleTree, Node  # noqa: E402
 
@@ -43,10 +48,10 @@ def meta_alloc(rows, caps, width, dtype):
 def scenario(plan, layout, ask: TapRequest, n_reqs: int, prompt_len: int, decode: bool):
     """(records, step arguments): n_reqs requests, all decoding one token at position
     prompt_len + 5, or all prefilling their whole prompt in one step."""
-    wire = to_wire(plan, ask, "bench")
+    checked = check(plan, ask, "bench")
     records, rids = {}, [f"r{i}" for i in range(n_reqs)]
     for rid in rids:
-        rec = Record(layout, rid, dict(wire, id=rid), prompt_len, 128, meta_alloc)
+        rec = Record(layout, rid, WireRequest(rid, checked), prompt_len, 128, meta_alloc)
         rec.slot = 0 if rec.edits else -1
         records[rid] = rec
     per = 1 if decode else prompt_len
@@ -54,11 +59,10 @@ def scenario(plan, layout, ask: TapRequest, n_reqs: int, prompt_len: int, decode
     computed = np.full(n_reqs, prompt_len + 5 if decode else 0, dtype=np.int32)
     prompt_lens = np.full(n_reqs, prompt_len, dtype=np.int32)
     padded = int(qsl[-1])
-    return records, (rids, qsl, computed, prompt_lens, padded)
+    return records, StepBatch(rids, qsl, computed, prompt_lens, padded)
 
 
-def time_step(layout, records, args, repeats: int = 200) -> float:
-    rids, qsl, computed, prompt_lens, padded = args
+def time_step(layout, records, batch: StepBatch, repeats: int = 200) -> float:
     table = np.empty((layout.num_tables, ROWS), dtype=np.int32)
     pools = [torch.empty(len(g.caps) * ROWS, g.width, dtype=getattr(torch, g.dtype), device="meta")
              for g in layout.groups]
@@ -69,7 +73,7 @@ def time_step(layout, records, args, repeats: int = 200) -> float:
             for st in rec.stores:
                 st.rows = 0
         t0 = time.perf_counter()
-        segments, used = fill_step(layout, table[:, :padded], records, rids, qsl, computed, prompt_lens, padded)
+        segments, used = fill_step(layout, table[:, :batch.padded], records, batch)
         copy_segments(segments, pools)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
@@ -91,8 +95,8 @@ def main():
     ]
     print("| step | host ms (median) |\n|---|---:|")
     for name, ask, n, plen, decode in cases:
-        records, args = scenario(plan, layout, ask, n, plen, decode)
-        print(f"| {name} | {time_step(layout, records, args):.3f} |")
+        records, batch = scenario(plan, layout, ask, n, plen, decode)
+        print(f"| {name} | {time_step(layout, records, batch):.3f} |")
 
 
 if __name__ == "__main__":

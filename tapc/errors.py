@@ -31,6 +31,11 @@ class EngineError(TapcError, RuntimeError):
     """The engine cannot serve a tap as asked (runner not instrumented, prefix cache, ...)."""
 
 
+class ProtocolError(EngineError):
+    """A message between tapc's API side and the engine's worker that this side cannot read:
+    another protocol version (two tapc versions), or a missing or mistyped field."""
+
+
 class RequestError(TapcError, ValueError):
     """One request asked for something the engine's plan does not have; only that request fails."""
 

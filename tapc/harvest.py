@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tapc.engine.requests import ENGINE_POINTS, TapRequest, select
+from tapc.engine.positions import select
+from tapc.engine.requests import ENGINE_POINTS, TapRequest
 from tapc.errors import TapcError
 
 log = logging.getLogger("tapc")

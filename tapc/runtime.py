@@ -22,12 +22,12 @@ close over.
 """
 from __future__ import annotations
 
-import pickle
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from tapc.engine.protocol import BlockFailure, encode_value
 
 Block = Callable[["BlockContext", torch.Tensor], "torch.Tensor | None"]
 
@@ -65,48 +65,10 @@ class BlockContext:
         return self.positions.stop <= self.prompt_len
 
     def save(self, name: str, value: Any) -> None:
-        """Keep `value` for the request's output (tensors are copied to CPU); one entry per call."""
-        if isinstance(value, torch.Tensor):
-            value = value.detach().to("cpu", copy=True)
-        self.saved.setdefault(name, []).append(value)
-
-
-@dataclass
-class BlockError:
-    """A block's failure, as it crosses the process boundary: the exception if it pickles."""
-
-    block: str
-    point: str
-    type_name: str
-    message: str
-    traceback: str
-    exception: bytes | None = None
-
-    @classmethod
-    def capture(cls, block: str, point: str, exc: BaseException) -> "BlockError":
-        # cloudpickle: an exception class that came to the worker by value (defined in the
-        # caller's script) goes back by value and is the caller's own class again there.
-        import cloudpickle
-
-        try:
-            raw = cloudpickle.dumps(exc)
-            pickle.loads(raw)
-        except Exception:  # an exception that does not round-trip: keep its words
-            raw = None
-        return cls(block, point, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc),
-                   "".join(traceback.format_exception(exc)), raw)
-
-    def exception_for_caller(self) -> BaseException:
-        """The original exception (its type preserved where it can be), with the worker's traceback."""
-        from tapc.errors import BlockFailed
-
-        if self.exception is not None:
-            exc = pickle.loads(self.exception)
-        else:
-            exc = BlockFailed(f"{self.type_name}: {self.message}")
-        note = f"in tapc block `{self.block}` at {self.point}; worker traceback:\n{self.traceback}"
-        exc.add_note(note)
-        return exc
+        """Keep `value` for the request's output, one entry per call: a tensor (copied to the
+        CPU now), None, a bool, int, float, str or bytes, or a list, tuple or dict (str keys) of
+        these; anything else raises TypeError, which fails the request (docs/blocks.md)."""
+        self.saved.setdefault(name, []).append(encode_value(value, f"ctx.save({name!r}, ...)"))
 
 
 class Request:
@@ -118,7 +80,7 @@ class Request:
         self.blocks = blocks               # per-request overrides, by block name
         self.steps: dict[int, int] = {}    # point -> how many times its block ran for this request
         self.saved: dict = {}
-        self.error: BlockError | None = None
+        self.error: BlockFailure | None = None
 
 
 class BlockRuntime:
@@ -143,8 +105,8 @@ class BlockRuntime:
         """The rows of this step's requests (those the runtime did not admit are skipped)."""
         self.spans = spans
 
-    def take(self, rid: str) -> tuple[dict, BlockError | None]:
-        """A finished request's saved values and error, once."""
+    def take(self, rid: str) -> tuple[dict, BlockFailure | None]:
+        """A finished request's saved values (in wire form, protocol.encode_value) and error, once."""
         req = self.requests.pop(rid, None)
         return (req.saved, req.error) if req else ({}, None)
 
@@ -172,7 +134,7 @@ class BlockRuntime:
                                           f"(VLLM(..., blocks={{{bp.block!r}: fn}})) or pass it with the request")
                     self._run(fn, point, req, span, rows[span.start - lo: span.end - lo])
                 except Exception as exc:  # the request fails; the batch goes on
-                    req.error = BlockError.capture(bp.block, bp.key, exc)
+                    req.error = BlockFailure.capture(bp.block, bp.key, exc)
             if b is not None:
                 x[lo:hi] = rows - b[lo:hi]
 

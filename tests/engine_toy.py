@@ -5,8 +5,8 @@ layers `model.layers.i` returning (hidden_states, residual), a linear returning 
 It has no attention, so a row depends only on its own token and position: the reference for a
 request is the model run on that request's tokens alone.
 
-`ToyRunner` plays vLLM's V2 runner (execute_model calls self.prepare_inputs, which the hooks
-replace), `ToyBuffers` plays `tapc.engine.buffers.Buffers` on the CPU, and `run` plays the
+`ToyRunner` plays vLLM's V2 runner (execute_model calls self.prepare_inputs; the worker's V2
+adapter, runner_v2.py, wraps both), `ToyBuffers` plays `tapc.engine.buffers.Buffers` on the CPU, and `run` plays the
 scheduler: a token budget per step (chunked prefill), decode one token per step, requests
 arriving late, finishing at max_tokens, and optionally one preemption (recompute from 0).
 """
@@ -19,10 +19,14 @@ import numpy as np
 import torch
 
 from tapc.engine.arena import Arena
+from tapc.engine.protocol import WireRequest
+from tapc.engine.requests import TapRequest, check
 from tapc.engine.buffers import ParamTables
 from tapc.engine.runner import RunnerHooks
-from tapc.engine.tables import copy_segments
+from tapc.engine.memcpy import copy_segments
+from tapc.engine.runner_v2 import V2Adapter
 from tapc.planner import build_plan
+from tapc.session import TapSession
 from tapc.tree import ModuleTree, Node, SourceOp
 
 HIDDEN, INTER, LAYERS, VOCAB = 16, 24, 3, 50
@@ -124,14 +128,12 @@ class ToyBuffers:
         self.logit_params = ParamTables(layout.logit_edits, slots, torch.device("cpu"))
         self.logit_rows = torch.full((len(layout.logit_edits), slots), -1, dtype=torch.int32)
         self._host = np.empty((layout.num_tables, rows), dtype=np.int32)
-        self.uploads = 0
 
     def host_table(self, padded):
         return self._host[:, :padded]
 
     def upload(self, padded):
         self.table[:, :padded] = torch.from_numpy(self._host[:, :padded].copy())
-        self.uploads += 1
 
     def reset(self):
         self.table.fill_(-1)
@@ -193,7 +195,7 @@ class Req:
     rid: str
     prompt: list[int]
     max_tokens: int
-    wire: dict | None = None
+    wire: WireRequest | None = None
     arrive: int = 0
     preempt_at: int | None = None   # preempted (recomputed from 0) once, at this step
     tokens: list[int] = field(default_factory=list)
@@ -223,7 +225,8 @@ def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
                 continue
             if r.rid not in added:
                 new.append(NS(req_id=r.rid, prompt_token_ids=list(r.prompt),
-                              sampling_params=NS(extra_args=None if r.wire is None else {"tapc": r.wire},
+                              sampling_params=NS(extra_args=None if r.wire is None else
+                                                 {"tapc": over_the_wire(r.wire.to_wire())},
                                                  max_tokens=r.max_tokens)))
                 added.add(r.rid)
             n = min(len(r.tokens) - r.computed, left)
@@ -250,7 +253,7 @@ def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
 
 def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8):
     from tapc.engine.install import install
-    from tapc.engine.tables import Layout
+    from tapc.engine.layout import Layout
 
     from tapc.engine import patches
     from tapc.engine.points import EnginePoints
@@ -262,9 +265,34 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8):
     # as the worker does
     points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
     # Small arena segments, so a run spans several files and reuses freed space.
-    hooks = RunnerHooks(runner, layout, buffers, slots, Arena(segment_bytes=4096), points)
-    patches.apply(runner, hooks, points)
+    hooks = RunnerHooks(layout, buffers, slots, Arena(segment_bytes=4096), points)
+    patches.apply(runner, V2Adapter(runner, hooks), points)
     return runner, hooks
+
+
+def over_the_wire(message):
+    """`message` after a trip through msgpack, as vLLM sends SamplingParams to the engine core
+    and collective_rpc replies back (no pickle: only plain data survives)."""
+    import msgspec
+
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(message))
+
+
+def wire_for(plan, ask: TapRequest | None, tid: str) -> WireRequest | None:
+    """What the API submits for `ask`, under tapc id `tid` (None: untapped)."""
+    return None if ask is None else WireRequest(tid, check(plan, ask, tid))
+
+
+def collect(hooks, reqs: list[Req], session: TapSession) -> dict[str, NS]:
+    """The tapped requests' outputs as `VLLM.generate` returns them: collected from the
+    worker, over the wire, finished by the API's session (`TapSession(plan)`). By request id."""
+    tapped = [r for r in reqs if r.wire is not None]
+    got = session.results(over_the_wire(hooks.collect([r.wire.id for r in tapped]).to_wire()))
+    outs = {}
+    for r in tapped:
+        outs[r.rid] = output_of(r)
+        session.finish(outs[r.rid], r.wire, got[r.wire.id])
+    return outs
 
 
 def output_of(req: Req):
@@ -284,28 +312,25 @@ class ToyLLM:
 
     def generate(self, prompts, params, **kwargs):
         self.submitted = params
+        wires = [(sp.extra_args or {}).get("tapc") for sp in params]
         reqs = [Req(f"r{self.served + i}", p["prompt_token_ids"], sp.max_tokens,
-                    (sp.extra_args or {}).get("tapc")) for i, (p, sp) in enumerate(zip(prompts, params))]
+                    None if w is None else WireRequest.from_wire(w)) for i, (p, sp, w) in enumerate(zip(prompts, params, wires))]
         self.served += len(reqs)
         run(self.runner, reqs, self.budget)
         return [output_of(r) for r in reqs]
 
     def collective_rpc(self, method, args=()):
-        worker = {"tapc_collect": self.hooks.collect, "tapc_release": self.hooks.release}
-        return [worker[method](*args)]
+        worker = {"tapc_collect": lambda ids: self.hooks.collect(ids).to_wire(), "tapc_release": self.hooks.release}
+        return [over_the_wire(worker[method](*args))]
 
 
 def toy_vllm(taps: list[str], params: dict | None = None):
     """A `tapc.VLLM` over the toy engine (the API's own request handling and assembly), and
     the worker's hooks."""
     from tapc.api import VLLM
-    from tapc.engine.arena import ArenaReader
 
     plan = toy_plan(taps)
     runner, hooks = hooks_for(plan, ToyModel())
     llm = VLLM.__new__(VLLM)
-    llm.plan = plan
-    llm._set_params(params)
-    llm.block_names, llm.blocks = set(), {}
-    llm._arena, llm.llm = ArenaReader(), ToyLLM(runner, hooks)
+    llm.plan, llm.session, llm.llm = plan, TapSession(plan, params), ToyLLM(runner, hooks)
     return llm, hooks

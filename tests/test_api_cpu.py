@@ -8,6 +8,7 @@ from engine_toy import HIDDEN, toy_vllm
 from safetensors.torch import save_file
 
 from tapc.api import VLLM
+from tapc.engine.protocol import WireRequest
 from tapc.engine.requests import TapRequest
 from tapc.errors import RequestError
 
@@ -15,11 +16,11 @@ from tapc.errors import RequestError
 def test_engine_params_are_defaults_a_request_overrides():
     v, w = np.ones(HIDDEN), np.full(HIDDEN, 2.0)
     llm = toy_vllm(["model.layers.1.resid | add(steer, alpha=a)"], {"steer": v, "a": 3.0})[0]
-    merged = llm._with_defaults(None)
+    merged = llm.session.with_defaults(None)
     assert merged.params["a"] == 3.0 and merged.params["steer"] is v
-    own = llm._with_defaults(TapRequest(capture=(), params={"steer": w}))
+    own = llm.session.with_defaults(TapRequest(capture=(), params={"steer": w}))
     assert own.params["steer"] is w and own.params["a"] == 3.0
-    assert toy_vllm(["model.layers.1.resid"])[0]._with_defaults(None) is None
+    assert toy_vllm(["model.layers.1.resid"])[0].session.with_defaults(None) is None
 
 
 def test_bad_engine_params_fail_at_construction():
@@ -62,9 +63,9 @@ def test_a_shared_request_gets_one_id_per_prompt_and_the_callers_params_stay_unt
     llm.generate([{"prompt_token_ids": [1, 2]}] * 4 + [{"prompt_token_ids": [3]}], sp,
                  taps=[ask] * 4 + [None])
     sent = llm.llm.submitted
-    wires = [p.extra_args["tapc"] for p in sent[:4]]
-    assert len({w["id"] for w in wires}) == 4
-    assert all(w["capture"] == ["model.layers.2.resid"] and p.extra_args["mine"] == 1 for w, p in zip(wires, sent))
+    wires = [WireRequest.from_wire(p.extra_args["tapc"]) for p in sent[:4]]
+    assert len({w.id for w in wires}) == 4
+    assert all(w.ask.capture == ("model.layers.2.resid",) and p.extra_args["mine"] == 1 for w, p in zip(wires, sent))
     assert sent[4] is sp and sp.extra_args == {"mine": 1}, "untapped requests and the caller's object unchanged"
 
 
@@ -76,3 +77,26 @@ def test_a_bad_request_among_shared_ones_fails_before_anything_is_submitted():
     with pytest.raises(RequestError, match="request 3: .*model.layers.9.resid"):
         llm.generate([{"prompt_token_ids": [1]}] * 5, SamplingParams(max_tokens=2), taps=[good] * 3 + [bad, good])
     assert llm.llm.submitted is None
+
+
+def test_engine_blocks_the_plan_does_not_run_are_refused():
+    from engine_toy import toy_plan
+
+    from tapc.errors import EngineError
+    from tapc.session import TapSession
+
+    with pytest.raises(EngineError, match="blocks= names prob, which no tap of the plan runs .*blocks: probe"):
+        TapSession(toy_plan(["model.layers.0.resid -> probe"]), blocks={"prob"})
+
+
+def test_generate_refuses_what_it_cannot_tap_before_submitting():
+    from vllm import SamplingParams
+
+    llm, _ = toy_vllm(["model.layers.*.resid"])
+    one = [{"prompt_token_ids": [1, 2]}]
+    with pytest.raises(RequestError, match="request 0: taps with n=2 samples per prompt are not supported"):
+        llm.generate(one, SamplingParams(n=2, max_tokens=2), taps=TapRequest(capture="*"))
+    with pytest.raises(RequestError, match="2 prompts but 1 sampling params and 2 tap requests"):
+        llm.generate(one * 2, [SamplingParams(max_tokens=2)], taps=TapRequest(capture="*"))
+    assert llm.llm.submitted is None
+    llm.generate(one, SamplingParams(n=2, max_tokens=2))   # untapped: vLLM's own n is fine

@@ -7,29 +7,21 @@ the toy model run on each request's tokens alone.
 import numpy as np
 import pytest
 import torch
-from engine_toy import HIDDEN, Req, ToyModel, hooks_for, output_of, run, toy_plan
+from engine_toy import HIDDEN, Req, ToyModel, collect, hooks_for, run, toy_plan, wire_for
 
-from tapc.api import _assemble, _attach_points
-from tapc.engine.arena import ArenaReader
-from tapc.engine.requests import TapRequest, to_wire
+from tapc.engine.requests import TapRequest, check
 from tapc.errors import RequestError
+from tapc.session import TapSession
 
 
 def requests(plan, asks, seed=0):
     rng = np.random.default_rng(seed)
-    return [Req(rid, rng.integers(0, 50, plen).tolist(), max_tokens, to_wire(plan, ask, rid), arrive)
+    return [Req(rid, rng.integers(0, 50, plen).tolist(), max_tokens, wire_for(plan, ask, rid), arrive)
             for rid, plen, max_tokens, arrive, ask in asks]
 
 
-def results(hooks, reqs):
-    got = hooks.collect([r.wire["id"] for r in reqs])
-    outs = {}
-    for r in reqs:
-        out = output_of(r)
-        out.taps = _assemble(out, r.wire, got[r.wire["id"]], ArenaReader())
-        _attach_points(out, got[r.wire["id"]])
-        outs[r.rid] = out
-    return outs
+def results(plan, hooks, reqs):
+    return collect(hooks, reqs, TapSession(plan))
 
 
 def recorder(ctx, x):
@@ -49,7 +41,7 @@ def test_block_sees_what_the_in_graph_capture_sees(compiled):
     reqs = requests(plan, [("a", 3, 4, 0, TapRequest(capture="*")), ("b", 21, 3, 1, TapRequest(capture="*")),
                            ("c", 6, 5, 2, TapRequest(capture="*"))])
     run(runner, reqs, budget=16)   # b's 21-token prompt is split over two steps
-    outs = results(hooks, reqs)
+    outs = results(plan, hooks, reqs)
     for r in reqs:
         out = outs[r.rid]
         assert out.error is None
@@ -79,7 +71,7 @@ def test_block_edit_equals_in_graph_edit():
             hooks.points.runtime.register(blocks)
         reqs = requests(plan, [a[:4] + (ask(plan),) for a in asks])
         run(runner, reqs, budget=64)
-        return results(hooks, reqs)
+        return results(plan, hooks, reqs)
 
     in_graph = outputs(["model.layers.1.resid | add(steer, alpha=2.0)", "model.layers.2.resid"],
                        lambda plan: TapRequest(capture="*", params={"steer": v}))
@@ -106,7 +98,7 @@ def test_a_raising_block_fails_its_request_and_the_others_go_on():
             for i, rid in enumerate(("a", "bad", "c", "d"))]
     reqs = requests(plan, asks)
     run(runner, reqs, budget=64)
-    outs = results(hooks, reqs)
+    outs = results(plan, hooks, reqs)
     assert isinstance(outs["bad"].error, Probe) and "bad rows in bad" in str(outs["bad"].error)
     assert "in tapc block `probe` at model.layers.0.resid" in outs["bad"].error.__notes__[0]
     reference = ToyModel()
@@ -122,15 +114,14 @@ def test_a_raising_block_fails_its_request_and_the_others_go_on():
 
 
 def test_requests_must_have_every_block():
-    from tapc.api import VLLM
-
-    llm = VLLM.__new__(VLLM)  # the checks only, no engine
-    llm.plan = toy_plan(["model.layers.0.resid -> probe"])
-    llm.block_names, llm.blocks = {"probe"}, {}
+    plan = toy_plan(["model.layers.0.resid -> probe"])
+    session = TapSession(plan)   # the engine registers no block
     with pytest.raises(RequestError, match="request 0: the plan runs block\\(s\\) probe, but neither"):
-        llm._check_blocks(TapRequest(), "request 0")
-    llm._check_blocks(TapRequest(blocks={"probe": print}), "request 0")
+        session.check(TapRequest(), "request 0")
+    assert session.check(TapRequest(blocks={"probe": print}), "request 0").blocks is not None
+    # Blocks run for every request: one without taps still travels with an (empty) ask.
+    assert TapSession(plan, blocks={"probe"}).check(None, "request 0").empty
     with pytest.raises(RequestError, match="block 'prob' is not named by any tap"):
-        to_wire(llm.plan, TapRequest(blocks={"prob": print}), "request 0")
+        check(plan, TapRequest(blocks={"prob": print}), "request 0")
     with pytest.raises(RequestError, match="must be a function"):
-        to_wire(llm.plan, TapRequest(blocks={"probe": 3}), "request 0")
+        check(plan, TapRequest(blocks={"probe": 3}), "request 0")

@@ -150,3 +150,32 @@ def test_forced_sample_is_returned_and_fed_back(engine):
     fed = outs[0].taps["model.layers.1.resid"][P:P + 1]
     as_prompt = outs[1].taps["model.layers.1.resid"][P:P + 1]
     assert_matches(fed, as_prompt.float(), "forced token's activation")
+
+
+def structured(ctx, x):
+    ctx.save("step", (ctx.positions.start, ctx.positions.stop, x[:, :4].clone()))
+    ctx.save("meta", {"dtype": str(x.dtype), "rows": x.shape[0], "prompt": ctx.is_prompt})
+
+
+def missing_key(ctx, x):
+    if ctx.step == 1:
+        raise KeyError(f"no key at {ctx.positions.start}")
+
+
+def test_saved_values_and_errors_cross_the_process_boundary_without_pickle(engine):
+    """Through the engine core's msgpack: tuples stay tuples, bf16 GPU tensors come back as CPU
+    tensors of their rows, dicts as dicts; a builtin exception is itself again, with its args."""
+    from tapc.api import TapRequest
+
+    outs = engine.generate(same_prompt(2, 5, length=9), greedy(2, 4),
+                           taps=[TapRequest(blocks={"edit": structured}), TapRequest(blocks={"edit": missing_key})])
+    ok, bad = outs
+    assert ok.error is None and all(isinstance(s, tuple) for s in ok.saved["step"])
+    starts = [s[0] for s in ok.saved["step"]]
+    stops = [s[1] for s in ok.saved["step"]]
+    assert starts[0] == 0 and starts[1:] == stops[:-1] and stops[-1] >= 9 + 4 - 1
+    for (start, stop, rows), meta in zip(ok.saved["step"], ok.saved["meta"]):
+        assert rows.device.type == "cpu" and rows.dtype == torch.bfloat16 and rows.shape == (stop - start, 4)
+        assert meta == {"dtype": "torch.bfloat16", "rows": stop - start, "prompt": stop <= 9}
+    assert type(bad.error) is KeyError and bad.error.args == ("no key at 9",)
+    assert "in tapc block `edit` at model.layers.2.output[0]" in bad.error.__notes__[0]

@@ -10,11 +10,12 @@ import gc
 import numpy as np
 import pytest
 import torch
-from engine_toy import Req, ToyModel, hooks_for, output_of, run, toy_plan
+from engine_toy import Req, ToyModel, collect, hooks_for, run, toy_plan, wire_for
 
-from tapc.api import _assemble
 from tapc.engine.arena import Arena, ArenaReader
-from tapc.engine.requests import TapRequest, to_wire
+from tapc.engine.requests import TapRequest
+from tapc.errors import RequestError
+from tapc.session import TapSession
 
 
 def test_another_process_reads_what_the_worker_wrote():
@@ -51,24 +52,26 @@ def test_full_shm_is_a_clear_request_error(monkeypatch):
     monkeypatch.setattr(os, "posix_fallocate", full)
     plan = toy_plan(["model.layers.*.resid"])
     runner, hooks = hooks_for(plan, ToyModel())
-    wire = to_wire(plan, TapRequest(capture="*"), "r")
-    run(runner, [Req("r", np.arange(6).tolist(), 3, wire)], budget=64)
-    error = hooks.collect([wire["id"]])[wire["id"]]["error"]
-    assert "no room for its captures" in error and "--shm-size" in error
+    req = Req("r", np.arange(6).tolist(), 3, wire_for(plan, TapRequest(capture="*"), "r"))
+    run(runner, [req], budget=64)
+    error = collect(hooks, [req], TapSession(plan))["r"].error
+    assert isinstance(error, RequestError) and "no room for its captures" in str(error) and "--shm-size" in str(error)
     assert not os.listdir("/dev/shm") or not any(f.startswith(hooks.arena.prefix) for f in os.listdir("/dev/shm"))
 
 
 def test_captures_are_views_freed_only_when_the_caller_drops_them():
     plan = toy_plan(["model.layers.*.resid"])
     runner, hooks = hooks_for(plan, ToyModel())
-    reader = ArenaReader()
+    session = TapSession(plan)
+    reader = session.arena
     rng = np.random.default_rng(5)
 
     def serve(rid: str, max_tokens: int, positions="all") -> dict[str, torch.Tensor]:
-        wire = to_wire(plan, TapRequest(capture="*", positions=positions), rid)
-        req = Req(rid, rng.integers(0, 50, 6).tolist(), max_tokens, wire)
+        req = Req(rid, rng.integers(0, 50, 6).tolist(), max_tokens,
+                  wire_for(plan, TapRequest(capture="*", positions=positions), rid))
         run(runner, [req], budget=64)
-        return _assemble(output_of(req), wire, hooks.collect([wire["id"]])[wire["id"]], reader)
+        out = collect(hooks, [req], session)[rid]
+        return dict(out.taps)
 
     first = serve("a", 3)
     kept = {k: v.clone() for k, v in first.items()}

@@ -9,12 +9,13 @@ import gc
 import numpy as np
 import pytest
 import torch
-from engine_toy import HIDDEN, LAYERS, Req, ToyModel, hooks_for, output_of, run, toy_plan, toy_vllm
+from engine_toy import HIDDEN, LAYERS, Req, ToyModel, collect, hooks_for, run, toy_plan, toy_vllm, wire_for
 
-from tapc.api import _assemble
-from tapc.engine.arena import ArenaReader
-from tapc.engine.requests import TapRequest, select, to_wire
+from tapc.engine.positions import select
+from tapc.engine.protocol import Ask, WireRequest
+from tapc.engine.requests import TapRequest
 from tapc.errors import RequestError
+from tapc.session import TapSession
 
 
 def reference(req: Req, keys: list[str], edits=()) -> dict[str, torch.Tensor]:
@@ -76,7 +77,7 @@ def make_requests(plan):
     rng = np.random.default_rng(0)
     reqs = []
     for rid, plen, max_tokens, arrive, preempt, ask in asks:
-        wire = None if ask is None else to_wire(plan, ask, rid)
+        wire = wire_for(plan, ask, rid)
         reqs.append(Req(rid, rng.integers(0, 50, plen).tolist(), max_tokens, wire, arrive, preempt))
     return reqs
 
@@ -92,12 +93,13 @@ def test_captures_equal_reference_under_continuous_batching(compiled):
         runner.model = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
     reqs = make_requests(plan)
     run(runner, reqs, budget=16)
-    tapped = [r for r in reqs if r.wire is not None]
-    got = hooks.collect([r.wire["id"] for r in tapped])
-    for r in tapped:
-        taps = _assemble(output_of(r), r.wire, got[r.wire["id"]], ArenaReader())
-        assert sorted(taps) == sorted(r.wire["capture"])
-        check(r, taps, r.wire["positions"])
+    outs = collect(hooks, reqs, TapSession(plan))
+    assert sorted(outs) == [r.rid for r in reqs if r.wire is not None]
+    for r in reqs:
+        if r.wire is not None:
+            out = outs[r.rid]
+            assert out.error is None and sorted(out.taps) == sorted(r.wire.ask.capture)
+            check(r, dict(out.taps), r.wire.ask.positions)
     assert not hooks.by_id and not hooks.records
 
 
@@ -114,16 +116,15 @@ def test_steering_per_request_and_untouched_others():
     asks = {"s1": {"steer": v1}, "s2": {"steer": v2}, "plain": {}, "gen": {"late": v3}}
     reqs = []
     for i, (rid, params) in enumerate(asks.items()):
-        wire = to_wire(plan, TapRequest(capture="*", params=params), rid)
+        wire = wire_for(plan, TapRequest(capture="*", params=params), rid)
         reqs.append(Req(rid, rng.integers(0, 50, 6 + 3 * i).tolist(), 4, wire))
     run(runner, reqs, budget=64)
-    got = hooks.collect([r.wire["id"] for r in reqs])
+    outs = collect(hooks, reqs, TapSession(plan))
     edits = {"s1": [(1, v1, 2.0, "all")], "s2": [(1, v2, 2.0, "all")], "plain": [], "gen": [(1, v3, -1.5, "generated")]}
     for r in reqs:
-        taps = _assemble(output_of(r), r.wire, got[r.wire["id"]], ArenaReader())
-        check(r, taps, "all", edits[r.rid])
+        check(r, dict(outs[r.rid].taps), "all", edits[r.rid])
     # The steering reached the layers after it, and the plain request is the unsteered model.
-    s1 = _assemble(output_of(reqs[0]), reqs[0].wire, got[reqs[0].wire["id"]], ArenaReader())
+    s1 = outs["s1"].taps
     assert not torch.allclose(s1[f"model.layers.{LAYERS - 1}.resid"],
                               reference(reqs[0], [f"model.layers.{LAYERS - 1}.resid"])[f"model.layers.{LAYERS - 1}.resid"])
     assert sorted(hooks.slots.free) == list(range(8)), "every parameter slot is back"
@@ -133,11 +134,10 @@ def test_parameterless_edit_applies_to_every_request():
     plan = toy_plan(["model.layers.0.resid | scale(0.5, at=prompt)", "model.layers.2.resid"])
     runner, hooks = hooks_for(plan, ToyModel())
     rng = np.random.default_rng(2)
-    reqs = [Req("x", rng.integers(0, 50, 5).tolist(), 3, to_wire(plan, TapRequest(capture="*"), "x")),
+    reqs = [Req("x", rng.integers(0, 50, 5).tolist(), 3, wire_for(plan, TapRequest(capture="*"), "x")),
             Req("y", rng.integers(0, 50, 8).tolist(), 3, None)]
     run(runner, reqs, budget=64)
-    got = hooks.collect([reqs[0].wire["id"]])
-    taps = _assemble(output_of(reqs[0]), reqs[0].wire, got[reqs[0].wire["id"]], ArenaReader())
+    taps = collect(hooks, reqs, TapSession(plan))["x"].taps
     # scale(0.5) of the residual stream, hand-made: add -0.5 * (h + r) on prompt rows.
     ref_model = ToyModel()
     toks = reqs[0].tokens[:-1]
@@ -161,31 +161,42 @@ def test_dummy_runs_see_tables_that_own_no_rows():
     reqs[0].max_tokens = 50
     run(runner, [reqs[1]], budget=64)
     hooks.buffers.table.fill_(7)
-    hooks.execute_model(_empty(), dummy_run=True)
+    runner.execute_model(_empty(), dummy_run=True)
     assert (hooks.buffers.table == -1).all()
 
 
-def test_untapped_batches_upload_tables_but_copy_nothing():
+def test_untapped_batches_own_no_rows_and_copy_nothing():
+    """After a capturing request, untapped steps see tables that own no row (nothing stale from
+    the earlier step) and write no pool row."""
     plan = toy_plan(TAPS)
     runner, hooks = hooks_for(plan, ToyModel())
     rng = np.random.default_rng(3)
+    tapped = Req("t", rng.integers(0, 50, 9).tolist(), 2, wire_for(plan, TapRequest(capture="*"), "t"))
+    run(runner, [tapped], budget=64)
+    assert (hooks.buffers.table >= 0).any()
+    collect(hooks, [tapped], TapSession(plan))
+    for p in hooks.buffers.pools:
+        p.fill_(0)
     run(runner, [Req("u", rng.integers(0, 50, 9).tolist(), 3, None)], budget=64)
-    assert hooks.buffers.uploads == 3 and not hooks.by_id
+    assert not hooks.by_id and not hooks.records
+    assert (hooks.buffers.table == -1).all(), "the step's tables own no row"
     assert all((p == 0).all() for p in hooks.buffers.pools), "no pool row written"
 
 
 def test_worker_side_request_error_is_reported_at_collect():
     plan = toy_plan(TAPS)
     runner, hooks = hooks_for(plan, ToyModel())
-    wire = to_wire(plan, TapRequest(capture="*"), "r")
-    wire["capture"] = ["model.layers.9.resid"]  # as if sent by something other than the API
+    # As if sent by something other than the API: a capture the plan does not have.
+    wire = WireRequest("t-bad", Ask(capture=("model.layers.9.resid",)))
     rng = np.random.default_rng(4)
-    req = Req("bad", rng.integers(0, 50, 4).tolist(), 2, wire)
-    run(runner, [req], budget=64)
-    result = hooks.collect([wire["id"]])[wire["id"]]
-    assert "model.layers.9.resid" in result["error"]
-    with pytest.raises(RequestError, match="not in this engine's plan"):
-        _assemble(output_of(req), wire, result, ArenaReader())
+    good = Req("good", rng.integers(0, 50, 5).tolist(), 2, wire_for(plan, TapRequest(capture="*"), "t-good"))
+    reqs = [Req("bad", rng.integers(0, 50, 4).tolist(), 2, wire), good]
+    run(runner, reqs, budget=64)
+    outs = collect(hooks, reqs, TapSession(plan))
+    assert isinstance(outs["bad"].error, RequestError)
+    assert "capture 'model.layers.9.resid' is not in this engine's plan" in str(outs["bad"].error)
+    assert outs["good"].error is None
+    check(good, dict(outs["good"].taps), "all")
 
 
 def test_a_request_failing_while_it_runs_fails_alone(no_room_past_8k):
@@ -229,12 +240,12 @@ def test_a_capture_that_cannot_grow_fails_its_request_alone(no_room_past_8k, mon
     from vllm import SamplingParams
 
     from tapc.api import TapRequest
-    from tapc.engine import tables
+    from tapc.engine import records
 
     llm, hooks = toy_vllm(TAPS)
     # The first allocation sized for 2 rows: the 20-token prompt must grow by 64 rows (20 kB).
-    real = tables.expected_rows
-    monkeypatch.setattr(tables, "expected_rows", lambda at, plen, gen: 2 if plen == 20 else real(at, plen, gen))
+    real = records.expected_rows
+    monkeypatch.setattr(records, "expected_rows", lambda at, plen, gen: 2 if plen == 20 else real(at, plen, gen))
     rng = np.random.default_rng(6)
     prompts = [{"prompt_token_ids": rng.integers(0, 50, n).tolist()} for n in (20, 6)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=4), taps=TapRequest(capture="*"))
@@ -253,3 +264,36 @@ def _empty():
     from types import SimpleNamespace as NS
 
     return NS(scheduled_new_reqs=[], finished_req_ids=set(), preempted_req_ids=set(), num_scheduled_tokens={})
+
+
+def test_session_pieces_serve_requests_one_at_a_time():
+    """The steps an async engine or a server route takes with the session, per request: each
+    prepared on its own, submitted together, collected and finished separately in another
+    order; a cancelled one collected and discarded. Every chunk goes back in the end."""
+    from vllm import SamplingParams
+
+    llm, hooks = toy_vllm(TAPS)
+    session, engine = llm.session, llm.llm
+    rng = np.random.default_rng(7)
+    asks = [TapRequest(capture="*"), TapRequest(capture="model.layers.1.resid", positions="prompt"), None,
+            TapRequest(capture="*")]
+    prepared = [session.prepare(SamplingParams(max_tokens=3 + i), session.check(ask, f"request {i}"), f"request {i}")
+                for i, ask in enumerate(asks)]
+    assert prepared[2].wire is None and len({p.id for p in prepared}) == 4
+    outs = engine.generate([{"prompt_token_ids": rng.integers(0, 50, n).tolist()} for n in (5, 9, 4, 6)],
+                           [p.params for p in prepared])
+    cancelled = prepared.pop()
+    reply = engine.collective_rpc("tapc_collect", args=(session.wanted([cancelled]),))[0]
+    session.discard(session.results(reply)[cancelled.id])
+    for out, p in reversed(list(zip(outs, prepared))):
+        reply = engine.collective_rpc("tapc_collect", args=(session.wanted([p]),))[0] if p.wire else None
+        session.finish(out, p.wire, None if reply is None else session.results(reply).get(p.id))
+        assert out.error is None
+        if p.wire is not None:
+            req = Req(out.request_id, out.prompt_token_ids, 0, tokens=out.prompt_token_ids + out.outputs[0].token_ids)
+            check(req, dict(out.taps), p.wire.ask.positions)
+    assert outs[2].taps == {} and not hooks.by_id and not hooks.records
+    del outs, out
+    gc.collect()
+    llm._give_back()
+    assert not hooks.arena.held, "the cancelled request's chunks and the dropped captures are back"

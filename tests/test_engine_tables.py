@@ -1,12 +1,21 @@
-"""Row tables, host storage, request checks and engine arguments: every error with its words."""
+"""The step fill and host storage against a reference; request checks and engine arguments:
+every error with its words."""
 import numpy as np
 import pytest
 import torch
 from engine_toy import HIDDEN, toy_plan
 
 from tapc.engine.config import WORKER, engine_kwargs
-from tapc.engine.requests import TapRequest, select, to_wire
-from tapc.engine.tables import Layout, Record, Slots, Store, expected_rows, fill_step
+from tapc.engine.fill import fill_step
+from tapc.engine.layout import Layout
+from tapc.engine.memcpy import copy_segments
+from tapc.engine.positions import expected_rows, select
+from tapc.engine.protocol import WireRequest
+from tapc.engine.records import Record
+from tapc.engine.requests import TapRequest, check
+from tapc.engine.slots import Slots
+from tapc.engine.step import StepBatch
+from tapc.engine.storage import Store
 from tapc.errors import EngineError, RequestError
 
 PLAN_TAPS = ["model.layers.*.resid", "model.layers.1.mlp.up_proj.output",
@@ -33,48 +42,109 @@ def test_expected_rows(positions, rows):
     assert expected_rows(positions, 5, 3) == rows
 
 
-def test_fill_lays_each_request_block_out_position_major():
-    plan = toy_plan(PLAN_TAPS)
+def device_step(layout: Layout, table: np.ndarray, padded: int, pools: list[torch.Tensor],
+                acts: list[torch.Tensor]) -> None:
+    """What the capture ops do with a filled table in a forward of `padded` rows: capture c puts
+    row r of its activation at row table[c, r] of its group's pool (kernels/capture.py); -1
+    skips the row."""
+    for c in range(len(layout.captures)):
+        rows = np.flatnonzero(table[c, :padded] >= 0)
+        pools[int(layout.cap_group[c])][torch.from_numpy(table[c, rows].astype(np.int64))] = acts[c][rows]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_the_rows_at_covers(seed):
+    """Random requests (capture subsets, positions, bound parameters, untapped ones) over
+    random steps (chunked prefill, decode, batch order shuffled, padding): each request's host
+    storage ends with the activations of its selected positions, in order, each once; and in
+    every step an edit's table names the request's slot on exactly the rows its `at` covers,
+    for the requests that bind it (every request for a literal edit), and nothing else."""
+    rng = np.random.default_rng(seed)
+    plan = toy_plan(PLAN_TAPS, rows=256)
     layout = Layout(plan)
-    assert [len(g.caps) for g in layout.groups] == [3, 1], "resid (16 wide) and up_proj (24 wide)"
-    wire = to_wire(plan, TapRequest(capture=["model.layers.0.resid", "model.layers.2.resid",
-                                             "model.layers.1.mlp.up_proj.output"], params={"steer": [0.0] * HIDDEN,
-                                                                                           "a": 1.0}), "r")
-    rec = Record(layout, "rid", wire, prompt_len=4, max_tokens=3, alloc=cpu_alloc)
-    assert [st.first for st in rec.stores] == [7, 7], "4 + 3 - 1 rows, and one for a step past the end"
-    rec.slot = 5
-    table = np.zeros((layout.num_tables, 16), dtype=np.int32)
-    # Batch: an untapped decode row, then rows 1..3 of our request (positions 2..4), padding to 8.
-    segs, used = fill_step(layout, table, {"rid": rec}, ["other", "rid"], np.array([0, 1, 4]),
-                           np.array([9, 2]), np.array([3, 4]), padded=8)
-    assert used == [6, 3]
-    resid = layout.groups[0].caps
-    assert table[resid[0], :8].tolist() == [-1, 0, 2, 4, -1, -1, -1, -1]
-    assert table[resid[2], :8].tolist() == [-1, 1, 3, 5, -1, -1, -1, -1]
-    assert (table[resid[1], :8] == -1).all(), "layer 1's resid was not asked for"
-    assert table[layout.edit_row(0), :8].tolist() == [-1, 5, 5, 5, -1, -1, -1, -1]
-    assert table[layout.edit_row(1), :8].tolist() == [0, 0, 0, 0, -1, -1, -1, -1], "set() without parameters"
-    assert (table[layout.edit_row(2), :8] == -1).all(), "zero(cols) is not bound by the request"
-    assert [(s.store.group, s.start, s.rows) for s in segs] == [(0, 0, 3), (1, 0, 3)]
-    assert (table[:, 8:] == 0).all(), "past the padded rows the table is not touched"
+    keys = [t.key for t in layout.captures]
+    slots = Slots(8)
+    reqs = []
+    for i in range(6):
+        plen, gen = int(rng.integers(1, 20)), int(rng.integers(1, 6))
+        untapped = i == 5
+        capture = [] if untapped else list(rng.choice(keys, size=int(rng.integers(0, len(keys) + 1)), replace=False))
+        positions = [str(p) for p in ("all", "prompt", "generated", "last")] + ["list"]
+        at = positions[int(rng.integers(0, len(positions)))]
+        at = sorted(rng.choice(plen + gen, size=3, replace=False).tolist()) if at == "list" else at
+        params = {}
+        if rng.random() < 0.5:
+            params.update(steer=rng.standard_normal(HIDDEN), a=1.0)
+        if rng.random() < 0.5:
+            params.update(cols=[1, 3])
+        rec = None
+        if not untapped:
+            wire = WireRequest(f"t{i}", check(plan, TapRequest(capture=capture, positions=at, params=params), f"r{i}"))
+            rec = Record(layout, f"r{i}", wire, plen, gen, cpu_alloc)
+            rec.slot = slots.take() if rec.edits else -1
+        reqs.append(dict(rid=f"r{i}", plen=plen, total=plen + gen - 1, done=0, rec=rec, seen={}, capture=capture))
+    records = {r["rid"]: r["rec"] for r in reqs if r["rec"] is not None}
+    table = np.zeros((layout.num_tables, 256), dtype=np.int32)
+    pools = [torch.zeros(len(g.caps) * 256, g.width) for g in layout.groups]
+    while any(r["done"] < r["total"] for r in reqs):
+        live = [r for r in reqs if r["done"] < r["total"]]
+        live = [live[k] for k in rng.permutation(len(live))]
+        counts = [min(int(rng.integers(1, 8)), r["total"] - r["done"]) for r in live]
+        qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        padded = -(-int(qsl[-1]) // 8) * 8 + 8 * int(rng.integers(0, 2))
+        batch = StepBatch([r["rid"] for r in live], qsl, np.array([r["done"] for r in live], dtype=np.int32),
+                          np.array([r["plen"] for r in live], dtype=np.int32), padded)
+        table[:] = 7   # stale values from an earlier step
+        segments, _ = fill_step(layout, table, records, batch)
+        acts = [torch.randn(256, t.width, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
+                for t in layout.captures]
+        device_step(layout, table, padded, pools, acts)
+        copy_segments(segments, pools)
+        for e, tap in enumerate(layout.edits):
+            want = np.full(padded, -1)
+            for i, r in enumerate(live):
+                rec = r["rec"]
+                slot = 0 if e in layout.always else (rec.slot if rec is not None and e in rec.edits else -1)
+                pos = np.arange(r["done"], r["done"] + counts[i])
+                rows = np.arange(qsl[i], qsl[i + 1])[select(layout.edit_at[e], pos, r["plen"])]
+                want[rows] = slot
+            assert table[layout.edit_row(e), :padded].tolist() == want.tolist(), f"`{tap.source}`"
+        for i, r in enumerate(live):
+            for k in range(counts[i]):
+                r["seen"].setdefault(r["done"] + k, [a[qsl[i] + k] for a in acts])
+            r["done"] += counts[i]
+        assert (table[:len(layout.captures), qsl[-1]:padded] == -1).all(), "padding is never captured"
+    checked = 0
+    for r in reqs:
+        rec = r["rec"]
+        if rec is None:
+            continue
+        assert sorted(layout.captures[c].key for st in rec.stores for c in st.caps) == sorted(r["capture"])
+        pos = np.arange(r["total"])
+        chosen = pos[select(rec.positions, pos, r["plen"])]
+        for st in rec.stores:
+            got = torch.cat([chunk[:n] for chunk, n in st.filled()])
+            want = torch.stack([torch.stack([r["seen"][p][c] for c in st.caps]) for p in chosen.tolist()]) \
+                if chosen.size else got[:0]
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{r['rid']} group {st.group}: {m}")
+            checked += got.shape[0]
+    assert checked, "the scenario captured something"
 
 
-def test_store_grows_and_splits_a_block_over_chunks():
+def test_store_keeps_rows_in_order_when_it_grows_past_its_first_chunk():
     st = Store(0, np.array([0, 1]), 3, torch.float32, cpu_alloc, first=10)
-    rows = torch.arange(80 * 2 * 3, dtype=torch.float32).view(80, 2, 3)   # row r of the request
+    rows = torch.randn(80, 2, 3, generator=torch.Generator().manual_seed(0))   # row r of the request
     done = 0
-    # Views are flat, `[rows * 2 captures, width]`.
-    for n, shapes in [(6, [12]), (6, [8, 4]), (3, [6]), (0, [0])]:
+    for n in (6, 6, 3, 0, 17):
         views = st.reserve(n)
-        assert [v.shape[0] for v in views] == shapes
         src = rows[done: done + n].reshape(-1, 3)
+        assert sum(v.shape[0] for v in views) == src.shape[0]
         for v in views:
             v.copy_(src[: v.shape[0]])
             src = src[v.shape[0]:]
         done += n
-    assert [c.shape[0] for c in st.chunks] == [10, 64], "10 rows in the first chunk, the rest in a new one"
-    assert [n for _, n in st.filled()] == [10, 5]
-    assert torch.equal(torch.cat([c[:n] for c, n in st.filled()]), rows[:15]), "every row where it belongs, in order"
+    assert len(st.chunks) > 1, "it grew"
+    assert torch.equal(torch.cat([c[:n] for c, n in st.filled()]), rows[:done]), "every row where it belongs, in order"
 
 
 def test_slots_run_out_loudly():
@@ -98,13 +168,13 @@ def test_slots_run_out_loudly():
 ])
 def test_request_errors(ask, words):
     with pytest.raises(RequestError, match="request 2: .*" + words.replace("(", r"\(").replace(")", r"\)")):
-        to_wire(toy_plan(PLAN_TAPS), ask, "request 2")
+        check(toy_plan(PLAN_TAPS), ask, "request 2")
 
 
 def test_request_by_tap_line_expands_the_glob():
-    wire = to_wire(toy_plan(PLAN_TAPS), TapRequest(capture="model.layers.*.resid", params={"cols": 3}), "r")
-    assert wire["capture"] == [f"model.layers.{i}.resid" for i in range(3)]
-    assert wire["params"] == {"cols": [3]} and wire["positions"] == "all"
+    ask = check(toy_plan(PLAN_TAPS), TapRequest(capture="model.layers.*.resid", params={"cols": 3}), "r")
+    assert ask.capture == tuple(f"model.layers.{i}.resid" for i in range(3))
+    assert ask.params == {"cols": [3]} and ask.positions == "all"
 
 
 def test_engine_kwargs():
@@ -130,4 +200,14 @@ def test_v1_runner_is_refused_before_starting(monkeypatch):
     with pytest.raises(EngineError, match="V1 model runner"):
         engine_kwargs(toy_plan(PLAN_TAPS), {})
 
+
+
+
+def test_another_runner_is_refused_by_the_v2_adapter():
+    from engine_toy import ToyRunner
+
+    from tapc.engine.runner_v2 import V2Adapter
+
+    with pytest.raises(EngineError, match="V2 model runner .* but this engine runs engine_toy.ToyRunner"):
+        V2Adapter.check_runner(ToyRunner(None))
 

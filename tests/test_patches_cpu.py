@@ -6,7 +6,8 @@ from tapc.engine import patches
 from tapc.engine.arena import Arena
 from tapc.engine.points import EnginePoints
 from tapc.engine.runner import RunnerHooks
-from tapc.engine.tables import Layout
+from tapc.engine.runner_v2 import V2Adapter
+from tapc.engine.layout import Layout
 from tapc.kernels import ops
 
 
@@ -27,12 +28,12 @@ def test_undo_restores_every_original():
     runner = Runner(ToyModel())
     runner.sampler = sampler = Sampler()
     points = EnginePoints(layout, buffers)
-    hooks = RunnerHooks(runner, layout, buffers, 8, Arena(segment_bytes=4096), points)
+    adapter = V2Adapter(runner, RunnerHooks(layout, buffers, 8, Arena(segment_bytes=4096), points))
     before = (dict(vars(runner)), type(sampler), ops._boundary_handler, torch.cuda.CUDAGraph)
     assert runner.capture_model() is torch.cuda.CUDAGraph
 
-    applied = patches.apply(runner, hooks, points, breaks=True)
-    assert runner.execute_model == hooks.execute_model and runner.prepare_inputs == hooks.prepare_inputs
+    applied = patches.apply(runner, adapter, points, breaks=True)
+    assert runner.execute_model == adapter.execute_model and runner.prepare_inputs == adapter.prepare_inputs
     assert type(sampler) is not Sampler and isinstance(sampler, Sampler)
     assert ops._boundary_handler is not None
     from tapc.engine.graphs import SegmentedGraph

@@ -1,22 +1,20 @@
 """`logits` and `samples` around a sampler: captures, edits and blocks per request (CPU)."""
-import pickle
 from types import SimpleNamespace as NS
 
 import numpy as np
 import torch
-from engine_toy import VOCAB, ToyBuffers, toy_plan
+from engine_toy import VOCAB, ToyBuffers, over_the_wire, toy_plan
 
+from tapc.engine.layout import Layout
 from tapc.engine.patches import sampler_patch
 from tapc.engine.points import EnginePoints
-from tapc.engine.requests import TapRequest, to_wire
-from tapc.engine.tables import Layout
+from tapc.engine.protocol import Result, WireRequest
+from tapc.engine.requests import TapRequest, check
+from tapc.engine.step import StepBatch
 
 
 class GreedySampler:
-    calls = 0
-
     def __call__(self, logits, input_batch):
-        GreedySampler.calls += 1
         return NS(sampled_token_ids=logits.argmax(dim=-1, keepdim=True))
 
 
@@ -29,19 +27,29 @@ def setup(taps, asks):
     sampler_patch(sampler, points).apply()
     records = {}
     for slot, (rid, plen, ask) in enumerate(asks):
-        wire = to_wire(plan, ask, rid)
-        bound = [e for e, names in enumerate(layout.logit_edit_params) if names and all(n in wire["params"] for n in names)]
-        rec = NS(id=wire["id"], rid=rid, prompt_len=plen, params=wire["params"], slot=slot, logit_edits=bound)
+        wire = WireRequest(f"t-{rid}", check(plan, ask, rid))
+        bound = [e for e, names in enumerate(layout.logit_edit_params) if names and all(n in wire.ask.params for n in names)]
+        rec = NS(id=wire.id, rid=rid, prompt_len=plen, params=wire.ask.params, slot=slot, logit_edits=bound)
         buffers.logit_params.write(slot, bound, rec.params)   # as the runner does when it admits a request
         records[rid] = rec
         points.admit(rec, wire)
     return points, sampler, records
 
 
+def taken(points, tid: str):
+    """What the API gets for one request: (engine point tensors, saved values, block error),
+    after the trip over the wire."""
+    engine, saved, error = points.take(tid)
+    result = Result.from_wire(over_the_wire(Result(tid, engine=engine, saved=saved, block_error=error).to_wire()))
+    return {k: t.tensor() for k, t in result.engine.items()}, result.saved_values(), result.block_error
+
+
 def step(points, sampler, records, sched):
     """sched: [(rid, tokens this step, computed before)] in batch order; returns sampled ids."""
     qsl = np.concatenate([[0], np.cumsum([n for _, n, _ in sched])])
-    points.begin_step(records, [r for r, _, _ in sched], qsl, np.array([c for _, _, c in sched]))
+    computed = np.array([c for _, _, c in sched])
+    plens = np.array([records[r].prompt_len for r, _, _ in sched])
+    points.begin_step(records, StepBatch([r for r, _, _ in sched], qsl, computed, plens, int(qsl[-1])))
     logits = torch.randn(len(sched), VOCAB, generator=torch.Generator().manual_seed(int(qsl[-1])))
     expected = logits.clone()
     return sampler(logits, None).sampled_token_ids.reshape(-1), expected
@@ -53,22 +61,22 @@ def test_logits_and_samples_captured_once_the_prompt_is_done():
         ("c", 2, TapRequest())])
     ids1, l1 = step(points, sampler, recs, [("a", 3, 0), ("b", 6, 0), ("c", 2, 0)])   # b: partial prefill
     ids2, l2 = step(points, sampler, recs, [("a", 1, 3), ("c", 1, 2), ("b", 4, 6)])
-    a = pickle.loads(points.take(recs["a"].id))
-    torch.testing.assert_close(a["engine"]["logits"], torch.stack([l1[0], l2[0]]))
-    assert a["engine"]["samples"].reshape(-1).tolist() == [ids1[0].item(), ids2[0].item()]
-    b = pickle.loads(points.take(recs["b"].id))
-    torch.testing.assert_close(b["engine"]["logits"], l2[2:3])   # only the step that finished its prompt
-    assert "samples" not in b["engine"]
-    c = pickle.loads(points.take(recs["c"].id))
-    assert c["engine"] == {} and c["error"] is None
+    a, _, _ = taken(points, recs["a"].id)
+    torch.testing.assert_close(a["logits"], torch.stack([l1[0], l2[0]]))
+    assert a["samples"].reshape(-1).tolist() == [ids1[0].item(), ids2[0].item()]
+    b, _, _ = taken(points, recs["b"].id)
+    torch.testing.assert_close(b["logits"], l2[2:3])   # only the step that finished its prompt
+    assert "samples" not in b
+    c, saved, error = taken(points, recs["c"].id)
+    assert c == {} and saved == {} and error is None
 
 
 def test_logits_mask_per_request_and_for_everyone():
     points, sampler, recs = setup(["logits | zero(banned)", "logits | set([7], value=-1000.0)", "logits"], [
         ("a", 2, TapRequest(capture="logits", params={"banned": [1, 2, 3]})), ("b", 2, TapRequest(capture="logits"))])
     _, raw = step(points, sampler, recs, [("a", 2, 0), ("b", 2, 0)])
-    a = pickle.loads(points.take(recs["a"].id))["engine"]["logits"][0]
-    b = pickle.loads(points.take(recs["b"].id))["engine"]["logits"][0]
+    a = taken(points, recs["a"].id)[0]["logits"][0]
+    b = taken(points, recs["b"].id)[0]["logits"][0]
     want_a, want_b = raw[0].clone(), raw[1].clone()
     want_a[[1, 2, 3]] = 0
     want_a[7] = want_b[7] = -1000.0
@@ -85,18 +93,18 @@ def test_samples_block_forces_a_token_for_its_request_only():
                                                           ("b", 2, TapRequest(blocks={"force": lambda ctx, ids: None}))])
     ids, raw = step(points, sampler, recs, [("a", 2, 0), ("b", 2, 0)])
     assert ids[0].item() == 5 and ids[1].item() == raw[1].argmax().item()
-    a = pickle.loads(points.take(recs["a"].id))
-    assert a["saved"]["was"][0].reshape(-1).item() == raw[0].argmax().item()
+    saved = taken(points, recs["a"].id)[1]
+    assert saved["was"][0].reshape(-1).item() == raw[0].argmax().item()
 
 
 def test_logits_block_sees_one_row_with_its_position():
     # Blocks travel pickled (by value): what they keep goes through ctx.save, not a closed-over list.
     points, sampler, recs = setup(["logits -> look"], [("a", 4, TapRequest(blocks={
-        "look": lambda ctx, x: ctx.save("seen", (ctx.request_id, ctx.positions, tuple(x.shape)))}))])
+        "look": lambda ctx, x: ctx.save("seen", (ctx.request_id, ctx.positions.start, tuple(x.shape)))}))])
     step(points, sampler, recs, [("a", 4, 0)])
     step(points, sampler, recs, [("a", 1, 4)])
-    seen = pickle.loads(points.take(recs["a"].id))["saved"]["seen"]
-    assert seen == [("a", range(3, 4), (1, VOCAB)), ("a", range(4, 5), (1, VOCAB))]
+    seen = taken(points, recs["a"].id)[1]["seen"]
+    assert seen == [("a", 3, (1, VOCAB)), ("a", 4, (1, VOCAB))]
 
 
 def test_logits_edits_cover_the_rows_their_at_says():
@@ -106,8 +114,8 @@ def test_logits_edits_cover_the_rows_their_at_says():
         ("b", 4, TapRequest(capture="logits", params={"f": 3.0}))])
     _, raw1 = step(points, sampler, recs, [("a", 3, 0), ("b", 4, 0)])    # the prompts' last rows
     _, raw2 = step(points, sampler, recs, [("b", 1, 4), ("a", 1, 3)])    # generated rows, b first
-    a = pickle.loads(points.take(recs["a"].id))["engine"]["logits"]
-    b = pickle.loads(points.take(recs["b"].id))["engine"]["logits"]
+    a = taken(points, recs["a"].id)[0]["logits"]
+    b = taken(points, recs["b"].id)[0]["logits"]
     torch.testing.assert_close(a, torch.stack([2.0 * raw1[0], raw2[1] + torch.from_numpy(bias)]))
     torch.testing.assert_close(b, torch.stack([3.0 * raw1[1], raw2[0]]))
 
@@ -119,8 +127,8 @@ def test_logits_edit_values_are_checked_as_in_graph_ones_are():
 
     plan = toy_plan(["logits | set(banned, value=w)"])
     with pytest.raises(RequestError, match="r: `logits | set\\(banned, value=w\\)` gives 2 values for 3 columns"):
-        to_wire(plan, TapRequest(params={"banned": [1, 2, 3], "w": [1.0, 2.0]}), "r")
+        check(plan, TapRequest(params={"banned": [1, 2, 3], "w": [1.0, 2.0]}), "r")
     with pytest.raises(RequestError, match="binds 'banned' but not 'w'"):
-        to_wire(plan, TapRequest(params={"banned": [1, 2, 3]}), "r")
+        check(plan, TapRequest(params={"banned": [1, 2, 3]}), "r")
     with pytest.raises(RequestError, match="distinct column indices in 0..49"):
-        to_wire(plan, TapRequest(params={"banned": [50], "w": 1.0}), "r")
+        check(plan, TapRequest(params={"banned": [50], "w": 1.0}), "r")

@@ -1,6 +1,7 @@
 """Boundary blocks on CPU: per-request views, in-place edits, saved values, failures isolated."""
 import torch
 
+from tapc.engine.protocol import decode_value
 from tapc.errors import BlockFailed
 from tapc.runtime import BlockPoint, BlockRuntime, Span
 
@@ -92,11 +93,11 @@ def test_saved_values_come_back_per_request():
     rt(0, x, None)
     saved, err = rt.take("a")
     assert err is None and len(saved["mean"]) == 2
-    torch.testing.assert_close(saved["mean"][0], x[0:2].mean(dim=-1))
-    torch.testing.assert_close(saved["mean"][1], x[0:1].mean(dim=-1))
+    torch.testing.assert_close(decode_value(saved["mean"][0]), x[0:2].mean(dim=-1))
+    torch.testing.assert_close(decode_value(saved["mean"][1]), x[0:1].mean(dim=-1))
     assert rt.take("a") == ({}, None)
     saved_b, _ = rt.take("b")
-    torch.testing.assert_close(saved_b["mean"][0], x[2:4].mean(dim=-1))
+    torch.testing.assert_close(decode_value(saved_b["mean"][0]), x[2:4].mean(dim=-1))
 
 
 class Custom(Exception):
@@ -164,17 +165,41 @@ def test_unpicklable_exception_keeps_its_words():
     assert isinstance(exc, BlockFailed) and "Holding: local failure" in str(exc)
 
 
-def test_exception_class_defined_in_a_function_keeps_its_type():
+def test_exception_type_comes_back_when_the_caller_has_it_loaded():
+    """By module and name, no unpickling: a module-level class (or a builtin one, with its
+    arguments) is itself again; a class defined in a function has no name to find it by."""
     class Local(Exception):
         pass
 
     rt = runtime(("p", "probe"))
-    rt.register({"probe": lambda ctx, x: (_ for _ in ()).throw(Local("local failure"))})
-    rt.admit("a", 1)
-    rt.begin_step([Span("a", 0, 1, 0)])
+    errors = {"a": Custom("module level"), "b": KeyError("missing key"), "c": Local("local failure")}
+    rt.register({"probe": lambda ctx, x: (_ for _ in ()).throw(errors[ctx.request_id])})
+    for rid in errors:
+        rt.admit(rid, 1)
+    rt.begin_step([Span(rid, i, i + 1, 0) for i, rid in enumerate(errors)])
     rt(0, slab(), None)
-    exc = rt.take("a")[1].exception_for_caller()
-    assert type(exc) is Local and str(exc) == "local failure"
+    a, b, c = (rt.take(rid)[1].exception_for_caller() for rid in errors)
+    assert type(a) is Custom and str(a) == "module level"
+    assert type(b) is KeyError and b.args == ("missing key",)
+    assert type(c) is BlockFailed and "Local: local failure" in str(c)
+    assert all("in tapc block `probe` at p" in e.__notes__[0] for e in (a, b, c))
+
+
+def test_a_value_that_cannot_be_saved_fails_the_request_with_its_name():
+    rt = runtime(("p", "probe"))
+    values = {"a": {"ok": [1, 2.5, "s", None, b"x", (True, torch.ones(2, dtype=torch.bfloat16))]},
+              "b": {"bad": [1, {2: 3}]}, "c": {"bad": range(3)}}
+    rt.register({"probe": lambda ctx, x: [ctx.save(k, v) for k, v in values[ctx.request_id].items()] and None})
+    for rid in values:
+        rt.admit(rid, 1)
+    rt.begin_step([Span(rid, i, i + 1, 0) for i, rid in enumerate(values)])
+    rt(0, slab(), None)
+    saved, err = rt.take("a")
+    back = decode_value(saved["ok"][0])
+    assert err is None and back[:5] == [1, 2.5, "s", None, b"x"] and back[5][0] is True
+    assert torch.equal(back[5][1], torch.ones(2, dtype=torch.bfloat16)) and isinstance(back[5], tuple)
+    assert "ctx.save('bad', ...)[1]: dict key 2 is not a str" in rt.take("b")[1].message
+    assert "ctx.save('bad', ...) is a builtins.range; a saved value is a tensor" in rt.take("c")[1].message
 
 
 def test_per_request_block_overrides_the_engine_one():

@@ -7,12 +7,11 @@ compared with plain forward hooks on the same model.
 import numpy as np
 import pytest
 import torch
-from engine_toy import HALF, HIDDEN, INTER, Req, ToyModel, hooks_for, output_of, run, toy_plan
+from engine_toy import HALF, HIDDEN, INTER, Req, ToyModel, collect, hooks_for, run, toy_plan, wire_for
 
-from tapc.api import _assemble
-from tapc.engine.arena import ArenaReader
-from tapc.engine.requests import TapRequest, to_wire
+from tapc.engine.requests import TapRequest
 from tapc.errors import EngineError
+from tapc.session import TapSession
 from tapc.tree import forward_calls
 
 
@@ -51,12 +50,12 @@ def test_source_captures_equal_hooks(compiled):
     if compiled:
         runner.model = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
     rng = np.random.default_rng(4)
-    reqs = [Req(rid, rng.integers(0, 50, n).tolist(), 4, to_wire(plan, TapRequest(capture="*"), rid), arrive)
+    reqs = [Req(rid, rng.integers(0, 50, n).tolist(), 4, wire_for(plan, TapRequest(capture="*"), rid), arrive)
             for rid, n, arrive in (("a", 5, 0), ("b", 19, 0), ("c", 3, 2))]
     run(runner, reqs, budget=16)
-    got = hooks.collect([r.wire["id"] for r in reqs])
+    outs = collect(hooks, reqs, TapSession(plan))
     for r in reqs:
-        out = _assemble(output_of(r), r.wire, got[r.wire["id"]], ArenaReader())
+        out = outs[r.rid].taps
         ref = reference(r.tokens[:-1])
         torch.testing.assert_close(out["model.layers.1.mlp.source.self_up_proj_0.output"], ref["up"])
         torch.testing.assert_close(out["model.layers.1.mlp.source.h_split_0.output[1]"], ref["up"][:, HALF:])
@@ -68,12 +67,11 @@ def test_source_edit_reaches_the_rest_of_the_forward():
     plan = toy_plan(["model.layers.1.mlp.source.self_up_proj_0.output | scale(f)", "model.layers.2.resid"])
     runner, hooks = hooks_for(plan, ToyModel())
     rng = np.random.default_rng(5)
-    reqs = [Req("s", rng.integers(0, 50, 6).tolist(), 3, to_wire(plan, TapRequest(capture="*", params={"f": 0.25}), "s")),
-            Req("p", rng.integers(0, 50, 7).tolist(), 3, to_wire(plan, TapRequest(capture="*"), "p"))]
+    reqs = [Req("s", rng.integers(0, 50, 6).tolist(), 3, wire_for(plan, TapRequest(capture="*", params={"f": 0.25}), "s")),
+            Req("p", rng.integers(0, 50, 7).tolist(), 3, wire_for(plan, TapRequest(capture="*"), "p"))]
     run(runner, reqs, budget=32)
-    got = hooks.collect([r.wire["id"] for r in reqs])
-    steered = _assemble(output_of(reqs[0]), reqs[0].wire, got[reqs[0].wire["id"]], ArenaReader())
-    plain = _assemble(output_of(reqs[1]), reqs[1].wire, got[reqs[1].wire["id"]], ArenaReader())
+    outs = collect(hooks, reqs, TapSession(plan))
+    steered, plain = outs["s"].taps, outs["p"].taps
     torch.testing.assert_close(steered["model.layers.2.resid"], reference(reqs[0].tokens[:-1], scale_up=0.25)["resid2"])
     torch.testing.assert_close(plain["model.layers.2.resid"], reference(reqs[1].tokens[:-1])["resid2"])
     assert HIDDEN == plain["model.layers.2.resid"].shape[1]

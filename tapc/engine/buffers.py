@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from tapc.edits import slot_row
-from tapc.engine.memcpy import BatchCopy
-from tapc.engine.tables import Layout, Segment, copy_segments
+from tapc.engine.fill import Segment
+from tapc.engine.layout import Layout
+from tapc.engine.memcpy import BatchCopy, copy_segments
 from tapc.sizing import edit_tables, param_slots
 
 
@@ -31,14 +32,12 @@ class Buffers:
     edits their parameter tables and a row table of `seqs` entries."""
 
     def __init__(self, layout: Layout, rows: int, seqs: int, depth: int, device: torch.device):
-        from vllm.v1.worker.gpu.buffer_utils import UvaBuffer
-
         self.layout = layout
         self.rows = rows
         self.slots = param_slots(seqs)
         k = layout.num_tables
         self.table = torch.full((k, rows), -1, dtype=torch.int32, device=device)
-        self._uva = [UvaBuffer(k * rows, torch.int32) for _ in range(max(depth, 2))]
+        self._uva = [_UvaTable(k * rows) for _ in range(max(depth, 2))]
         self._next = 0
         self.pools = [torch.zeros(len(g.caps) * rows, g.width, dtype=getattr(torch, g.dtype), device=device)
                       for g in layout.groups]
@@ -91,6 +90,19 @@ class Buffers:
         """Block until every capture enqueued so far is in host memory."""
         if self._copied is not None:
             self._copied.synchronize()
+
+
+class _UvaTable:
+    """Pinned host int32 memory (`np`, the host fills it) and its device view (`uva`, read by one
+    copy kernel), through vLLM's general UVA utility rather than a runner's buffer class, so any
+    runner adapter uses the same upload."""
+
+    def __init__(self, n: int):
+        from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+
+        self.cpu = torch.zeros(n, dtype=torch.int32, pin_memory=True)
+        self.np = self.cpu.numpy()
+        self.uva = get_accelerator_view_from_cpu_tensor(self.cpu)
 
 
 class ParamTables:

@@ -29,7 +29,7 @@ WORKER = "tapc.engine.worker.TapWorker"
 # `.source` tap wraps, which op and tables an edit reads, the tables' shapes): a change to any of
 # them must invalidate vLLM's compile cache. tests/test_digest_cpu.py runs an install and the
 # patched forwards and fails if a tapc file they run is missing here.
-GRAPH_MODULES = ("tapc.engine.install", "tapc.engine.source", "tapc.engine.tables", "tapc.tree", "tapc.edits",
+GRAPH_MODULES = ("tapc.engine.install", "tapc.engine.source", "tapc.engine.layout", "tapc.tree", "tapc.edits",
                  "tapc.sizing")
 GRAPH_PACKAGES = ("tapc.kernels",)   # every module of these
 

@@ -29,7 +29,7 @@ import torch
 
 from tapc.edits import EDITS
 from tapc.engine.source import rewrite_forward
-from tapc.engine.tables import Layout
+from tapc.engine.layout import Layout
 from tapc.errors import EngineError
 
 # An op bound to its tables: f(x, b), b the residual for `resid` points (else None).

@@ -1,4 +1,5 @@
-"""All of one step's capture copies to host memory in one driver call.
+"""One step's capture copies to host memory: each segment's rows into its request's storage,
+all in one driver call where the driver has it.
 
 A step at batch 64 that captures every layer copies one block per request from the device to
 that request's host storage: 64 `copy_` calls, a few microseconds of host time each, on the
@@ -7,14 +8,18 @@ host's critical path (vLLM's own host loop nearly fills the GPU's decode step at
 stream order, on the copy engines, flagged to overlap with compute.
 
 Loaded through ctypes from libcuda; where the driver lacks it, or a call fails, the caller
-falls back to one `copy_` per block (`tables.copy_segments`), and a failure is logged once.
+falls back to one `copy_` per block (`copy_segments`), and a failure is logged once.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from tapc.engine.fill import Segment
 
 log = logging.getLogger("tapc")
 
@@ -68,3 +73,22 @@ class BatchCopy:
             log.warning("tapc: cuMemcpyBatchAsync_v2 failed (CUresult %d); captures are copied one by one", err)
             return False
         return True
+
+
+def copy_segments(segments: "list[Segment]", pools: list[torch.Tensor],
+                  batch: Callable[[list[torch.Tensor], list[torch.Tensor]], bool] | None = None) -> None:
+    """Copy each segment's rows from its group's pool (or a snapshot of it) into its request's
+    storage. Non-blocking: on the device, the caller orders it on a stream and waits for it.
+    `batch` (memcpy.BatchCopy) issues all the copies in one call; where it is None or declines,
+    each is one `copy_`."""
+    dsts, srcs = [], []
+    for seg in segments:
+        pool, src = pools[seg.store.group], seg.start
+        for view in seg.store.reserve(seg.rows):
+            n = view.shape[0]
+            dsts.append(view)
+            srcs.append(pool[src: src + n])
+            src += n
+    if batch is None or not batch(dsts, srcs):
+        for dst, src in zip(dsts, srcs):
+            dst.copy_(src, non_blocking=True)

@@ -4,8 +4,8 @@
 The worker applies them at load (`TapWorker.load_model`, `apply`), after the taps are installed
 in the model (install.py patches forwards of that model's own module instances: part of the
 model, not listed here):
-- the runner's `execute_model` and `prepare_inputs` become `RunnerHooks`' (runner.py), which
-  call the originals;
+- the runner's `execute_model` and `prepare_inputs` become its adapter's (runner_v2.py), which
+  call the originals around the runner-independent hooks (runner.py);
 - the sampler's class becomes a subclass that runs the engine points around sampling
   (`logits` before, `samples` after; points.py);
 - the process's `tapc::boundary` handler (kernels/ops.py) becomes the block runtime, breaking
@@ -65,16 +65,16 @@ class Patches:
             self.applied.pop().undo()
 
 
-def apply(runner, hooks, points=None, breaks: bool = False) -> Patches:
-    """Hook `runner` (vLLM's V2 model runner, or a stand-in with its methods) for `hooks`
-    (RunnerHooks); with `points` (EnginePoints), the sampler and the boundary handler; with
+def apply(runner, adapter, points=None, breaks: bool = False) -> Patches:
+    """Route `runner`'s step (vLLM's V2 model runner, or a stand-in with its methods) through
+    `adapter` (runner_v2.V2Adapter); with `points` (EnginePoints), the sampler and the boundary handler; with
     `breaks` (the plan has Python blocks), FULL graphs captured broken at them."""
     from tapc.engine.graphs import breaking
     from tapc.kernels import ops
 
     patches = Patches()
-    patches.add(Patch(runner, "execute_model", hooks.execute_model))
-    patches.add(Patch(runner, "prepare_inputs", hooks.prepare_inputs))
+    patches.add(Patch(runner, "execute_model", adapter.execute_model))
+    patches.add(Patch(runner, "prepare_inputs", adapter.prepare_inputs))
     if points is not None:
         if runner.sampler is not None:
             patches.add(sampler_patch(runner.sampler, points))

@@ -22,8 +22,10 @@ import torch
 
 from tapc.edits import EDITS
 from tapc.engine.buffers import upload_pinned
-from tapc.engine.requests import select
-from tapc.engine.tables import Layout
+from tapc.engine.layout import Layout
+from tapc.engine.positions import select
+from tapc.engine.protocol import BlockFailure, TensorData, WireRequest
+from tapc.engine.step import StepBatch
 from tapc.errors import EngineError
 from tapc.runtime import BlockPoint, BlockRuntime, Span
 
@@ -39,20 +41,22 @@ class EnginePoints:
         self.wants: dict[str, tuple[str, ...]] = {}                 # tapc id -> engine captures
         self.rows: list[tuple] = []   # this step: (record, batch index, position) of real predictions
 
-    def admit(self, rec, wire: dict) -> None:
-        blocks = pickle.loads(wire["blocks"]) if wire.get("blocks") else None
+    def admit(self, rec, wire: WireRequest) -> None:
+        # Functions the offline API cloudpickled in the caller's process (protocol.Ask.blocks).
+        blocks = pickle.loads(wire.ask.blocks) if wire.ask.blocks else None
         self.runtime.admit(rec.id, rec.prompt_len, blocks, request_id=rec.rid)
-        self.wants[rec.id] = tuple(wire.get("engine", ()))
+        self.wants[rec.id] = wire.ask.engine
         self.kept[rec.id] = {k: [] for k in self.wants[rec.id]}
 
-    def begin_step(self, records: dict, req_ids, query_start_loc, num_computed) -> None:
+    def begin_step(self, records: dict, batch: StepBatch) -> None:
         spans, self.rows = [], []
-        for i, rid in enumerate(req_ids):
+        qsl, computed = batch.query_start_loc, batch.num_computed
+        for i, rid in enumerate(batch.req_ids):
             rec = records.get(rid)
             if rec is None:
                 continue
-            start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-            first = int(num_computed[i])
+            start, end = int(qsl[i]), int(qsl[i + 1])
+            first = int(computed[i])
             spans.append(Span(rec.id, start, end, first))
             last = first + end - start - 1
             if last >= rec.prompt_len - 1:   # the prompt is done: this row predicts a real token
@@ -79,13 +83,13 @@ class EnginePoints:
                 # a device copy: stays in stream order, no sync; moved to the host at collect
                 self.kept[rec.id][key].append(x[i:i + 1].to(dtype or x.dtype, copy=True))
 
-    def take(self, tid: str) -> bytes:
-        """The request's engine captures, saved values and block error, pickled for the trip."""
+    def take(self, tid: str) -> tuple[dict[str, TensorData], dict, BlockFailure | None]:
+        """The request's engine captures (rows moved to the host now), saved values and block error."""
         kept = self.kept.pop(tid, {})
         self.wants.pop(tid, None)
         saved, error = self.runtime.take(tid)
-        engine = {k: torch.cat(v).cpu() if v else torch.empty(0) for k, v in kept.items()}
-        return pickle.dumps({"engine": engine, "saved": saved, "error": error})
+        engine = {k: TensorData.of(torch.cat(v) if v else torch.empty(0)) for k, v in kept.items()}
+        return engine, saved, error
 
 
 class LogitEdits:

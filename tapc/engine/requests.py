@@ -1,26 +1,17 @@
 """What one request asks of a tapped engine, checked against the plan before it is submitted.
 
 A `TapRequest` names the captures it wants (point keys, tap lines of the plan, or "*"), which
-positions to capture, and values for the plan's named parameters. `to_wire` checks it and
-turns it into plain data (lists, numbers, strings) that travels to the engine-core process in
-`SamplingParams.extra_args["tapc"]`; anything wrong is a `RequestError` for that request,
-raised before the engine sees it.
+positions to capture, and values for the plan's named parameters. `check` checks it and
+turns it into an `Ask` (protocol.py: plain data, lists, numbers, strings, bytes), which travels
+to the engine-core process in `SamplingParams.extra_args["tapc"]` under the id the session
+gives each submitted request; anything wrong is a `RequestError` for that request, raised
+before the engine sees it.
 
-Positions are absolute token positions of the request: the prompt is 0..P-1, and the k-th
-generated token (k from 0) is fed back at position P+k. A capture row at position p is the
-activation while token p is the input. The last generated token is never fed back, so a
-request with G generated tokens has P + G - 1 rows under "all".
-    "all":       0 .. P+G-2        every token that went through the model
-    "prompt":    0 .. P-1
-    "generated": P .. P+G-2        rows whose input is a generated token
-    "last":      P-1               the last prompt token (its output predicts generated token 0)
-    [p, ...]:    exactly these positions (those that exist)
-Edits take the same words in the tap (`at=`), e.g. `add(steer, at=generated)`.
+Which rows `positions` covers is engine/positions.py.
 """
 from __future__ import annotations
 
 import difflib
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from tapc.edits import EDITS, POSITIONS, check_param, set_lengths
+from tapc.engine.protocol import Ask
 from tapc.errors import RequestError
 from tapc.plan import TapPlan
 
@@ -55,31 +47,15 @@ class TapRequest:
     blocks: Mapping[str, Any] = field(default_factory=dict)
 
 
-def select(positions: str | Sequence[int], pos: np.ndarray, prompt_len: int) -> np.ndarray:
-    """Mask over `pos` (absolute positions of one request) of the rows `positions` covers."""
-    if positions == "all":
-        return np.ones(pos.shape, dtype=bool)
-    if positions == "prompt":
-        return pos < prompt_len
-    if positions == "generated":
-        return pos >= prompt_len
-    if positions == "last":
-        return pos == prompt_len - 1
-    return np.isin(pos, np.asarray(positions, dtype=np.int64))
-
-
-def to_wire(plan: TapPlan, req: TapRequest, where: str) -> dict:
-    """Check `req` against `plan`; the plain dict the engine's workers read. `where` names the
-    request in error messages (e.g. "request 3")."""
+def check(plan: TapPlan, req: TapRequest, where: str) -> Ask:
+    """Check `req` against `plan`; what the engine's workers read. `where` names the request in
+    error messages (e.g. "request 3")."""
     keys = _capture_keys(plan, req.capture, where)
-    return {
-        "id": uuid.uuid4().hex,
-        "capture": [k for k in keys if k not in ENGINE_POINTS],
-        "engine": [k for k in keys if k in ENGINE_POINTS],
-        "positions": _positions(req.positions, where),
-        "params": _params(plan, req.params, where),
-        "blocks": _blocks(plan, req.blocks, where),
-    }
+    positions = _positions(req.positions, where)
+    return Ask(capture=tuple(k for k in keys if k not in ENGINE_POINTS),
+               engine=tuple(k for k in keys if k in ENGINE_POINTS),
+               positions=positions if isinstance(positions, str) else tuple(positions),
+               params=_params(plan, req.params, where), blocks=_blocks(plan, req.blocks, where))
 
 
 def _blocks(plan: TapPlan, blocks: Mapping[str, Any], where: str) -> bytes | None:

@@ -1,13 +1,14 @@
-"""Hooks on vLLM 0.26's V2 model runner (`vllm/v1/worker/gpu/model_runner.py`).
+"""The worker's per-request and per-step bookkeeping, whichever model runner drives it.
 
-`execute_model(scheduler_output)` is one step. Around it:
-- before: requests that finished or were preempted give back their parameter slot; new
-  requests carrying `extra_args["tapc"]` get a `Record` (and a slot, with their parameter values
-  written to the device tables) -- a preempted request that comes back keeps its record;
-- `prepare_inputs` (called inside, before the forward, with the batch's final row layout):
+A runner adapter (runner_v2.py for vLLM's V2 runner) calls, for each step:
+- `schedule(scheduler_output)` before the step: requests that finished or were preempted give
+  back their parameter slot; new requests carrying `extra_args["tapc"]` get a `Record` (and a
+  slot, with their parameter values written to the device tables) -- a preempted request that
+  comes back keeps its record. The scheduler's output is the same for every runner;
+- `begin_step(batch)` before the forward, with the batch's final row layout (a `StepBatch`):
   the host fills the row tables and uploads them;
-- after (the forward is enqueued): the captured rows start their way to host memory.
-Dummy runs (profiling, warmup without requests) see tables that own no rows.
+- `end_step()` after the forward is enqueued: the captured rows start their way to host memory;
+- `reset()` for dummy runs (profiling, warmup without requests): tables that own no rows.
 
 `collect(ids)` hands finished requests' captures back, by the ids the API put in extra_args.
 """
@@ -17,17 +18,22 @@ import logging
 
 from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
+from tapc.engine.fill import fill_step
+from tapc.engine.layout import Layout
 from tapc.engine.points import EnginePoints
-from tapc.engine.tables import Layout, Record, Slots, fill_step
-from tapc.errors import RequestError
+from tapc.engine.protocol import Chunk, CollectReply, Result, StoreResult, WireRequest
+from tapc.engine.records import Record
+from tapc.engine.slots import Slots
+from tapc.engine.step import StepBatch
+from tapc.engine.storage import Store
+from tapc.errors import ProtocolError, RequestError
 
 log = logging.getLogger("tapc")
 
 
 class RunnerHooks:
-    def __init__(self, runner, layout: Layout, buffers: Buffers, slots: int, arena: Arena,
+    def __init__(self, layout: Layout, buffers: Buffers, slots: int, arena: Arena,
                  points: EnginePoints | None = None):
-        self.runner = runner
         self.points = points                     # logits, samples and Python blocks (points.py)
         self.layout = layout
         self.buffers = buffers
@@ -37,35 +43,31 @@ class RunnerHooks:
         self.by_id: dict[str, Record] = {}       # tapc id -> record, until collected
         self.errors: dict[str, str] = {}         # tapc id -> why its taps were not served
         self._step = None
-        # The runner's own methods: patches.py puts ours in their place.
-        self._execute = runner.execute_model
-        self._prepare = runner.prepare_inputs
 
-    def execute_model(self, scheduler_output, *args, dummy_run: bool = False, **kwargs):
-        if dummy_run:
-            self.buffers.reset()
-            return self._execute(scheduler_output, *args, dummy_run=True, **kwargs)
+    # ---------------------------------------------------------------- per step (the adapter calls)
+
+    def schedule(self, scheduler_output) -> None:
         self._retire(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids or ())
         self._admit(scheduler_output.scheduled_new_reqs)
         self._step = None
-        out = self._execute(scheduler_output, *args, **kwargs)
+
+    def begin_step(self, batch: StepBatch) -> None:
+        self._step = fill_step(self.layout, self.buffers.host_table(batch.padded), self.records, batch)
+        self.buffers.upload(batch.padded)
+        if self.points is not None:
+            self.points.begin_step(self.records, batch)
+
+    def end_step(self) -> None:
         if self.points is not None:  # boundary ops in later (dummy) forwards must see no rows
             self.points.runtime.begin_step([])
         if self._step is not None and self._step[0]:
             self.buffers.copy_out(*self._step)
         self._step = None
-        return out
 
-    def prepare_inputs(self, scheduler_output, batch_desc):
-        batch = self._prepare(scheduler_output, batch_desc)
-        padded = batch.num_tokens_after_padding
-        prompt_lens = self.runner.req_states.prompt_len.np[batch.idx_mapping_np] if self.layout.always else None
-        self._step = fill_step(self.layout, self.buffers.host_table(padded), self.records, batch.req_ids,
-                               batch.query_start_loc_np, batch.num_computed_tokens_np, prompt_lens, padded)
-        self.buffers.upload(padded)
-        if self.points is not None:
-            self.points.begin_step(self.records, batch.req_ids, batch.query_start_loc_np, batch.num_computed_tokens_np)
-        return batch
+    def reset(self) -> None:
+        self.buffers.reset()
+
+    # ---------------------------------------------------------------- requests
 
     def _retire(self, finished, preempted) -> None:
         for rid in (*finished, *preempted):
@@ -79,11 +81,20 @@ class RunnerHooks:
 
     def _admit(self, new_reqs) -> None:
         for req in new_reqs:
-            wire = (req.sampling_params.extra_args or {}).get("tapc") if req.sampling_params else None
-            if wire is None:
+            raw = (req.sampling_params.extra_args or {}).get("tapc") if req.sampling_params else None
+            if raw is None:
                 continue
-            rec = self.records.get(req.req_id)
+            rec = self.records.get(req.req_id)   # a preempted request that resumes has one
             if rec is None:
+                try:
+                    wire = WireRequest.from_wire(raw)
+                except ProtocolError as e:
+                    # Not from this tapc's API: it runs untapped; its id, if it has one, hears why.
+                    log.warning("tapc: request %s runs untapped: %s", req.req_id, str(e))
+                    tid = raw.get("id") if isinstance(raw, dict) else None
+                    if isinstance(tid, str):
+                        self.errors[tid] = str(e)
+                    continue
                 taken: list = []   # chunks this admission got, to give back if it fails
 
                 def alloc(*shape):
@@ -101,7 +112,7 @@ class RunnerHooks:
                     log.warning("tapc: request %s runs untapped: %s", req.req_id, str(e))
                     for t in taken:
                         self.arena.give_back_tensor(t)
-                    self.errors[wire["id"]] = str(e)
+                    self.errors[wire.id] = str(e)
                     continue
                 self.records[req.req_id] = rec
                 self.by_id[rec.id] = rec
@@ -117,22 +128,23 @@ class RunnerHooks:
             self.slots.give(rec.slot)
             rec.slot = -1
 
-    def collect(self, ids: list[str]) -> dict[str, dict]:
-        """Captures of the given tapc ids, as plain data: per group of captures of one width,
-        `{"keys", "dtype", "width", "rows", "chunks": [(file, byte offset, rows allocated, rows
-        written)]}`, each chunk `[rows, keys, width]` in the arena. The record is dropped; the
-        chunks now belong to the API, which gives each back (`release`) when the caller no
-        longer uses it."""
+    # ---------------------------------------------------------------- to the API
+
+    def collect(self, ids: list[str]) -> CollectReply:
+        """The results of the given tapc ids: per group of captures of one width, where its rows
+        are in the arena (protocol.StoreResult), and the engine points' rows, saved values and
+        block error. The record is dropped; the chunks now belong to the API, which gives each
+        back (`release`) when the caller no longer uses it."""
         self.buffers.wait_copies()
-        out: dict[str, dict] = {}
+        out: dict[str, Result] = {}
         for tid in ids:
             if tid in self.errors:
-                out[tid] = {"error": self.errors.pop(tid)}
+                out[tid] = Result(tid, error=self.errors.pop(tid))
                 continue
             rec = self.by_id.pop(tid, None)
             if rec is None:
-                out[tid] = {"error": "the engine has no captures for this request (it never ran, or was "
-                                     "collected already)"}
+                out[tid] = Result(tid, error="the engine has no captures for this request (it never ran, or was "
+                                             "collected already)")
                 continue
             if not rec.finished:  # vLLM tells the worker only with its next step
                 self._release(rec)
@@ -142,12 +154,17 @@ class RunnerHooks:
                 for st in rec.stores:
                     for chunk in st.chunks:
                         self.arena.give_back_tensor(chunk)
-                out[tid] = {"error": failed}
+                if self.points is not None:
+                    self.points.take(tid)
+                out[tid] = Result(tid, error=failed)
                 continue
-            out[tid] = {"stores": [_store_wire(self.layout, self.arena, st) for st in rec.stores]}
-            if self.points is not None:
-                out[tid]["points"] = self.points.take(tid)
-        return out
+            stores = tuple(_store_result(self.layout, self.arena, st) for st in rec.stores)
+            if self.points is None:
+                out[tid] = Result(tid, stores=stores)
+            else:
+                engine, saved, block_error = self.points.take(tid)
+                out[tid] = Result(tid, stores=stores, engine=engine, saved=saved, block_error=block_error)
+        return CollectReply(tuple(out.values()))
 
     def release(self, chunks: list[tuple[str, int]]) -> None:
         """The API no longer uses these chunks (file, byte offset): their space is free again."""
@@ -155,11 +172,7 @@ class RunnerHooks:
             self.arena.give_back(path, offset)
 
 
-def _store_wire(layout: Layout, arena: Arena, store) -> dict:
-    return {
-        "keys": [layout.captures[c].key for c in store.caps],
-        "dtype": str(store.dtype).removeprefix("torch."),
-        "width": store.width,
-        "rows": store.rows,
-        "chunks": [(*arena.locate(c), c.shape[0], n) for c, n in store.filled()],
-    }
+def _store_result(layout: Layout, arena: Arena, store: Store) -> StoreResult:
+    return StoreResult(keys=tuple(layout.captures[c].key for c in store.caps),
+                       dtype=str(store.dtype).removeprefix("torch."), width=store.width, rows=store.rows,
+                       chunks=tuple(Chunk(*arena.locate(c), c.shape[0], n) for c, n in store.filled()))

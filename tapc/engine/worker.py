@@ -18,9 +18,10 @@ from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
 from tapc.engine.graphs import SegmentedGraph
 from tapc.engine.install import install
+from tapc.engine.layout import Layout
 from tapc.engine.points import EnginePoints
 from tapc.engine.runner import RunnerHooks
-from tapc.engine.tables import Layout
+from tapc.engine.runner_v2 import V2Adapter
 from tapc.errors import EngineError
 from tapc.plan import TapPlan
 
@@ -33,14 +34,7 @@ class TapWorker(Worker):
             raise EngineError("tapc's worker runs without a plan: build engines with tapc.VLLM(...)")
         plan = TapPlan.from_json(config["plan"])
         runner = self.model_runner
-        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
-
-        if not isinstance(runner, V2Runner):
-            raise EngineError(
-                f"tapc instruments vLLM's V2 model runner (vllm/v1/worker/gpu/), but this engine runs "
-                f"{type(runner).__module__}.{type(runner).__name__}: vLLM picks V1 for MoE, hybrid and "
-                "pooling models and when VLLM_USE_V2_MODEL_RUNNER=0. Unset that variable, or use a dense "
-                "decoder model")
+        V2Adapter.check_runner(runner)
         layout = Layout(plan)
         sched = self.vllm_config.scheduler_config
         before = torch.cuda.memory_allocated(self.device)
@@ -50,11 +44,12 @@ class TapWorker(Worker):
         self.tapc_allocated = torch.cuda.memory_allocated(self.device) - before
         install(runner.get_model(), layout, buffers)
         points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
-        self.tapc = RunnerHooks(runner, layout, buffers, buffers.slots, Arena(register=_register), points)
-        self.tapc_patches = patches.apply(runner, self.tapc, points, breaks=bool(layout.blocks))
+        self.tapc = RunnerHooks(layout, buffers, buffers.slots, Arena(register=_register), points)
+        self.tapc_patches = patches.apply(runner, V2Adapter(runner, self.tapc), points, breaks=bool(layout.blocks))
 
-    def tapc_collect(self, ids: list[str]) -> dict[str, dict]:
-        return self.tapc.collect(ids)
+    def tapc_collect(self, ids: list[str]) -> dict:
+        """The results of these tapc ids, as a `protocol.CollectReply` in wire form."""
+        return self.tapc.collect(ids).to_wire()
 
     def tapc_release(self, chunks: list[tuple[str, int]]) -> None:
         self.tapc.release(chunks)

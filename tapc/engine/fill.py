@@ -1,0 +1,151 @@
+"""The host's work before each forward: the step's row tables from the batch layout.
+
+vLLM runs one flat `[num_tokens, width]` slab per step, requests back to back, padded up to a
+CUDA-graph size; a runner adapter (runner_v2.py) describes it as a `StepBatch`. `fill_step` writes one row of `table` per in-graph tap (layout.py says what
+the entries mean) for the tapped requests of the step, and returns the capture segments to
+copy out after the forward (memcpy.copy_segments). It works on host arrays only; buffers.py
+uploads the table and runs the copies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tapc.engine.layout import Layout
+from tapc.engine.positions import select
+from tapc.engine.records import Record
+from tapc.engine.step import StepBatch
+from tapc.engine.storage import Store
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's block of one step in one group: pool rows [start, start + rows * C)."""
+
+    store: Store
+    start: int
+    rows: int
+
+
+def fill_step(layout: Layout, table: np.ndarray, records: dict[str, Record],
+              batch: StepBatch) -> tuple[list[Segment], list[int]]:
+    """Write `table[:, :batch.padded]` for one step; return the capture segments to copy out
+    after the forward and the rows used in each group's pool. `records` maps vLLM request ids
+    to tapped requests (the others are left alone).
+
+    This runs on the host every step, beside vLLM's own step preparation: it works on arrays
+    over all rows of the tapped requests at once (one fancy assignment per group and per edit),
+    and its Python per request is attribute reads and one Segment per capturing request.
+    """
+    table[:, :batch.padded] = -1
+    used = [0] * len(layout.groups)
+    segments: list[Segment] = []
+    tapped = [(i, rec) for i, rid in enumerate(batch.req_ids) if (rec := records.get(rid)) is not None]
+    if tapped:
+        rows = _BatchRows(tapped, batch.query_start_loc, batch.num_computed)
+        if any(rec.stores for rec in rows.recs):
+            segments = _fill_captures(layout, table, rows, used)
+        if any(rec.slot >= 0 and rec.edits for rec in rows.recs):
+            _fill_edits(layout, table, rows)
+    if layout.always:
+        _fill_always(layout, table, batch)
+    return segments, used
+
+
+class _BatchRows:
+    """The rows of one step's tapped requests, flattened: for each row its request (index into
+    `recs`), its row in the batch and its absolute position."""
+
+    def __init__(self, tapped: list[tuple[int, Record]], query_start_loc: np.ndarray, num_computed: np.ndarray):
+        idx = np.fromiter((i for i, _ in tapped), dtype=np.int64, count=len(tapped))
+        self.recs = [rec for _, rec in tapped]
+        starts = query_start_loc[idx].astype(np.int64)
+        counts = query_start_loc[idx + 1].astype(np.int64) - starts
+        self.req = np.repeat(np.arange(len(tapped)), counts)
+        offset = np.arange(self.req.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        self.row = np.repeat(starts, counts) + offset
+        self.pos = np.repeat(num_computed[idx].astype(np.int64), counts) + offset
+        self.plen = np.array([rec.prompt_len for rec in self.recs], dtype=np.int64)[self.req]
+
+    def selected(self, ks: list[int], key) -> np.ndarray:
+        """Mask over the rows: rows of requests `ks` whose positions (`key` of each request)
+        select them; requests with equal positions share one vectorized test."""
+        out = np.zeros(self.req.size, dtype=bool)
+        by_positions: dict = {}
+        for k in ks:
+            positions = key(self.recs[k])
+            by_positions.setdefault(positions if isinstance(positions, str) else tuple(positions), []).append(k)
+        for positions, members in by_positions.items():
+            mine = np.zeros(len(self.recs), dtype=bool)
+            mine[members] = True
+            m = mine[self.req]
+            out[m] = select(positions if isinstance(positions, str) else list(positions), self.pos[m], self.plen[m])
+        return out
+
+
+def _fill_captures(layout: Layout, table: np.ndarray, rows: _BatchRows, used: list[int]) -> list[Segment]:
+    recs = rows.recs
+    capturing = [k for k, rec in enumerate(recs) if rec.stores]
+    next_pos = np.array([rec.next_pos for rec in recs], dtype=np.int64)
+    want = rows.selected(capturing, lambda rec: rec.positions) & (rows.pos >= next_pos[rows.req])
+    sel = np.flatnonzero(want)
+    if not sel.size:
+        return []
+    req = rows.req[sel]
+    # Rows are in batch order, so each request's selected rows are one run: its last row sets
+    # next_pos, and a row's rank in its run is its index minus the run's start.
+    last = np.flatnonzero(np.append(req[1:] != req[:-1], True))
+    for k, p in zip(req[last].tolist(), rows.pos[sel[last]].tolist()):
+        recs[k].next_pos = p + 1
+    n_rows = np.bincount(req, minlength=len(recs))
+    rank = np.arange(sel.size) - (np.cumsum(n_rows) - n_rows)[req]
+    segments: list[Segment] = []
+    for g in range(len(layout.groups)):
+        stores = [rec.store_of[g] for rec in recs]
+        n_caps = np.array([0 if st is None else st.caps.size for st in stores], dtype=np.int64)
+        if not n_caps.any():
+            continue
+        block = n_rows * n_caps                          # pool rows of each request in this step
+        base = used[g] + np.cumsum(block) - block
+        keep = n_caps[req] > 0
+        r, row, nc = req[keep], rows.row[sel[keep]], n_caps[req[keep]]
+        first = base[r] + rank[keep] * nc                # pool row of each row's first capture
+        mine = [st for st in stores if st is not None]
+        if all(st.caps_key == mine[0].caps_key for st in mine[1:]):
+            # The usual case, every request asking for the same captures: one broadcast.
+            caps = mine[0].caps
+            table[caps[:, None], row[None, :]] = first[None, :] + np.arange(caps.size)[:, None]
+        else:
+            # One entry per (row, capture j): pool row first + j, table row = the capture.
+            j = np.arange(int(nc.sum())) - np.repeat(np.cumsum(nc) - nc, nc)
+            caps = np.concatenate([st.caps for st in mine])
+            cap_start = np.cumsum(n_caps) - n_caps
+            table[caps[np.repeat(cap_start[r], nc) + j], np.repeat(row, nc)] = np.repeat(first, nc) + j
+        segments += [Segment(stores[k], int(base[k]), int(n_rows[k])) for k in np.flatnonzero(block).tolist()]
+        used[g] += int(block.sum())
+    return segments
+
+
+def _fill_edits(layout: Layout, table: np.ndarray, rows: _BatchRows) -> None:
+    """Each bound edit: the request's slot on the rows its tap's `at` covers."""
+    slot = np.array([rec.slot for rec in rows.recs], dtype=np.int64)
+    bound = np.stack([rec.edit_mask for rec in rows.recs]) & (slot >= 0)[:, None]
+    for e in np.flatnonzero(bound.any(axis=0)).tolist():
+        m = bound[rows.req, e] & select(layout.edit_at[e], rows.pos, rows.plen)
+        table[layout.edit_row(e), rows.row[m]] = slot[rows.req[m]]
+
+
+def _fill_always(layout: Layout, table: np.ndarray, batch: StepBatch) -> None:
+    """Parameterless edits: every row of every request, by the tap's `at`. Slot 0: their
+    tables hold the same literals in every slot."""
+    num_reqs = len(batch.req_ids)
+    qsl = batch.query_start_loc
+    counts = np.diff(qsl[: num_reqs + 1])
+    num_tokens = int(qsl[num_reqs])
+    starts = np.repeat(qsl[:num_reqs], counts)
+    pos = np.repeat(batch.num_computed[:num_reqs], counts) + np.arange(num_tokens) - starts
+    plen = np.repeat(batch.prompt_lens[:num_reqs], counts)
+    for e in layout.always:
+        rows = np.flatnonzero(select(layout.edit_at[e], pos, plen))
+        table[layout.edit_row(e), rows] = 0

@@ -1,0 +1,62 @@
+"""The plan's in-graph taps as rows of the per-step tables, and captures grouped into pools.
+
+Before each forward the host fills one int32 row table per tap (`table[k, row]`), and the
+graphs read them on the device:
+
+- capture c (a READ tap): the row of its group's pool the row goes to, -1 to skip it;
+- edit e (an EDIT tap): the slot of the request's parameters in the per-slot tables, -1 to
+  leave the row alone.
+
+Captures of one width and dtype share a pool (a *group*). A request's rows are laid out
+position-major, `[rows, its captures in the group, width]`, so that one step's block of one
+request is one contiguous run of the pool and lands with one copy in that request's host
+storage, which has the same layout (storage.py). Padding rows and requests that ask for nothing
+stay -1 (fill.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tapc.plan import BLOCK, EDIT, ENGINE, READ, TapPlan
+from tapc.sizing import is_logit_edit
+
+
+@dataclass(frozen=True)
+class Group:
+    """Captures that share one pool: same width, same dtype."""
+
+    width: int
+    dtype: str
+    caps: tuple[int, ...]          # capture indices, in plan order
+
+
+class Layout:
+    """The plan's in-graph taps as table rows: capture c is row c, edit e is row C + e."""
+
+    def __init__(self, plan: TapPlan):
+        self.captures = plan.by_kind(READ)
+        self.edits = plan.by_kind(EDIT)
+        self.blocks = plan.by_kind(BLOCK)     # boundary op k is blocks[k]
+        self.engine = plan.by_kind(ENGINE)    # logits / samples: in the runner, outside the graphs
+        self.plan_order = {id(t): i for i, t in enumerate(plan.taps)}
+        self.cap_index = {t.key: i for i, t in enumerate(self.captures)}
+        groups: dict[tuple[int, str], list[int]] = {}
+        for i, t in enumerate(self.captures):
+            groups.setdefault((t.width, t.dtype), []).append(i)
+        self.groups = tuple(Group(w, d, tuple(c)) for (w, d), c in groups.items())
+        self.cap_group = np.zeros(len(self.captures), dtype=np.int64)
+        for g, group in enumerate(self.groups):
+            self.cap_group[list(group.caps)] = g
+        self.num_tables = len(self.captures) + len(self.edits)
+        self.edit_at = [next((a.value for a in t.args if a.name == "at"), "all") for t in self.edits]
+        self.edit_params = [tuple(a.param for a in t.args if a.param is not None) for t in self.edits]
+        # Edits of the logits, in the runner (points.py): the same ops over the step's logits rows.
+        self.logit_edits = tuple(t for t in self.engine if is_logit_edit(t))
+        self.logit_edit_params = [tuple(a.param for a in t.args if a.param is not None) for t in self.logit_edits]
+        # Edits without parameters are part of the engine's model: they apply to every request.
+        self.always = [e for e, names in enumerate(self.edit_params) if not names]
+
+    def edit_row(self, e: int) -> int:
+        return len(self.captures) + e

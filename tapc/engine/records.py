@@ -1,0 +1,46 @@
+"""What the worker keeps about one tapped request, from its first step until it is collected."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tapc.engine.layout import Layout
+from tapc.engine.positions import expected_rows
+from tapc.engine.protocol import WireRequest
+from tapc.engine.storage import Alloc, Store
+from tapc.errors import RequestError
+
+
+class Record:
+    def __init__(self, layout: Layout, rid: str, wire: WireRequest, prompt_len: int, max_tokens: int, alloc: Alloc):
+        self.rid = rid                 # vLLM's request id
+        self.id = wire.id              # tapc's id for it
+        self.prompt_len = prompt_len
+        self.positions = wire.ask.positions
+        self.params = wire.ask.params
+        try:
+            caps = np.array(sorted(layout.cap_index[k] for k in wire.ask.capture), dtype=np.int64)
+        except KeyError as e:
+            raise RequestError(f"capture {e.args[0]!r} is not in this engine's plan") from None
+        # Every row it can have, plus one: with async scheduling vLLM may run one more step for a
+        # request that has just finished (the API drops that row).
+        first = expected_rows(self.positions, prompt_len, max_tokens) + 1
+        self.stores = []
+        for g, group in enumerate(layout.groups):
+            mine = caps[layout.cap_group[caps] == g]
+            if mine.size:
+                self.stores.append(Store(g, mine, group.width, getattr(torch, group.dtype), alloc, first))
+        self.edits = [e for e, names in enumerate(layout.edit_params) if names and all(n in self.params for n in names)]
+        self.logit_edits = [e for e, names in enumerate(layout.logit_edit_params)
+                            if names and all(n in self.params for n in names)]
+        # The same, as a mask over the plan's edits: the step fill stacks these for a whole batch.
+        self.edit_mask = np.zeros(len(layout.edits), dtype=bool)
+        self.edit_mask[self.edits] = True
+        self.store_of: list[Store | None] = [None] * len(layout.groups)
+        for st in self.stores:
+            self.store_of[st.group] = st
+        self.slot = -1
+        # Positions below this were captured already: a request preempted and resumed recomputes
+        # its tokens from 0, and each position is kept once, the first time it went through.
+        self.next_pos = 0
+        self.finished = False

@@ -1,0 +1,57 @@
+"""The adapter between vLLM 0.26's V2 model runner (`vllm/v1/worker/gpu/model_runner.py`) and
+the runner-independent hooks (runner.py): the only code that knows that runner's methods and
+its `InputBatch`.
+
+`execute_model(scheduler_output)` is one step; `prepare_inputs` (called inside it, before the
+forward) returns the batch's final row layout, which becomes a `StepBatch`. Dummy runs
+(`dummy_run=True`: profiling, warmup) reset the tables instead. A V1 runner (MoE models) gets
+its own adapter with the same three calls; the fill does not change.
+"""
+from __future__ import annotations
+
+from tapc.engine.runner import RunnerHooks
+from tapc.engine.step import StepBatch
+from tapc.errors import EngineError
+
+
+class V2Adapter:
+    @staticmethod
+    def check_runner(runner) -> None:
+        """Refuse any other runner before anything is allocated."""
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
+
+        if not isinstance(runner, V2Runner):
+            raise EngineError(
+                f"tapc instruments vLLM's V2 model runner (vllm/v1/worker/gpu/), but this engine runs "
+                f"{type(runner).__module__}.{type(runner).__name__}: vLLM picks V1 for MoE, hybrid and "
+                "pooling models and when VLLM_USE_V2_MODEL_RUNNER=0. Unset that variable, or use a dense "
+                "decoder model")
+
+    def __init__(self, runner, hooks: RunnerHooks):
+        self.runner = runner
+        self.hooks = hooks
+        self._execute = runner.execute_model
+        self._prepare = runner.prepare_inputs
+
+    def execute_model(self, scheduler_output, *args, dummy_run: bool = False, **kwargs):
+        if dummy_run:
+            self.hooks.reset()
+            return self._execute(scheduler_output, *args, dummy_run=True, **kwargs)
+        self.hooks.schedule(scheduler_output)
+        out = self._execute(scheduler_output, *args, **kwargs)
+        self.hooks.end_step()
+        return out
+
+    def prepare_inputs(self, scheduler_output, batch_desc):
+        batch = self._prepare(scheduler_output, batch_desc)
+        self.hooks.begin_step(step_batch(batch, self.runner.req_states.prompt_len.np))
+        return batch
+
+
+def step_batch(batch, prompt_len_by_state) -> StepBatch:
+    """A V2 `InputBatch` as the plain value; `prompt_len_by_state` is indexed by the runner's
+    request-state index (`idx_mapping_np` maps batch order to it)."""
+    return StepBatch(req_ids=batch.req_ids, query_start_loc=batch.query_start_loc_np,
+                     num_computed=batch.num_computed_tokens_np,
+                     prompt_lens=prompt_len_by_state[batch.idx_mapping_np],
+                     padded=batch.num_tokens_after_padding)

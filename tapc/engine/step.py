@@ -1,0 +1,20 @@
+"""The batch of one step, as a plain value: what the table fill and the engine points need
+from whichever model runner made it (runner_v2.py turns vLLM's V2 `InputBatch` into one; a V1
+runner needs its own adapter, not another fill)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Requests back to back in one flat `[padded, width]` slab, in batch order."""
+
+    req_ids: Sequence[str]        # vLLM request ids
+    query_start_loc: np.ndarray   # [R + 1]: request i's rows are query_start_loc[i] .. [i + 1] - 1
+    num_computed: np.ndarray      # [R]: tokens of request i before this step = position of its first row
+    prompt_lens: np.ndarray       # [R]
+    padded: int                   # rows the forward runs (a CUDA-graph size); rows past the last request are padding

@@ -1,0 +1,88 @@
+"""One request's captures of one group in host memory: `[rows, captures, width]`, in chunks.
+
+The first chunk is allocated when the request is admitted, sized for every row it can have;
+later chunks (rarely: a preempted request, or max_tokens unknown) grow it by at least
+`GROW_ROWS`. `reserve` says where a step's rows go; the copy itself is memcpy.copy_segments.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+
+from tapc.errors import RequestError
+
+# Rows a request's host storage grows by past its first allocation.
+GROW_ROWS = 64
+
+# (rows, captures, width, dtype) -> an empty CPU tensor; the worker allocates in the arena.
+Alloc = Callable[[int, int, int, torch.dtype], torch.Tensor]
+
+
+class Store:
+    """One request's captures of one group on the host: `[rows, captures, width]`, in chunks."""
+
+    def __init__(self, group: int, caps: np.ndarray, width: int, dtype: torch.dtype, alloc: Alloc, first: int):
+        self.group = group
+        self.caps = caps
+        self.caps_key = caps.tobytes()  # compared for every request at every step: bytes are cheap
+        self.width = width
+        self.dtype = dtype
+        self.alloc = alloc
+        self.chunks: list[torch.Tensor] = []
+        self.rows = 0                  # rows written
+        self.room = 0                  # rows allocated
+        self.failed: str | None = None  # why it stopped capturing (no room to grow)
+        # The first allocation is made now, when the request is admitted, so that no room for it
+        # is an error of this request before it runs (see Arena).
+        self._grow(first)
+        self.first = first             # rows of the first allocation
+
+    def _grow(self, rows: int) -> None:
+        chunk = self.alloc(rows, self.caps.size, self.width, self.dtype)
+        self.chunks.append(chunk)
+        self._last_base = self.room                       # first row of the last chunk
+        self._last_flat = chunk.view(-1, self.width)      # it as `[rows * captures, width]`
+        self.room += rows
+
+    def reserve(self, n: int) -> list[torch.Tensor]:
+        """Where the next n rows go: views `[rows_i * captures, width]` of the chunks, in order
+        (two when they straddle a chunk boundary). This runs for every capturing request at
+        every step: the usual case, rows that fit in the last chunk, is one slice."""
+        k = self.caps.size
+        if self._last_base <= self.rows and self.rows + n <= self.room:
+            lo = (self.rows - self._last_base) * k
+            self.rows += n
+            return [self._last_flat[lo: lo + n * k]]
+        if self.failed is not None:
+            return []
+        if self.room - self.rows < n:
+            try:
+                self._grow(max(n - (self.room - self.rows), GROW_ROWS))
+            except RequestError as e:
+                # Its request fails at collect; the others' copies of this step go on. It never
+                # captures again (a later row after a gap would sit at the wrong position), and
+                # room = rows keeps every later call off the fast path above.
+                self.failed, self.room = str(e), self.rows
+                return []
+        out, start, left = [], self.rows, n
+        base = 0
+        for chunk in self.chunks:
+            lo, hi = max(start - base, 0), min(start + left - base, chunk.shape[0])
+            if lo < hi:
+                out.append(chunk[lo:hi].view(-1, self.width))
+                start, left = start + hi - lo, left - (hi - lo)
+            base += chunk.shape[0]
+            if left == 0:
+                break
+        self.rows += n
+        return out
+
+    def filled(self) -> list[tuple[torch.Tensor, int]]:
+        """Every chunk, with how many of its rows are written (0 for a chunk never reached)."""
+        out, left = [], self.rows
+        for chunk in self.chunks:
+            out.append((chunk, min(left, chunk.shape[0])))
+            left -= out[-1][1]
+        return out
