@@ -93,7 +93,12 @@ class RankShard:
 
 @dataclass(frozen=True)
 class PointShard:
-    """A point under tensor parallel size `tp` and pipeline parallel size `pp`."""
+    """A point under tensor parallel size `tp` and pipeline parallel size `pp`.
+
+    `width` is per token. For a per-head norm (Qwen3's q_norm / k_norm, which see [tokens,
+    heads, head_dim]) it is heads x head_dim: the runs address the token's heads laid side by
+    side, while the plan sizes those points one head per row.
+    """
 
     key: str
     layout: str                     # one of the layouts above
@@ -126,8 +131,9 @@ class PointShard:
 
 def shard_points(tree: ModuleTree, points, dims: ModelDims, *, tp: int = 1, pp: int = 1,
                  pp_partition: str | None = None) -> dict[str, PointShard]:
-    """Each point's (a `Point` or its key) layout and stage. `pp_partition` is vLLM's
-    VLLM_PP_LAYER_PARTITION (read from the environment when None)."""
+    """Each point's (a `Point` or its key, as resolved by the plan) layout and stage.
+    `pp_partition` is vLLM's VLLM_PP_LAYER_PARTITION (read from the environment when None;
+    "" for vLLM's even split)."""
     _check_sizes(tree, dims, tp, pp)
     stages = pp_stages(tree.num_layers, pp, pp_partition)
     out = {}
@@ -173,6 +179,21 @@ def global_columns(shard: PointShard, rank: int):
     index = np.empty(part.local_width, dtype=np.int64)
     for dst, src, n in part.holds:
         index[src:src + n] = np.arange(dst, dst + n)
+    return index
+
+
+def gather_index(shard: PointShard):
+    """numpy int array over the single-GPU columns: where each one is in the ranks' local
+    tensors concatenated rank after rank (what an all-gather on the last dim returns), taken
+    from its writer. `gathered[:, gather_index(shard)]` is the whole tensor (a block's view)."""
+    if shard.refused:
+        raise PlanError(shard.refused)
+    index = np.empty(shard.width, dtype=np.int64)
+    offset = 0
+    for part in shard.ranks:
+        for dst, src, n in part.writes:
+            index[dst:dst + n] = np.arange(offset + src, offset + src + n)
+        offset += part.local_width
     return index
 
 
@@ -268,14 +289,16 @@ def _layout(tree: ModuleTree, dims: ModelDims, point: Point, tp: int) -> tuple[s
         layout, width = REPLICATED, node.out_width
     else:
         layout, width = _module_layout(tree, dims, node, point.site)
-    if tp == 1 and width is not None:  # one rank holds everything: nothing to refuse
+    if width is None:
+        raise PlanError(f"{point.key}: not a tappable point (tapc knows no width for it)")
+    if tp == 1:  # one rank holds everything: nothing to refuse
         return REPLICATED, width, None
     moe = _moe_block(tree, node)
     if moe is not None and node.path != moe and node.cls != "ReplicatedLinear":
-        return REFUSED, width or 0, (f"{point.key} is inside the mixture-of-experts block {moe}, whose experts hold "
+        return REFUSED, width, (f"{point.key} is inside the mixture-of-experts block {moe}, whose experts hold "
                                      f"partial sums under tensor parallelism; tap {moe}.output instead")
-    if layout is None or width is None:
-        return REFUSED, width or 0, (f"{point.key}: tapc has no tensor-parallel layout for this point "
+    if layout is None:
+        return REFUSED, width, (f"{point.key}: tapc has no tensor-parallel layout for this point "
                                      f"({node.cls}); tap {_replicated_neighbour(point.key)} instead")
     return layout, width, None
 

@@ -12,8 +12,8 @@ import torch
 
 from tapc.errors import PlanError
 from tapc.plan import Point
-from tapc.sharding import REFUSED, REPLICATED, ModelDims, global_columns, local_columns, local_vector, \
-    parse_key, pp_stages, shard_points
+from tapc.sharding import REFUSED, REPLICATED, ModelDims, gather_index, global_columns, local_columns, \
+    local_vector, parse_key, pp_stages, shard_points
 from tapc.tree import load_tree
 
 from conftest import CONFIGS
@@ -255,6 +255,8 @@ def test_captures_land_in_the_single_gpu_layout(models, name, tp):
         host, written = _place(shard, locals_)
         assert (written == 1).all(), f"{key}: columns written {sorted(set(written.tolist()))} times"
         torch.testing.assert_close(host, whole, msg=lambda m: f"{key} ({shard.layout}): {m}")
+        gathered = torch.cat(locals_, dim=1)  # an all-gather on the last dim: rank after rank
+        torch.testing.assert_close(gathered[:, gather_index(shard)], whole, msg=lambda m: f"{key} gathered: {m}")
         for r, local in enumerate(locals_):  # holds: every local column is the column it names
             torch.testing.assert_close(local, whole[:, global_columns(shard, r)], msg=lambda m: f"{key} rank {r}: {m}")
 
@@ -399,3 +401,7 @@ def test_results_are_plain_data(models):
         assert parse_key(key).key == key
     with pytest.raises(PlanError, match="not a point key"):
         parse_key("model.layers.0.mlp")
+    with pytest.raises(PlanError, match="rotary_emb.output: not a tappable point"):
+        shard_points(tree, [f"{LAYER}.self_attn.rotary_emb.output"], dims, tp=2)
+    with pytest.raises(PlanError, match="no module 'model.layers.0.mlp.up'"):
+        shard_points(tree, [f"{LAYER}.mlp.up.output"], dims, tp=2)
