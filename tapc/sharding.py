@@ -39,8 +39,9 @@ QKV = "qkv"                # QKVParallelLinear output: per rank [q_r | k_r | v_r
 GATE_UP = "gate_up"        # MergedColumnParallelLinear output: per rank [gate_r | up_r]
 REFUSED = "refused"        # no layout tapc can name (see PointShard.refused)
 
-LOCAL_EDITS = ("add", "scale", "set", "zero")   # each rank edits its own columns
-WHOLE_ROW_EDITS = ("project_out",)              # a dot over the whole row: needs every rank's columns
+# add, scale, set and zero act column by column: each rank edits its own (local_vector,
+# local_columns). These need the whole row, so every rank's columns:
+WHOLE_ROW_EDITS = ("project_out",)
 
 
 class Run(NamedTuple):
