@@ -14,7 +14,7 @@ from tapc.errors import PlanError
 from tapc.plan import Point
 from tapc.sharding import REFUSED, REPLICATED, ModelDims, gather_index, global_columns, local_columns, \
     local_vector, parse_key, pp_stages, shard_points
-from tapc.tree import load_tree
+from tapc.tree import ModuleTree, Node, SourceOp, load_tree
 
 from conftest import CONFIGS
 
@@ -23,7 +23,11 @@ ODD = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_siz
        "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 16, "num_hidden_layers": 5,
        "vocab_size": 320, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
        "torch_dtype": "bfloat16", "hidden_act": "silu", "tie_word_embeddings": False}
-CASES = [("llama", 2), ("llama", 4), ("llama", 8), ("qwen3", 2), ("qwen3", 4), ("odd", 3), ("odd", 6)]
+# More head shapes on a one-layer tree written here like vLLM's Llama tree (the real trees above
+# hold the same nodes): MQA, 2 kv heads on 4 ranks, 4 kv heads per rank, 16 ranks.
+SHAPES = {"mqa": (8, 1, 16), "kv2": (12, 2, 8), "kv8": (16, 8, 8), "wide": (32, 8, 4)}  # heads, kv, head_dim
+CASES = [("llama", 2), ("llama", 4), ("llama", 8), ("qwen3", 2), ("qwen3", 4), ("odd", 3), ("odd", 6),
+         ("mqa", 2), ("mqa", 4), ("kv2", 4), ("kv8", 2), ("kv8", 8), ("wide", 16)]
 LAYER = "model.layers.0"
 
 
@@ -36,7 +40,33 @@ def models(tmp_path_factory):
     for name, path in (("llama", CONFIGS / "llama"), ("qwen3", CONFIGS / "qwen3"), ("odd", odd)):
         config = json.loads((path / "config.json").read_text())
         out[name] = (load_tree(str(path)), config, ModelDims.from_config(config))
+    for name, (heads, kv, hd) in SHAPES.items():
+        config = {**ODD, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+                  "hidden_size": 64, "intermediate_size": 16 * 12, "num_hidden_layers": 1}
+        out[name] = (_llama_tree(config), config, ModelDims.from_config(config))
     return out
+
+
+def _llama_tree(c: dict) -> ModuleTree:
+    """Layer 0 of vLLM's Llama tree (as `tapc.tree` records it) for the config `c`."""
+    H, I, q, kv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"] * c["head_dim"], \
+        c["num_key_value_heads"] * c["head_dim"]
+    split = SourceOp("qkv_split_0", "qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)", 1, (q, kv, kv),
+                     q + 2 * kv)
+
+    def node(path, cls, output, w_in, w_out, ops=()):
+        return Node(f"{LAYER}{path}", cls, output, w_in, w_out, layer=0, source_ops=ops)
+
+    nodes = (Node("model", "LlamaModel", "tensor", H, H), Node("model.layers", "ModuleList", "none", None, None),
+             node("", "LlamaDecoderLayer", "pair", H, H), node(".self_attn", "LlamaAttention", "tensor", H, H, (split,)),
+             node(".self_attn.qkv_proj", "QKVParallelLinear", "linear", H, q + 2 * kv),
+             node(".self_attn.attn", "Attention", "tensor", q, q),
+             node(".self_attn.o_proj", "RowParallelLinear", "linear", q, H), node(".mlp", "LlamaMLP", "tensor", H, H),
+             node(".mlp.gate_up_proj", "MergedColumnParallelLinear", "linear", H, 2 * I),
+             node(".mlp.act_fn", "SiluAndMul", "tensor", 2 * I, I),
+             node(".mlp.down_proj", "RowParallelLinear", "linear", I, H))
+    return ModuleTree(model="fake", architecture="LlamaForCausalLM", hidden_size=H, num_layers=1, vocab_size=64,
+                      dtype="bfloat16", layers_path="model.layers", vllm_version="", nodes=nodes)
 
 
 # ----------------------------------------------------------------------------- fake shards
