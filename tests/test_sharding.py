@@ -435,3 +435,25 @@ def test_results_are_plain_data(models):
         shard_points(tree, [f"{LAYER}.self_attn.rotary_emb.output"], dims, tp=2)
     with pytest.raises(PlanError, match="no module 'model.layers.0.mlp.up'"):
         shard_points(tree, [f"{LAYER}.mlp.up.output"], dims, tp=2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen2_moe"])
+def test_every_point_of_a_tree_gets_a_layout_or_says_what_to_tap(trees, arch):
+    tree = trees(arch)
+    dims = ModelDims.of_model(str(CONFIGS / arch))
+    keys = _tree_points(tree, "model") + ["logits", "samples"]
+    assert all(s.layout == REPLICATED for s in shard_points(tree, keys, dims, tp=1).values())
+    at2 = shard_points(tree, keys, dims, tp=2)
+    for key, s in at2.items():
+        if s.refused:
+            assert s.layout == REFUSED and not s.ranks and " instead" in s.refused and ".output" in s.refused, s.refused
+            continue
+        written = np.zeros(s.width, dtype=int)
+        for part in s.ranks:
+            for dst, _, n in part.writes:
+                written[dst:dst + n] += 1
+            held = global_columns(s, part.rank).tolist()
+            assert len(set(held)) == len(held) == part.local_width, key
+        assert (written == 1).all(), key
+    refused = {k for k, s in at2.items() if s.refused}
+    assert all(".mlp." in k for k in refused) and bool(refused) == (arch == "qwen2_moe")
