@@ -13,8 +13,9 @@ The layouts follow vLLM 0.26 (`model_executor/layers/linear.py`, `models/llama.p
 whole tensor; with fewer kv heads than ranks, kv head h lives on ranks h*R .. h*R+R-1
 (R = N / kv heads). A row-parallel linear's output is all-reduced: replicated again.
 
-Python and numpy only at import (no torch, no vLLM): `tapc explain` uses it without a GPU. The engine
-wiring (which rank copies what, edits per rank) is designed in docs/distributed.md.
+Python and numpy only at import (no torch, no vLLM), so the plan and `tapc explain` can use it
+without a GPU. Nothing calls it yet: the engine wiring (which rank copies what, edits per rank)
+is designed in docs/distributed.md.
 """
 from __future__ import annotations
 

@@ -457,3 +457,26 @@ def test_every_point_of_a_tree_gets_a_layout_or_says_what_to_tap(trees, arch):
         assert (written == 1).all(), key
     refused = {k for k, s in at2.items() if s.refused}
     assert all(".mlp." in k for k in refused) and bool(refused) == (arch == "qwen2_moe")
+
+
+def test_bad_input_is_refused_by_name(models, trees):
+    tree, _, dims = models["qwen3"]
+    qkv = f"{LAYER}.self_attn.qkv_proj.output"
+    with pytest.raises(PlanError, match="tensor_parallel_size=0, pipeline_parallel_size=1: both must be at least 1"):
+        shard_points(tree, [qkv], dims, tp=0)
+    with pytest.raises(PlanError, match="a `.source` key reads <module>.source.<op>.input|output"):
+        parse_key(f"{LAYER}.self_attn.source.qkv_split_0")
+    with pytest.raises(PlanError, match="no `.source` op 'qkv_split_9' in Qwen3Attention.forward"):
+        shard_points(tree, [f"{LAYER}.self_attn.source.qkv_split_9.output[0]"], dims, tp=2)
+    shard = shard_points(tree, [qkv], dims, tp=2)[qkv]
+    with pytest.raises(PlanError, match=r"qkv_proj.output: a vector of 511 numbers for a point 512 wide"):
+        local_vector(shard, 0, np.zeros(511))
+    with pytest.raises(PlanError, match="column 512 is past the point's width 512"):
+        local_columns(shard, 1, [3, 512])
+    moe_tree = trees("qwen2_moe")
+    moe_dims = ModelDims.of_model(str(CONFIGS / "qwen2_moe"))
+    inside = f"{LAYER}.mlp.shared_expert.act_fn.output"
+    refused = shard_points(moe_tree, [inside], moe_dims, tp=2)[inside]
+    for use in (global_columns, lambda s, r: local_vector(s, r, np.zeros(s.width)), lambda s, r: gather_index(s)):
+        with pytest.raises(PlanError, match="inside the mixture-of-experts block"):
+            use(refused, 0)
