@@ -58,7 +58,8 @@ def _llama_tree(c: dict) -> ModuleTree:
         return Node(f"{LAYER}{path}", cls, output, w_in, w_out, layer=0, source_ops=ops)
 
     nodes = (Node("model", "LlamaModel", "tensor", H, H), Node("model.layers", "ModuleList", "none", None, None),
-             node("", "LlamaDecoderLayer", "pair", H, H), node(".self_attn", "LlamaAttention", "tensor", H, H, (split,)),
+             node("", "LlamaDecoderLayer", "pair", H, H),
+             node(".self_attn", "LlamaAttention", "tensor", H, H, (split,)),
              node(".self_attn.qkv_proj", "QKVParallelLinear", "linear", H, q + 2 * kv),
              node(".self_attn.attn", "Attention", "tensor", q, q),
              node(".self_attn.o_proj", "RowParallelLinear", "linear", q, H), node(".mlp", "LlamaMLP", "tensor", H, H),
@@ -87,7 +88,8 @@ class Layer:
         def w(*shape):
             return torch.randn(*shape, generator=g, dtype=torch.float64) / shape[-1] ** 0.5
 
-        self.wq, self.wk, self.wv = w(self.nh * self.hd, self.H), w(self.kv * self.hd, self.H), w(self.kv * self.hd, self.H)
+        self.wq = w(self.nh * self.hd, self.H)
+        self.wk, self.wv = w(self.kv * self.hd, self.H), w(self.kv * self.hd, self.H)
         self.wo = w(self.H, self.nh * self.hd)
         self.wg, self.wu, self.wd = w(self.inter, self.H), w(self.inter, self.H), w(self.H, self.inter)
         self.n_in, self.n_post = 1 + 0.1 * w(self.H), 1 + 0.1 * w(self.H)
@@ -386,7 +388,8 @@ def test_points_inside_a_moe_block_are_refused_with_the_block_to_tap(trees):
     keys = [inside, f"{LAYER}.mlp.output", f"{LAYER}.mlp.gate.output", f"{LAYER}.self_attn.qkv_proj.output"]
     s = shard_points(tree, keys, dims, tp=2)
     assert s[inside].layout == REFUSED and s[inside].refusal("add") == s[inside].refused
-    assert f"mixture-of-experts block {LAYER}.mlp" in s[inside].refused and f"tap {LAYER}.mlp.output" in s[inside].refused
+    assert f"mixture-of-experts block {LAYER}.mlp" in s[inside].refused
+    assert f"tap {LAYER}.mlp.output" in s[inside].refused
     assert [s[k].layout for k in keys[1:]] == [REPLICATED, REPLICATED, "qkv"]
     assert shard_points(tree, [inside], dims, tp=1)[inside].layout == REPLICATED  # one GPU: no sums to miss
 
