@@ -7,8 +7,8 @@ from engine_toy import INTER, toy_plan
 
 from tapc.edits import EDITS, MAX_COLUMNS
 from tapc.engine.buffers import ParamTables
-from tapc.engine.requests import TapRequest, to_wire
-from tapc.engine.tables import Layout
+from tapc.engine.requests import TapRequest, check
+from tapc.engine.layout import Layout
 from tapc.kernels import ops  # noqa: F401  registers torch.ops.tapc.*
 
 POINT = "model.layers.1.mlp.up_proj.output"   # INTER wide
@@ -57,8 +57,8 @@ def test_op_on_written_slots_equals_the_edits_meaning(action, params, values):
     (tap,) = layout.edits
     tables = ParamTables(layout.edits, 4, torch.device("cpu"))
     slot = 2
-    wire = to_wire(plan, TapRequest(params=params), "r")
-    tables.write(slot, [0] if params else [], wire["params"])
+    ask = check(plan, TapRequest(params=params), "r")
+    tables.write(slot, [0] if params else [], ask.params)
     x = torch.randn(6, INTER)
     rows = torch.tensor([slot, -1, slot, slot, -1, slot if params else 0], dtype=torch.int32)
     op = EDITS[tap.action]
@@ -83,8 +83,8 @@ def test_every_edit_op_lands_in_one_compiled_graph():
     plan = toy_plan(taps)
     layout = Layout(plan)
     buffers = ToyBuffers(layout, 64, 8)
-    wire = to_wire(plan, TapRequest(params={"v": V[:16], "a": 2.0, "w": [3.0, 4.0], "c": [0, 5]}), "r")
-    buffers.params.write(1, list(range(len(layout.edits))), wire["params"])
+    ask = check(plan, TapRequest(params={"v": V[:16], "a": 2.0, "w": [3.0, 4.0], "c": [0, 5]}), "r")
+    buffers.params.write(1, list(range(len(layout.edits))), ask.params)
     buffers.table[len(layout.captures):, :5] = 1
     model = ToyModel()
     install(model, layout, buffers)

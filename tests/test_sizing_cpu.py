@@ -6,7 +6,7 @@ from engine_toy import HIDDEN, VOCAB, toy_plan, toy_tree
 
 from tapc.edits import EDITS
 from tapc.engine.buffers import Buffers
-from tapc.engine.tables import Layout
+from tapc.engine.layout import Layout
 from tapc.planner import build_plan
 from tapc.sizing import param_slots
 
@@ -73,16 +73,16 @@ def test_parameter_tables_are_shared_by_name_and_hold_the_literals(cpu_uva):
 
 
 def test_a_request_value_goes_into_its_slot_as_the_op_reads_it(cpu_uva):
-    from tapc.engine.requests import TapRequest, to_wire
+    from tapc.engine.requests import TapRequest, check
 
     plan = toy_plan(TAPS, rows=16, slots=3)
     layout = Layout(plan)
     buffers = Buffers(layout, 16, 3, 2, torch.device("cpu"))
     rng = np.random.default_rng(0)
     steer = rng.normal(size=HIDDEN)
-    wire = to_wire(plan, TapRequest(params={"steer": steer, "a": 2.5, "cols": [3, 0, 7]}), "r")
-    edits = [e for e, names in enumerate(layout.edit_params) if names and all(n in wire["params"] for n in names)]
-    buffers.params.write(4, edits, wire["params"])
+    ask = check(plan, TapRequest(params={"steer": steer, "a": 2.5, "cols": [3, 0, 7]}), "r")
+    edits = [e for e, names in enumerate(layout.edit_params) if names and all(n in ask.params for n in names)]
+    buffers.params.write(4, edits, ask.params)
     t = {layout.edits[e].action: buffers.params.tables[e] for e in edits}
     np.testing.assert_allclose(t["add"]["vector"][4].numpy(), steer.astype(np.float32))
     assert t["add"]["alpha"][4].item() == 2.5

@@ -37,7 +37,7 @@ class Buffers:
         self.slots = param_slots(seqs)
         k = layout.num_tables
         self.table = torch.full((k, rows), -1, dtype=torch.int32, device=device)
-        self._uva = [_UvaTable(k * rows) for _ in range(max(depth, 2))]
+        self._uva = [_UvaTable(k * rows, device) for _ in range(max(depth, 2))]
         self._next = 0
         self.pools = [torch.zeros(len(g.caps) * rows, g.width, dtype=getattr(torch, g.dtype), device=device)
                       for g in layout.groups]
@@ -95,14 +95,18 @@ class Buffers:
 class _UvaTable:
     """Pinned host int32 memory (`np`, the host fills it) and its device view (`uva`, read by one
     copy kernel), through vLLM's general UVA utility rather than a runner's buffer class, so any
-    runner adapter uses the same upload."""
+    runner adapter uses the same upload. On a CPU device (tests) the host memory is the table."""
 
-    def __init__(self, n: int):
-        from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
-
-        self.cpu = torch.zeros(n, dtype=torch.int32, pin_memory=True)
+    def __init__(self, n: int, device: torch.device):
+        cuda = device.type == "cuda"
+        self.cpu = torch.zeros(n, dtype=torch.int32, pin_memory=cuda)
         self.np = self.cpu.numpy()
-        self.uva = get_accelerator_view_from_cpu_tensor(self.cpu)
+        if cuda:
+            from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor
+
+            self.uva = get_accelerator_view_from_cpu_tensor(self.cpu)
+        else:
+            self.uva = self.cpu
 
 
 class ParamTables:
