@@ -9,6 +9,7 @@ disk by config, vLLM version and this file's contents.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -25,6 +26,7 @@ from pathlib import Path
 from tapc.errors import ResolveError
 
 CACHE_DIR = Path(os.environ.get("TAPC_CACHE", Path.home() / ".cache" / "tapc")) / "trees"
+EXIT_REFUSED = 3  # the tree builder's exit status for a config vLLM refuses (its stderr's last line says why)
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,12 @@ class Node:
     """One module of the tree.
 
     output: "tensor" | "linear" (returns (out, bias): `.output` is `out`) | "pair" (a decoder
-    layer's (hidden_states, residual)) | "norm" (tensor, or (tensor, residual) when called with a
-    residual) | "tuple" (several tensors, e.g. rotary (q, k)) | "none" (not tappable: token ids in,
-    or not called in the forward).
+    layer's (hidden_states, residual)) | "norm" (a norm its caller gives a residual: returns
+    (normed, residual); a norm called without one is a "tensor") | "heads" (called on a per-head
+    view [tokens, heads, head_dim], e.g. Qwen3's q_norm: no [tokens, width] rows to tap) |
+    "tuple" (several tensors, e.g. rotary (q, k)) | "none" (not tappable: token ids in, or not
+    called in the forward). The kind is per call site: vLLM calls layer 0's input_layernorm
+    without a residual and the others' with one, so the two nodes differ.
     """
 
     path: str
@@ -122,16 +127,42 @@ def config_path(model: str) -> Path:
                        "cache (tapc builds trees offline: give a local directory with config.json)")
 
 
+MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few kB; refuse to parse anything near this
+
+
+def check_config(cfg: Path) -> dict:
+    """config.json as a mapping that names its architecture, or a ResolveError naming the file and field.
+    Cheap: runs before anything imports vLLM."""
+    if cfg.stat().st_size > MAX_CONFIG_BYTES:
+        raise ResolveError(f"{cfg}: {cfg.stat().st_size} bytes, too large for a model config (at most {MAX_CONFIG_BYTES})")
+    try:
+        data = json.loads(cfg.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+        raise ResolveError(f"{cfg}: not valid JSON{where}: {getattr(e, 'msg', e)}") from None
+    if not isinstance(data, dict):
+        raise ResolveError(f"{cfg}: a model config is a JSON object, not {type(data).__name__}")
+    archs = data.get("architectures")
+    if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
+        raise ResolveError(f"{cfg}: field `architectures` is {'missing' if archs is None else repr(archs)}; it names "
+                           'the model class vLLM builds, e.g. "architectures": ["LlamaForCausalLM"]')
+    return data
+
+
 def load_tree(model: str) -> ModuleTree:
     """The module tree of `model`, from the disk cache or built in a child process."""
     cfg = config_path(model)
+    check_config(cfg)
     key = hashlib.sha256(cfg.read_bytes() + _vllm_version().encode() + Path(__file__).read_bytes()).hexdigest()[:20]
     cached = CACHE_DIR / f"{key}.json"
     if cached.is_file():
         return dataclasses.replace(ModuleTree.from_json(cached.read_text()), model=model)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "tapc.tree", str(cfg.parent)], capture_output=True,
-                          text=True, env=env)
+    with _status(f"building vLLM's module tree for {model} on the meta device (once per config; cached)"):
+        proc = subprocess.run([sys.executable, "-m", "tapc.tree", str(cfg.parent)], capture_output=True,
+                              text=True, env=env)
+    if proc.returncode == EXIT_REFUSED:  # the child's own one-line verdict (an architecture vLLM lacks)
+        raise ResolveError(proc.stderr.strip().splitlines()[-1])
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
         raise ResolveError(f"could not build vLLM's module tree for {model}:\n{tail}")
@@ -147,6 +178,41 @@ def _vllm_version() -> str:
     from importlib.metadata import version
 
     return version("vllm")
+
+
+def engine_arg_names() -> list[str]:
+    """vLLM's EngineArgs field names, cached beside the trees by vLLM version: importing vLLM to
+    read them costs seconds, and `tapc explain SPEC` checks a spec's `engine:` keys every run.
+    Empty when vLLM is not installed (the engine checks when it starts)."""
+    try:
+        version = _vllm_version()
+    except Exception:  # importlib.metadata.PackageNotFoundError: no vLLM here
+        return []
+    cached = CACHE_DIR / f"engine-args-{version}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    with _status("reading vLLM's engine arguments (once per vLLM version; cached)"):
+        from vllm.engine.arg_utils import EngineArgs
+
+        names = [f.name for f in dataclasses.fields(EngineArgs)]
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(names))
+    tmp.replace(cached)
+    return names
+
+
+@contextlib.contextmanager
+def _status(what: str):
+    """Say on stderr what a slow first step is doing: a spinner on a terminal, one line elsewhere."""
+    if not sys.stderr.isatty():
+        print(f"tapc: {what} ...", file=sys.stderr, flush=True)
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(f"tapc: {what}"):
+        yield
 
 
 # ----------------------------------------------------------------------------- building (child process)
@@ -168,6 +234,9 @@ def build_tree(model_dir: str) -> ModuleTree:
             continue
         layer = next((layer_of[id(m)] for p, m in _ancestors(model, path) if id(m) in layer_of), None)
         output, w_in, w_out = widths.of(mod, path, model, id(mod) in layer_of)
+        if output == "norm":
+            output = _norm_kind(model, path, layer)
+            w_in = None if output == "heads" else w_in
         nodes.append(Node(path=path, cls=type(mod).__name__, output=output, in_width=w_in, out_width=w_out,
                           layer=layer, source_ops=_source_ops(mod, model, path, widths)))
     arch = (getattr(hf, "architectures", None) or [type(model).__name__])[0]
@@ -175,6 +244,59 @@ def build_tree(model_dir: str) -> ModuleTree:
     return ModuleTree(model=model_dir, architecture=arch, hidden_size=hidden, num_layers=len(layers),
                       vocab_size=int(getattr(hf, "vocab_size", 0)), dtype=dtype.replace("torch.", ""),
                       layers_path=layers_path, vllm_version=_vllm_version(), nodes=tuple(nodes))
+
+
+def _norm_kind(model, path: str, layer: int | None) -> str:
+    """What a norm returns where its caller calls it: "norm" (normed, residual) when called with a
+    residual, "tensor" without, "heads" on a per-head view. vLLM's decoder layers call their first
+    norm under `if residual is None:` without one, and the stack starts with residual None: so
+    that norm returns one tensor in layer 0 and a pair in the others."""
+    parent_path, _, attr = path.rpartition(".")
+    sites = _call_sites(type(model.get_submodule(parent_path)) if parent_path else type(model), attr)
+    if not sites:
+        return "tensor"  # not called where we can read it: refuse elements rather than guess
+    if any(s.per_head for s in sites):
+        return "heads"
+    if all(s.args >= 2 for s in sites):
+        return "norm"
+    if all(s.args == 1 for s in sites):
+        return "tensor"
+    guarded = all(s.under_none_check for s in sites if s.args == 1)
+    return ("tensor" if layer == 0 else "norm") if guarded and layer is not None else "tensor"
+
+
+@dataclass(frozen=True)
+class _CallSite:
+    args: int                 # arguments passed (positional and keyword)
+    under_none_check: bool    # inside the body of an `if X is None:`
+    per_head: bool            # its first argument was made by `.view(...)`/`.reshape(...)` with more dims
+
+
+def _call_sites(cls, attr: str) -> list[_CallSite]:
+    """Every `self.<attr>(...)` in `cls.forward`."""
+    found = forward_calls(cls)
+    if found is None:
+        return []
+    fn, _, _ = found
+    guarded: set[int] = set()
+    for node in ast.walk(fn):
+        test = getattr(node, "test", None)
+        if isinstance(node, ast.If) and isinstance(test, ast.Compare) and len(test.ops) == 1 \
+                and isinstance(test.ops[0], ast.Is) and isinstance(test.comparators[0], ast.Constant) \
+                and test.comparators[0].value is None:
+            guarded.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    reshaped = {t.id for node in ast.walk(fn) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Attribute) and node.value.func.attr in ("view", "reshape", "unflatten")
+                and (len(node.value.args) >= 3 or any(isinstance(a, ast.Starred) for a in node.value.args))
+                for t in node.targets if isinstance(t, ast.Name)}
+    sites = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
+            first = node.args[0] if node.args else None
+            sites.append(_CallSite(args=len(node.args) + len(node.keywords), under_none_check=id(node) in guarded,
+                                   per_head=isinstance(first, ast.Name) and first.id in reshaped))
+    return sites
 
 
 def _meta_model(model_dir: str):
@@ -343,8 +465,29 @@ def _call_widths(mod, model, path: str, call: ast.Call, widths: _Widths):
     return None, None, False
 
 
+def _check_architecture(model_dir: str) -> None:
+    """An architecture vLLM has no model class for, said in one line (vLLM's own error is a page)."""
+    from vllm.model_executor.models import ModelRegistry
+
+    cfg = Path(model_dir) / "config.json"
+    archs = check_config(cfg)["architectures"]
+    supported = ModelRegistry.get_supported_archs()
+    if not any(a in supported for a in archs):
+        import difflib
+
+        near = difflib.get_close_matches(archs[0], list(supported), n=3)
+        hint = f"; did you mean {', '.join(near)}?" if near else ""
+        raise ResolveError(f"{cfg}: field `architectures` is {archs}: vLLM {_vllm_version()} has no model class "
+                           f"for {'it' if len(archs) == 1 else 'them'}{hint}")
+
+
 if __name__ == "__main__":
     import logging
 
     logging.disable(logging.WARNING)
+    try:
+        _check_architecture(sys.argv[1])
+    except ResolveError as e:
+        print(e, file=sys.stderr)
+        sys.exit(EXIT_REFUSED)
     print(build_tree(sys.argv[1]).to_json())
