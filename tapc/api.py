@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from tapc.engine.arena import ArenaReader
-from tapc.engine.config import engine_kwargs
+from tapc.engine.config import engine_kwargs, require_cuda
 from tapc.engine.requests import TapRequest, to_wire
 from tapc.engine.tables import expected_rows
 from tapc.errors import EngineError, RequestError, TapcError
@@ -45,6 +45,7 @@ class VLLM:
 
     def __init__(self, model: str, taps: Sequence[str], *, blocks: dict | None = None, params: dict | None = None,
                  capture_dtype: str | None = None, **kwargs):
+        require_cuda()
         from vllm import LLM
 
         kwargs.setdefault("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)

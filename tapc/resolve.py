@@ -233,7 +233,7 @@ def _source_point(spec: TapSpec, where: str, node: Node) -> tuple[Point, int]:
     if spec.op not in ops:
         near = difflib.get_close_matches(spec.op, list(ops), n=3, cutoff=0.5)
         hint = f" did you mean {_listing(near)}?" if near else ""
-        raise ResolveError(f"{where}: no `.source` op {spec.op!r} in {node.cls}.forward.{hint} "
+        raise ResolveError(f"{where}: no `.source` op {spec.op!r} that runs in {node.cls}.forward here.{hint} "
                            f"Its ops are: {', '.join(ops) or 'none'}")
     op = ops[spec.op]
     point = Point(node.path, "source", op=op.name, io=spec.io, element=spec.element)

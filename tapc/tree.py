@@ -237,8 +237,9 @@ def build_tree(model_dir: str) -> ModuleTree:
         if output == "norm":
             output = _norm_kind(model, path, layer)
             w_in = None if output == "heads" else w_in
+        ops = _source_ops(mod, model, path, widths, layer_of.get(id(mod)))
         nodes.append(Node(path=path, cls=type(mod).__name__, output=output, in_width=w_in, out_width=w_out,
-                          layer=layer, source_ops=_source_ops(mod, model, path, widths)))
+                          layer=layer, source_ops=ops))
     arch = (getattr(hf, "architectures", None) or [type(model).__name__])[0]
     dtype = str(getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None) or torch.bfloat16)
     return ModuleTree(model=model_dir, architecture=arch, hidden_size=hidden, num_layers=len(layers),
@@ -272,23 +273,37 @@ class _CallSite:
     per_head: bool            # its first argument was made by `.view(...)`/`.reshape(...)` with more dims
 
 
+def _none_branches(fn: ast.FunctionDef) -> tuple[set[int], set[int]]:
+    """ids of the AST nodes in the bodies, and in the else branches, of `if X is None:` in `fn`."""
+    body: set[int] = set()
+    orelse: set[int] = set()
+    for node in ast.walk(fn):
+        test = getattr(node, "test", None)
+        if isinstance(node, ast.If) and isinstance(test, ast.Compare) and len(test.ops) == 1 \
+                and isinstance(test.ops[0], ast.Is) and isinstance(test.comparators[0], ast.Constant) \
+                and test.comparators[0].value is None:
+            body.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+            orelse.update(id(n) for stmt in node.orelse for n in ast.walk(stmt))
+    return body, orelse
+
+
+def _per_head_names(fn: ast.FunctionDef) -> set[str]:
+    """Names a forward assigns from a `.view`/`.reshape`/`.unflatten` into 3+ dims (a per-head view,
+    `q.view(*q.shape[:-1], heads, head_dim)`): not [tokens, width] rows."""
+    return {t.id for node in ast.walk(fn) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Attribute) and node.value.func.attr in ("view", "reshape", "unflatten")
+            and (len(node.value.args) >= 3 or any(isinstance(a, ast.Starred) for a in node.value.args))
+            for t in node.targets if isinstance(t, ast.Name)}
+
+
 def _call_sites(cls, attr: str) -> list[_CallSite]:
     """Every `self.<attr>(...)` in `cls.forward`."""
     found = forward_calls(cls)
     if found is None:
         return []
     fn, _, _ = found
-    guarded: set[int] = set()
-    for node in ast.walk(fn):
-        test = getattr(node, "test", None)
-        if isinstance(node, ast.If) and isinstance(test, ast.Compare) and len(test.ops) == 1 \
-                and isinstance(test.ops[0], ast.Is) and isinstance(test.comparators[0], ast.Constant) \
-                and test.comparators[0].value is None:
-            guarded.update(id(n) for stmt in node.body for n in ast.walk(stmt))
-    reshaped = {t.id for node in ast.walk(fn) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
-                and isinstance(node.value.func, ast.Attribute) and node.value.func.attr in ("view", "reshape", "unflatten")
-                and (len(node.value.args) >= 3 or any(isinstance(a, ast.Starred) for a in node.value.args))
-                for t in node.targets if isinstance(t, ast.Name)}
+    guarded, _ = _none_branches(fn)
+    reshaped = _per_head_names(fn)
     sites = []
     for node in ast.walk(fn):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr \
@@ -430,23 +445,31 @@ def forward_calls(cls) -> tuple[ast.FunctionDef, int, list[tuple[str, ast.Call]]
     return tree.body[0], start, named
 
 
-def _source_ops(mod, model, path: str, widths: _Widths) -> tuple[SourceOp, ...]:
-    """The calls in `type(mod).forward`, in source order, with widths where they can be known."""
+def _source_ops(mod, model, path: str, widths: _Widths, stack_index: int | None) -> tuple[SourceOp, ...]:
+    """The calls in `type(mod).forward`, in source order, with widths where they can be known. In
+    a decoder layer (`stack_index` its place in the stack), the calls under `if residual is None:`
+    run only in layer 0 and those of its `else:` only after: each layer lists the calls it runs."""
     found = forward_calls(type(mod))
     if found is None:
         return ()
-    _, start, named = found
+    fn, start, named = found
+    per_head = _per_head_names(fn)
+    first_only, later_only = _none_branches(fn) if stack_index is not None else (set(), set())
+    skip = later_only if stack_index == 0 else first_only
     ops = []
     for name, call in named:
-        out_widths, in_width, linear = _call_widths(mod, model, path, call, widths)
+        if id(call) in skip:
+            continue
+        out_widths, in_width, linear = _call_widths(mod, model, path, call, widths, per_head)
         text = ast.unparse(call)
         ops.append(SourceOp(name=name, call=text if len(text) <= 80 else text[:77] + "...",
                             line=start + call.lineno - 1, out_widths=out_widths, in_width=in_width, linear=linear))
     return tuple(ops)
 
 
-def _call_widths(mod, model, path: str, call: ast.Call, widths: _Widths):
-    """Widths of a call's output(s) and first input: submodule calls and `x.split([sizes])`."""
+def _call_widths(mod, model, path: str, call: ast.Call, widths: _Widths, per_head: set[str]):
+    """Widths of a call's output(s) and first input: submodule calls and `x.split([sizes])`. A
+    norm's call is sized as it is made: on a per-head view, unsizable; with a residual, two tensors."""
     func = call.func
     if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
         role = widths.of_child(mod, func.attr, model, path)
@@ -454,6 +477,11 @@ def _call_widths(mod, model, path: str, call: ast.Call, widths: _Widths):
             output, w_in, w_out = role
             if output in ("tuple", "none") or w_out is None:
                 return None, w_in, False
+            if output == "norm":
+                if call.args and isinstance(call.args[0], ast.Name) and call.args[0].id in per_head:
+                    return None, None, False
+                n_args = len(call.args) + len(call.keywords)
+                return ((w_out, w_out) if n_args >= 2 else (w_out,)), w_in, False
             return (w_out,), w_in, output == "linear"
     if isinstance(func, ast.Attribute) and func.attr == "split" and call.args:
         try:  # sizes are usually attributes of self: qkv.split([self.q_size, self.kv_size, self.kv_size])
