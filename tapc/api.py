@@ -22,7 +22,7 @@ import torch
 
 from tapc.engine.arena import ArenaReader
 from tapc.engine.config import engine_kwargs, require_cuda
-from tapc.engine.requests import TapRequest, to_wire
+from tapc.engine.requests import TapRequest, check_engine_params, to_wire
 from tapc.engine.tables import expected_rows
 from tapc.errors import EngineError, RequestError, TapcError
 from tapc.plan import ENGINE, TapPlan, build_plan
@@ -82,7 +82,7 @@ class VLLM:
         """Engine-wide values, checked against the plan now so a bad one fails at construction."""
         self.params = dict(params or {})
         if self.params:
-            to_wire(self.plan, TapRequest(params=self.params), "engine params")
+            check_engine_params(self.plan, self.params, "engine params")
 
     def _with_defaults(self, ask: TapRequest | None) -> TapRequest | None:
         """A request's own parameter values over the engine's."""

@@ -84,14 +84,14 @@ class Spec:
     def plan(self):
         """The spec's plan, with its `params:` checked as the engine will check them (the engine's
         own checker), so that `tapc explain` refuses what the GPU machine would."""
-        from tapc.engine.requests import TapRequest, to_wire
+        from tapc.engine.requests import check_engine_params
         from tapc.plan import build_plan
 
         plan = build_plan(self.model, self.taps, capture_dtype=self.capture.dtype,
                           max_num_batched_tokens=int(self.engine.get("max_num_batched_tokens", 8192)),
                           max_num_seqs=int(self.engine.get("max_num_seqs", 256)))
         if self.params:
-            to_wire(plan, TapRequest(params=self.param_values()), f"{self.path}: params")
+            check_engine_params(plan, self.param_values(), f"{self.path}: params")
         return plan
 
     def param_values(self) -> dict:

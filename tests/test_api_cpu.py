@@ -76,3 +76,16 @@ def test_a_bad_request_among_shared_ones_fails_before_anything_is_submitted():
     with pytest.raises(RequestError, match="request 3: .*model.layers.9.resid"):
         llm.generate([{"prompt_token_ids": [1]}] * 5, SamplingParams(max_tokens=2), taps=[good] * 3 + [bad, good])
     assert llm.llm.submitted is None
+
+
+def test_engine_params_may_bind_part_of_a_tap_and_requests_bring_the_rest():
+    """The shipped examples/steer.yaml sets only `alpha` engine-wide: `steer` comes per request."""
+    from vllm import SamplingParams
+
+    llm, _ = toy_vllm(["model.layers.1.resid | add(steer, alpha=a)"], {"a": 3.0})
+    llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=2),
+                 taps=TapRequest(params={"steer": np.ones(HIDDEN)}))
+    wire = llm.llm.submitted[0].extra_args["tapc"]
+    assert wire["params"]["a"] == 3.0 and len(wire["params"]["steer"]) == HIDDEN * 4
+    with pytest.raises(RequestError, match="engine params: parameter 'a' \\(scalar\\) must be a finite number"):
+        toy_vllm(["model.layers.1.resid | add(steer, alpha=a)"], {"a": float("nan")})
