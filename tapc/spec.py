@@ -120,7 +120,9 @@ SITES = ("output", "input", "resid", "source")  # the words that end a module po
 @lru_cache(maxsize=1)
 def _parser() -> Lark:
     grammar = resources.files("tapc.grammar").joinpath("taps.lark").read_text()
-    return Lark(grammar, start="tap", parser="lalr", propagate_positions=True)
+    # cache=True: Lark keeps the built parser in the temp folder, keyed by grammar and options;
+    # building it anew (its lexer's regex-collision check) costs about a second every process
+    return Lark(grammar, start="tap", parser="lalr", propagate_positions=True, cache=True)
 
 
 class _ToAst(Transformer):
