@@ -326,7 +326,7 @@ def _point_word_hint(text: str, at_end: bool) -> str:
         near = difflib.get_close_matches(word.group(), SITES, n=1, cutoff=0.6)
         if near:
             return f"; did you mean `{head}.{near[0]}{last[word.end():]}`?"
-    if at_end and not action and "source" not in point:
+    if at_end and not action and "source" not in point and not point.rstrip().endswith("."):
         return "; a module point ends in `.output`, `.input`, `.resid` or `.source.<op>.output`"
     return ""
 
