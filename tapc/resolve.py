@@ -25,7 +25,7 @@ def resolve_tap(spec: TapSpec, tree: ModuleTree) -> list[PlannedTap]:
         return [_engine_tap(spec, tree)]
     taps, skipped = resolve_glob(spec, tree)
     if skipped:
-        log.info("%s", _skip_note(spec, skipped))
+        log.warning("%s", _skip_note(spec, skipped))
     return taps
 
 
