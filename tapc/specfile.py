@@ -252,9 +252,9 @@ def load_tensor(ref: TensorFile):
 
 def _check_engine_args(engine: dict, name: str) -> None:
     """Engine keys must be vLLM EngineArgs fields (the installed vLLM's, cached: no vLLM import)."""
-    from tapc.tree import engine_arg_names
+    from tapc.tree import vllm_names
 
-    known = engine_arg_names() if engine else []
+    known = vllm_names().get("engine_args", []) if engine else []
     if known:  # none: no vLLM here, the engine checks when it starts
         _no_unknown(engine, known, name, "engine.")
     for key in ("max_num_batched_tokens", "max_num_seqs"):

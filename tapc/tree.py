@@ -26,7 +26,6 @@ from pathlib import Path
 from tapc.errors import ResolveError
 
 CACHE_DIR = Path(os.environ.get("TAPC_CACHE", Path.home() / ".cache" / "tapc")) / "trees"
-EXIT_REFUSED = 3  # the tree builder's exit status for a config vLLM refuses (its stderr's last line says why)
 
 
 @dataclass(frozen=True)
@@ -149,10 +148,22 @@ def check_config(cfg: Path) -> dict:
     return data
 
 
+def _check_architecture(cfg: Path, archs: list[str]) -> None:
+    """An architecture vLLM has no model class for, said in one line (vLLM's own error is a page)."""
+    supported = vllm_names().get("architectures")
+    if supported and not any(a in supported for a in archs):
+        import difflib
+
+        near = difflib.get_close_matches(archs[0], supported, n=3)
+        hint = f"; did you mean {', '.join(near)}?" if near else ""
+        raise ResolveError(f"{cfg}: field `architectures` is {archs}: vLLM {_vllm_version()} has no model class "
+                           f"for {'it' if len(archs) == 1 else 'them'}{hint}")
+
+
 def load_tree(model: str) -> ModuleTree:
     """The module tree of `model`, from the disk cache or built in a child process."""
     cfg = config_path(model)
-    check_config(cfg)
+    _check_architecture(cfg, check_config(cfg)["architectures"])
     key = hashlib.sha256(cfg.read_bytes() + _vllm_version().encode() + Path(__file__).read_bytes()).hexdigest()[:20]
     cached = CACHE_DIR / f"{key}.json"
     if cached.is_file():
@@ -161,8 +172,6 @@ def load_tree(model: str) -> ModuleTree:
     with _status(f"building vLLM's module tree for {model} on the meta device (once per config; cached)"):
         proc = subprocess.run([sys.executable, "-m", "tapc.tree", str(cfg.parent)], capture_output=True,
                               text=True, env=env)
-    if proc.returncode == EXIT_REFUSED:  # the child's own one-line verdict (an architecture vLLM lacks)
-        raise ResolveError(proc.stderr.strip().splitlines()[-1])
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
         raise ResolveError(f"could not build vLLM's module tree for {model}:\n{tail}")
@@ -180,21 +189,24 @@ def _vllm_version() -> str:
     return version("vllm")
 
 
-def engine_arg_names() -> list[str]:
-    """vLLM's EngineArgs field names, cached beside the trees by vLLM version: importing vLLM to
-    read them costs seconds, and `tapc explain SPEC` checks a spec's `engine:` keys every run.
-    Empty when vLLM is not installed (the engine checks when it starts)."""
+def vllm_names() -> dict[str, list[str]]:
+    """Names tapc checks input against, read from the installed vLLM once per vLLM version and
+    cached beside the trees (importing vLLM costs seconds; `tapc explain` stays off it):
+    "engine_args", EngineArgs' fields (a spec's `engine:` keys), and "architectures", the model
+    classes vLLM has (a config's `architectures`). Empty when vLLM is not installed."""
     try:
         version = _vllm_version()
     except Exception:  # importlib.metadata.PackageNotFoundError: no vLLM here
-        return []
-    cached = CACHE_DIR / f"engine-args-{version}.json"
+        return {}
+    cached = CACHE_DIR / f"vllm-names-{version}.json"
     if cached.is_file():
         return json.loads(cached.read_text())
-    with _status("reading vLLM's engine arguments (once per vLLM version; cached)"):
+    with _status("reading vLLM's engine arguments and model classes (once per vLLM version; cached)"):
         from vllm.engine.arg_utils import EngineArgs
+        from vllm.model_executor.models import ModelRegistry
 
-        names = [f.name for f in dataclasses.fields(EngineArgs)]
+        names = {"engine_args": [f.name for f in dataclasses.fields(EngineArgs)],
+                 "architectures": sorted(ModelRegistry.get_supported_archs())}
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(names))
@@ -493,29 +505,8 @@ def _call_widths(mod, model, path: str, call: ast.Call, widths: _Widths, per_hea
     return None, None, False
 
 
-def _check_architecture(model_dir: str) -> None:
-    """An architecture vLLM has no model class for, said in one line (vLLM's own error is a page)."""
-    from vllm.model_executor.models import ModelRegistry
-
-    cfg = Path(model_dir) / "config.json"
-    archs = check_config(cfg)["architectures"]
-    supported = ModelRegistry.get_supported_archs()
-    if not any(a in supported for a in archs):
-        import difflib
-
-        near = difflib.get_close_matches(archs[0], list(supported), n=3)
-        hint = f"; did you mean {', '.join(near)}?" if near else ""
-        raise ResolveError(f"{cfg}: field `architectures` is {archs}: vLLM {_vllm_version()} has no model class "
-                           f"for {'it' if len(archs) == 1 else 'them'}{hint}")
-
-
 if __name__ == "__main__":
     import logging
 
     logging.disable(logging.WARNING)
-    try:
-        _check_architecture(sys.argv[1])
-    except ResolveError as e:
-        print(e, file=sys.stderr)
-        sys.exit(EXIT_REFUSED)
     print(build_tree(sys.argv[1]).to_json())

@@ -275,3 +275,9 @@ def test_an_architecture_vllm_lacks_is_one_line(tmp_path):
     assert message.count("\n") == 0 and len(message) < 400, message
     assert f"{tmp_path / 'config.json'}: field `architectures` is ['LlamaForCausalLN']: vLLM" in message
     assert "did you mean LlamaForCausalLM" in message
+    import time
+
+    start = time.monotonic()  # vLLM's model classes are cached by version: the next one is fast
+    with pytest.raises(ResolveError, match="has no model class"):
+        load_tree(str(tmp_path))
+    assert time.monotonic() - start < 1
