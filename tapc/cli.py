@@ -54,14 +54,13 @@ def _explain(args) -> int:
 
 
 def _harvest(args) -> int:
+    from tapc.engine.config import require_cuda
     from tapc.specfile import load_spec
 
-    spec = load_spec(args.spec)
+    spec = load_spec(args.spec)  # a spec's errors are worth knowing on any machine
     if spec.output is None:
         raise TapcError(f"{args.spec}: a harvest needs an `output:` section (dir, shard_tokens)")
-    from tapc.engine.config import require_cuda
-
-    require_cuda()
+    require_cuda()  # then, before prompts are read or vLLM is imported
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tapc.api import VLLM
