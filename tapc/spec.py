@@ -228,6 +228,7 @@ _TERMINAL_WORDS = {
     "VBAR": "`|` and an action", "__ANON_0": "`->` and a block name", "EQUAL": "`=`",
     "SIGNED_NUMBER": "a number", "OUTPUT": "`output`", "INPUT": "`input`", "RESID": "`resid`",
     "SOURCE": "`source`", "LOGITS": "`logits`", "SAMPLES": "`samples`", "$END": "the end of the tap",
+    "<END-OF-FILE>": "the end of the tap",  # how Lark's lexer names $END when it stops at a token
 }
 
 

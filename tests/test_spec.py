@@ -62,6 +62,7 @@ BAD = [
     ("model.layers.3.resid | scale([1, 2])", "'factor' must be a number or a parameter name", "scale()"),
     ("model.layers.3.resid | add(3)", "'vector' must be a parameter name", "list of numbers"),
     ("model.layers.3.resid | capture(1)", "capture takes no arguments", "capture"),
+    ("logits->model.", "unexpected '.': expected the end of the tap", "column 14"),  # found by the fuzz run
     # a near miss of the point word gets the word; a point without one is told the words
     ("model.layers.*.outptu", "did you mean `model.layers.*.output`?", "column 22"),
     ("model.layers.0.inptu", "did you mean `model.layers.0.input`?", "ends too early"),
