@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tapc.engine.config import engine_kwargs
+from tapc.engine.config import engine_kwargs, require_cuda
 from tapc.engine.requests import TapRequest
 from tapc.plan import TapPlan
 from tapc.planner import build_plan
@@ -31,6 +31,7 @@ class VLLM:
 
     def __init__(self, model: str, taps: Sequence[str], *, blocks: dict | None = None, params: dict | None = None,
                  capture_dtype: str | None = None, **kwargs):
+        require_cuda()
         from vllm import LLM
 
         kwargs.setdefault("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)

@@ -1,8 +1,9 @@
-"""`tapc` on the command line. `tapc explain MODEL TAP...` / `tapc explain SPEC.yaml [--json]`;
-`tapc harvest SPEC.yaml PROMPTS` (a GPU and vLLM)."""
+"""`tapc` on the command line. `tapc explain MODEL [TAP...]` / `tapc explain SPEC.yaml [--json]`;
+`tapc harvest SPEC.yaml PROMPTS` (a CUDA GPU and vLLM)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -10,43 +11,62 @@ from tapc.errors import TapcError
 from tapc.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 EXIT_SPEC_ERROR = 2
+DOCS = ("the tap language: docs/dsl.md; YAML specs and plans: docs/spec.md; harvests: docs/harvest.md; "
+        "the engine: docs/engine.md (in the tapc repository, and in README.md)")
 
 
 def _explain(args) -> int:
-    from tapc.explain import render
+    from tapc.explain import render, render_points
     from tapc.planner import build_plan
+    from tapc.specfile import is_spec_path
 
     after = ""
-
-    if args.target.endswith((".yaml", ".yml")):
+    sizes = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
+                               ("max_num_seqs", args.max_num_seqs)) if v is not None}
+    if is_spec_path(args.target):
         if args.taps:
             raise TapcError(f"give taps either in {args.target} or on the command line, not both")
         from tapc.specfile import load_spec
 
         spec = load_spec(args.target)
+        spec = dataclasses.replace(spec, engine={**spec.engine, **sizes})  # a flag given overrides the spec
         plan = spec.plan()
         if spec.output is not None and not args.json:
             after = (f"harvest (`tapc harvest {args.target} PROMPTS`): the captures at {spec.capture.positions} "
                      f"positions go to {spec.output.dir}, {spec.output.shard_tokens} rows per shard\n")
     else:
+        from tapc.tree import load_tree
+
         if not args.taps:
-            raise TapcError("no taps: `tapc explain MODEL TAP [TAP ...]`, e.g. `tapc explain ./llama 'model.layers.*.resid'`")
-        plan = build_plan(args.target, args.taps, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_num_seqs=args.max_num_seqs)
-    print(plan.to_json(indent=2) if args.json else render(plan) + after, end="\n" if args.json else "")
+            if args.json:
+                print(load_tree(args.target).to_json())
+            else:
+                print(render_points(load_tree(args.target)), end="")
+            return 0
+        plan = build_plan(args.target, args.taps, **sizes)
+    if args.json:
+        print(plan.to_json(indent=2))
+        return 0
+    from tapc.resolve import notes
+    from tapc.tree import load_tree
+
+    print(render(plan, notes(plan, load_tree(plan.model))) + after, end="")
     return 0
 
 
 def _harvest(args) -> int:
+    from tapc.engine.config import require_cuda
+    from tapc.specfile import load_spec
+
+    spec = load_spec(args.spec)  # a spec's errors are worth knowing on any machine
+    if spec.output is None:
+        raise TapcError(f"{args.spec}: a harvest needs an `output:` section (dir, shard_tokens)")
+    require_cuda()  # then, before prompts are read or vLLM is imported
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from tapc.api import VLLM
     from tapc.harvest import harvest, read_prompts
-    from tapc.specfile import load_spec
 
-    spec = load_spec(args.spec)
-    if spec.output is None:
-        raise TapcError(f"{args.spec}: a harvest needs an `output:` section (dir, shard_tokens)")
     prompts = list(read_prompts(args.prompts))[: args.limit]
     llm = VLLM.from_spec(spec)
     sampling = None
@@ -65,17 +85,21 @@ def _harvest(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tapc", description="A declarative tap compiler for vLLM.")
+    parser = argparse.ArgumentParser(prog="tapc", description="A declarative tap compiler for vLLM.",
+                                     epilog=f"Docs: {DOCS}.")
     sub = parser.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("explain", help="show what a tap plan does: points, buffers, graph splits (no GPU)")
+    ex = sub.add_parser("explain", help="show what a tap plan does: points, buffers, graph splits (no GPU)",
+                        description="Show what a tap plan does (no GPU). With a model and no taps: the model's "
+                                    "tap points.", epilog=f"Docs: {DOCS}.")
     ex.add_argument("target", help="a model (directory with config.json, or a cached hub id) or a spec .yaml")
-    ex.add_argument("taps", nargs="*", help="tap strings, e.g. 'model.layers.*.resid'")
-    ex.add_argument("--json", action="store_true", help="print the plan as JSON")
-    ex.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                    help=f"rows each buffer holds (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
-    ex.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
-                    help=f"requests per step the engine is sized for (default {DEFAULT_MAX_NUM_SEQS})")
-    hv = sub.add_parser("harvest", help="run prompts through the spec's engine, write captures to shards (GPU)")
+    ex.add_argument("taps", nargs="*", help="tap strings, e.g. 'model.layers.*.resid'; none: list the model's tap points")
+    ex.add_argument("--json", action="store_true", help="print the plan (or, without taps, the module tree) as JSON")
+    ex.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help=f"rows each buffer holds (default: the spec's, else {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    ex.add_argument("--max-num-seqs", type=int, default=None,
+                    help=f"request slots in parameter tables (default: the spec's, else {DEFAULT_MAX_NUM_SEQS})")
+    hv = sub.add_parser("harvest", help="run prompts through the spec's engine, write captures to shards (CUDA GPU)",
+                        epilog=f"Docs: {DOCS}.")
     hv.add_argument("spec", help="a spec .yaml with an `output:` section")
     hv.add_argument("prompts", help=".jsonl (strings, token-id lists, or {prompt|prompt_token_ids}) or text, one per line")
     hv.add_argument("--limit", type=int, default=None, help="only the first N prompts")

@@ -1,6 +1,10 @@
-"""A TapPlan for people: a table of taps, the graph as its pieces with the splits, totals."""
+"""A TapPlan for people: a table of taps, the graph as its pieces with the splits, totals; and,
+before any taps, a model's tap points (`tapc explain MODEL`)."""
 from __future__ import annotations
 
+import re
+import shutil
+import sys
 from io import StringIO
 
 from rich.console import Console
@@ -8,6 +12,7 @@ from rich.table import Table
 
 from tapc.plan import BLOCK, TapPlan
 from tapc.sizing import param_slots
+from tapc.tree import ModuleTree, Node
 
 
 def human_bytes(n: int) -> str:
@@ -31,9 +36,11 @@ def _args(tap) -> str:
 
 def taps_table(plan: TapPlan) -> Table:
     table = Table(title=f"tapc plan {plan.digest} for {plan.model} ({plan.architecture})", title_justify="left")
+    longest = max(len(t.key) for t in plan.taps)
     for col, just in (("point", "left"), ("kind", "left"), ("action", "left"), ("per token", "right"),
                       ("buffer", "right"), ("from tap", "left")):
-        table.add_column(col, justify=just, overflow="fold")
+        # a point's name stays whole while the terminal has room for it; the others wrap at spaces
+        table.add_column(col, justify=just, overflow="fold", min_width=longest if col == "point" else None)
     for tap in plan.taps:
         action = tap.action + (f"({_args(tap)})" if tap.args else f" {_args(tap)}" if tap.block else "")
         table.add_row(tap.key, tap.kind, action, f"{tap.width} x {tap.dtype}",
@@ -77,10 +84,101 @@ def totals(plan: TapPlan) -> list[str]:
     ]
 
 
-def render(plan: TapPlan, width: int = 160) -> str:
+def _console(out: StringIO, width: int | None) -> Console:
+    """The terminal's width on a terminal; elsewhere (a pipe, a file) as wide as the content needs."""
+    if width is None:
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else 1000
+    return Console(file=out, width=width, no_color=True, highlight=False, soft_wrap=False)
+
+
+def render(plan: TapPlan, notes: list[str] = (), width: int | None = None) -> str:
+    """The plan as `tapc explain` prints it; `notes` (tapc.resolve.notes) go under the table."""
     out = StringIO()
-    console = Console(file=out, width=width, no_color=True, highlight=False)
+    console = _console(out, width)
     console.print(taps_table(plan))
-    for line in graph_lines(plan) + [""] + totals(plan):
+    for line in [f"note: {n}" for n in notes] + graph_lines(plan) + [""] + totals(plan):
+        console.print(line, markup=False)
+    return out.getvalue()
+
+
+# ----------------------------------------------------------------------------- a model's tap points
+
+_OUTPUTS = {
+    "tensor": "`.output`",
+    "linear": "`.output` (the out of (out, bias))",
+    "pair": "`.resid`, `.output[0]` hidden, `.output[1]` residual",
+    "norm": "`.output[0]` normed, `.output[1]` residual",
+    "heads": "per head: not tappable (tap the caller's `.source`)",
+    "tuple": "several tensors: tap the caller's `.source`",
+    "none": "-",
+}
+
+
+def _layer_pattern(node: Node) -> str:
+    """`model.layers.3.mlp` -> `model.layers.*.mlp`: one row stands for every layer."""
+    return node.path if node.layer is None else re.sub(rf"\.{node.layer}(?=\.|$)", ".*", node.path, count=1)
+
+
+def points_table(tree: ModuleTree) -> Table:
+    """Every module once (decoder layers folded into `*`), what can be tapped there and how wide."""
+    table = Table(title=f"tap points of {tree.model} ({tree.architecture}: {tree.num_layers} layers under "
+                        f"`{tree.layers_path}`, hidden {tree.hidden_size}, {tree.dtype})", title_justify="left")
+    for col in ("module", "class", "output", "width", "input"):
+        table.add_column(col, overflow="fold")
+    rows: dict[str, list[Node]] = {}
+    for node in tree.nodes:
+        rows.setdefault(_layer_pattern(node), []).append(node)
+    for path, nodes in rows.items():
+        kinds: dict[str, list[int]] = {}
+        for n in nodes:
+            kinds.setdefault(n.output, []).append(n.layer)
+        if len(kinds) == 1:
+            output = _OUTPUTS[nodes[0].output]
+        else:  # e.g. layer 0's input norm returns one tensor, the others (normed, residual)
+            output = "; ".join(f"layer{'s' if len(ls) > 1 else ''} {_span(ls)}: {_OUTPUTS[k]}" for k, ls in kinds.items())
+        n = nodes[0]
+        width = "-" if n.out_width is None or n.output in ("none", "tuple", "heads") else str(n.out_width)
+        table.add_row(path, n.cls, output, width, "-" if n.in_width is None else str(n.in_width))
+    table.add_row("logits", "(engine point)", "logits of each request's last token", f"{tree.vocab_size}", "-")
+    table.add_row("samples", "(engine point)", "the sampled token id", "1", "-")
+    return table
+
+
+def _span(layers: list[int]) -> str:
+    return f"{layers[0]}..{layers[-1]}" if len(layers) > 2 and layers[-1] - layers[0] == len(layers) - 1 \
+        else ", ".join(map(str, layers))
+
+
+def source_lines(tree: ModuleTree) -> list[str]:
+    """`.source` ops per module class (the same class has the same forward), with output widths."""
+    lines = ["`.source` ops tapc can size (`<module>.source.<op>.output`, `[k]` for one of several "
+             "tensors), per module class:"]
+    # one line per class and set of ops: a decoder layer's calls under `if residual is None:` run in layer 0 only
+    groups: dict[tuple, list[Node]] = {}
+    for node in tree.nodes:
+        if any(o.out_widths for o in node.source_ops):
+            groups.setdefault((node.cls, node.source_ops), []).append(node)
+    by_cls: dict[str, int] = {}
+    for cls, _ in groups:
+        by_cls[cls] = by_cls.get(cls, 0) + 1
+    for (cls, ops), nodes in groups.items():
+        sized = [o for o in ops if o.out_widths]
+        shown = ", ".join(f"{o.name} -> {' + '.join(map(str, o.out_widths))}" for o in sized)
+        at = _layer_pattern(nodes[0])
+        if by_cls[cls] > 1 and nodes[0].layer is not None:  # the layers this line is about, in tap syntax
+            layers = [n.layer for n in nodes]
+            contiguous = layers[-1] - layers[0] == len(layers) - 1
+            at = at.replace(".*", f".{layers[0]}" if len(layers) == 1 else f"[{layers[0]}:{layers[-1] + 1}]"
+                            if contiguous else f"[{','.join(map(str, layers))}]", 1)
+        rest = len(ops) - len(sized)
+        lines.append(f"  {cls} (at `{at}`): {shown}" + (f" ({rest} more ops, unsized)" if rest else ""))
+    return lines
+
+
+def render_points(tree: ModuleTree, width: int | None = None) -> str:
+    out = StringIO()
+    console = _console(out, width)
+    console.print(points_table(tree))
+    for line in source_lines(tree):
         console.print(line, markup=False)
     return out.getvalue()

@@ -1,25 +1,82 @@
 """One TapSpec + a ModuleTree -> PlannedTaps: globs expanded, points checked, kinds assigned.
 
 Every way a tap can miss the model has its own message: the nearest real module paths for a
-typo, the `.source` ops that do exist, the elements a tuple output has, why an edit cannot run
-in-graph at a point and what would.
+typo, the `.source` ops that do exist, the elements a tuple output has (per layer where they
+differ), why an edit cannot run in-graph at a point and what would. A `*` skips the children
+its point does not apply to (`self_attn.*.output` and the rotary embedding) and says so.
 """
 from __future__ import annotations
 
 import difflib
+import logging
+import re
 
 from tapc.edits import EDITS, check_at_point
 from tapc.errors import ResolveError
-from tapc.plan import BLOCK, EDIT, ENGINE, READ, Arg, PlannedTap, Point
-from tapc.spec import Param, Slice, Star, TapSpec
+from tapc.plan import BLOCK, EDIT, ENGINE, READ, Arg, PlannedTap, Point, TapPlan
+from tapc.spec import Param, Slice, Star, TapSpec, parse_tap
 from tapc.tree import ModuleTree, Node
+
+log = logging.getLogger("tapc")
 
 
 def resolve_tap(spec: TapSpec, tree: ModuleTree) -> list[PlannedTap]:
     """All the taps one spec line stands for, in model order."""
     if spec.is_engine_point:
         return [_engine_tap(spec, tree)]
-    return [_module_tap(spec, tree, path) for path in expand(spec, tree)]
+    taps, skipped = resolve_glob(spec, tree)
+    if skipped:
+        log.warning("%s", _skip_note(spec, skipped))
+    return taps
+
+
+def resolve_glob(spec: TapSpec, tree: ModuleTree) -> tuple[list[PlannedTap], list[tuple[str, str]]]:
+    """A module tap's planned taps, and the (path, why) its `*` matched where the point does not
+    apply. A path the user named, or a `*` whose every match misses, is an error."""
+    globbed = any(isinstance(seg, Star) for seg in spec.path)
+    taps: list[PlannedTap] = []
+    skipped: list[tuple[str, str]] = []
+    first: ResolveError | None = None
+    for path in expand(spec, tree):
+        node = tree.by_path[path]
+        where = f"{_where(spec)} at `{node.path}` ({node.cls})"
+        try:
+            points = _point(spec, where, node, tree)
+        except ResolveError as e:
+            if not globbed:
+                raise
+            first = first or e
+            skipped.append((path, str(e).removeprefix(f"{where}: ")))
+            continue
+        taps.extend(_planned(spec, point, width, tree.dtype, node.layer) for point, width in points)
+    if not taps:
+        assert first is not None  # expand matched something, so each match raised
+        raise first
+    return taps, skipped
+
+
+def notes(plan: TapPlan, tree: ModuleTree) -> list[str]:
+    """What `tapc explain` adds under the table: children a `*` skipped, and decoder-layer
+    `.output`s taken in nnsight's sense (both tensors of the tuple)."""
+    out = []
+    for source in dict.fromkeys(t.source for t in plan.taps):
+        spec = parse_tap(source)
+        if spec.is_engine_point:
+            continue
+        taps, skipped = resolve_glob(spec, tree)
+        if skipped:
+            out.append(_skip_note(spec, skipped))
+        if spec.site == "output" and spec.element is None and any(t.point.element == 1 for t in taps):
+            out.append(f"`{source}`: a decoder layer returns (hidden_states, residual), so its `.output` is "
+                       "both tensors, captured as `.output[0]` and `.output[1]` (as nnsight reads it); "
+                       "`.resid` is their sum, the residual stream")
+    return out
+
+
+def _skip_note(spec: TapSpec, skipped: list[tuple[str, str]]) -> str:
+    shown = "; ".join(f"`{path}` ({why})" for path, why in skipped[:4])
+    more = f"; and {len(skipped) - 4} more" if len(skipped) > 4 else ""
+    return f"`{spec.text}` skips {len(skipped)} match(es) its point does not apply to: {shown}{more}"
 
 
 def expand(spec: TapSpec, tree: ModuleTree) -> list[str]:
@@ -100,20 +157,19 @@ def _where(spec: TapSpec) -> str:
 # ----------------------------------------------------------------------------- points
 
 
-def _module_tap(spec: TapSpec, tree: ModuleTree, path: str) -> PlannedTap:
-    node = tree.by_path[path]
-    point, width = _point(spec, node)
-    return _planned(spec, point, width, tree.dtype, node.layer)
-
-
-def _point(spec: TapSpec, node: Node) -> tuple[Point, int]:
-    where = f"{_where(spec)} at `{node.path}` ({node.cls})"
+def _point(spec: TapSpec, where: str, node: Node, tree: ModuleTree) -> list[tuple[Point, int]]:
+    """The point(s) a tap names at one module, with their widths (two only for a decoder layer's
+    bare `.output` captured in nnsight's sense)."""
     el = spec.element
+    if node.output == "heads" and spec.site in ("input", "output"):
+        raise ResolveError(f"{where}: its caller applies it per head, to a [tokens, heads, head_dim] view, so "
+                           "it has no [tokens, width] rows to tap; tap the tensor before the view instead (the "
+                           "caller's `.source` ops, e.g. `self_attn.source.qkv_split_0.output[0]` for q)")
     if spec.site == "resid":
         if node.output != "pair":
             raise ResolveError(f"{where}: `.resid` is the residual stream after a decoder layer "
                                "(hidden_states + residual); use it on the decoder layers, e.g. `model.layers.3.resid`")
-        return Point(node.path, "resid"), node.out_width
+        return [(Point(node.path, "resid"), node.out_width)]
     if spec.site == "input":
         if el is not None:
             raise ResolveError(f"{where}: `.input` is the module's activation argument; it takes no element")
@@ -121,13 +177,19 @@ def _point(spec: TapSpec, node: Node) -> tuple[Point, int]:
             raise ResolveError(f"{where}: its input is not an activation tapc can read "
                                f"({'token ids' if node.output == 'tensor' else 'no known width'}); "
                                "tap the output instead")
-        return Point(node.path, "input"), node.in_width
+        return [(Point(node.path, "input"), node.in_width)]
     if spec.site == "output":
-        return _output_point(where, node, el)
-    return _source_point(spec, where, node)
+        if node.output == "pair" and el is None:
+            if spec.action.op != "capture":
+                raise ResolveError(f"{where}: a decoder layer outputs (hidden_states, residual): "
+                                   f"{'edit' if spec.action.op != 'block' else 'run a block at'} `.resid` (their "
+                                   "sum, the residual stream) or one of them, `.output[0]` or `.output[1]`")
+            return [(Point(node.path, "output", element=k), node.out_width) for k in (0, 1)]
+        return [_output_point(where, node, el, tree)]
+    return [_source_point(spec, where, node)]
 
 
-def _output_point(where: str, node: Node, el: int | None) -> tuple[Point, int]:
+def _output_point(where: str, node: Node, el: int | None, tree: ModuleTree) -> tuple[Point, int]:
     if node.output == "none" or node.out_width is None and node.output != "tuple":
         raise ResolveError(f"{where}: this module's output is not tappable; for logits use the engine point `logits`")
     if node.output == "tuple":
@@ -135,8 +197,8 @@ def _output_point(where: str, node: Node, el: int | None) -> tuple[Point, int]:
                            "tap its caller's `.source` op or the module that consumes them")
     if node.output == "pair":
         if el not in (0, 1):
-            raise ResolveError(f"{where}: a decoder layer outputs (hidden_states, residual): use `.output[0]`, "
-                               "`.output[1]`, or `.resid` for their sum, the residual stream")
+            raise ResolveError(f"{where}: a decoder layer outputs (hidden_states, residual): `.output[0]`, "
+                               "`.output[1]`, `.output` for both, or `.resid` for their sum, the residual stream")
         return Point(node.path, "output", element=el), node.out_width
     if node.output == "linear":
         if el not in (None, 0):
@@ -146,8 +208,25 @@ def _output_point(where: str, node: Node, el: int | None) -> tuple[Point, int]:
     if el is not None:
         if node.output == "norm" and el in (0, 1):
             return Point(node.path, "output", element=el), node.out_width
-        raise ResolveError(f"{where}: its output is one tensor; drop `[{el}]`")
+        if node.output == "norm":
+            raise ResolveError(f"{where}: it returns (normed, residual): `.output[0]` or `.output[1]`, not `[{el}]`")
+        raise ResolveError(f"{where}: its output is one tensor; drop `[{el}]`{_arity_elsewhere(node, tree)}")
     return Point(node.path, "output"), node.out_width
+
+
+def _arity_elsewhere(node: Node, tree: ModuleTree) -> str:
+    """For a module that returns one tensor in this layer and a pair in others (layer 0's input
+    norm, which vLLM calls without a residual): where the pair exists, and this layer's residual."""
+    if node.layer is None:
+        return ""
+    pattern = re.compile(re.escape(node.path).replace(rf"\.{node.layer}\.", r"\.(\d+)\.", 1) + "$")
+    pairs = [int(m.group(1)) for n in tree.nodes if n.output == "norm" and (m := pattern.match(n.path))]
+    if not pairs:
+        return ""
+    layers = f"{min(pairs)}..{max(pairs)}" if len(pairs) == max(pairs) - min(pairs) + 1 else ", ".join(map(str, pairs))
+    layer_path = node.path[: node.path.index(f".{node.layer}.") + len(f".{node.layer}")]
+    return (f" (vLLM calls it without a residual in layer {node.layer}; in layers {layers} it returns "
+            f"(normed, residual)). Layer {node.layer}'s residual is its input: `{layer_path}.input`")
 
 
 def _source_point(spec: TapSpec, where: str, node: Node) -> tuple[Point, int]:
@@ -155,7 +234,7 @@ def _source_point(spec: TapSpec, where: str, node: Node) -> tuple[Point, int]:
     if spec.op not in ops:
         near = difflib.get_close_matches(spec.op, list(ops), n=3, cutoff=0.5)
         hint = f" did you mean {_listing(near)}?" if near else ""
-        raise ResolveError(f"{where}: no `.source` op {spec.op!r} in {node.cls}.forward.{hint} "
+        raise ResolveError(f"{where}: no `.source` op {spec.op!r} that runs in {node.cls}.forward here.{hint} "
                            f"Its ops are: {', '.join(ops) or 'none'}")
     op = ops[spec.op]
     point = Point(node.path, "source", op=op.name, io=spec.io, element=spec.element)

@@ -33,7 +33,7 @@ import torch
 from tapc.engine.arena import ArenaReader
 from tapc.engine.positions import expected_rows
 from tapc.engine.protocol import Ask, CollectReply, Result, WireRequest
-from tapc.engine.requests import TapRequest, check
+from tapc.engine.requests import TapRequest, check, check_engine_params
 from tapc.errors import EngineError, ProtocolError, RequestError, TapcError
 from tapc.plan import ENGINE, TapPlan
 
@@ -82,7 +82,7 @@ class TapSession:
                               f"(the plan's blocks: {', '.join(sorted(self.block_names)) or 'none'})")
         self.params = dict(params or {})
         if self.params:
-            check(plan, TapRequest(params=self.params), "engine params")
+            check_engine_params(plan, self.params, "engine params")
         # Blocks and engine points run for every request: each needs an id to bring results back.
         self.every = bool(self.block_names) or any(t.kind == ENGINE for t in plan.taps)
         self.arena = ArenaReader()

@@ -322,7 +322,7 @@ def _module_layout(tree: ModuleTree, dims: ModelDims, node: Node, site: str) -> 
         return (GATE_UP if site == "input" else COLUMNS), width
     if _is_attention(node):  # input is the query (first argument); output the per-head result
         return Q_HEADS, width
-    if node.output == "norm":
+    if node.output == "norm" or cls.endswith("Norm"):   # a norm called without a residual returns one tensor
         name = node.path.rpartition(".")[2]
         if width == tree.hidden_size:
             return REPLICATED, width

@@ -11,11 +11,15 @@ from functools import lru_cache
 from importlib import resources
 from typing import Iterable, Union
 
+import difflib
+import math
+import re
+
 import lark
 from lark import Lark, Transformer
 
 from tapc.edits import AT, REQUIRED, SIGNATURES, check_literal
-from tapc.errors import TapSyntaxError
+from tapc.errors import PlanError, TapSyntaxError
 
 # ----------------------------------------------------------------------------- the AST
 
@@ -88,13 +92,27 @@ EDIT_SIGNATURES = SIGNATURES
 ACTIONS = ("capture", *EDIT_SIGNATURES)
 
 
+# ----------------------------------------------------------------------------- limits
+
+# Checked on the text before Lark sees it: the parser's tree walk recurses once per path segment
+# and per list level, and Python refuses integers of more than 4300 digits. Real taps are far
+# inside these (docs/dsl.md says them).
+MAX_TAP_CHARS = 2000      # characters in one tap
+MAX_SEGMENTS = 64         # `.`-separated parts of a point
+MAX_NESTING = 8           # `[` inside `[`
+MAX_DIGITS = 18           # digits of an integer (and of a float's integer part before its exponent)
+SITES = ("output", "input", "resid", "source")  # the words that end a module point
+
+
 # ----------------------------------------------------------------------------- parsing
 
 
 @lru_cache(maxsize=1)
 def _parser() -> Lark:
     grammar = resources.files("tapc.grammar").joinpath("taps.lark").read_text()
-    return Lark(grammar, start="tap", parser="lalr", propagate_positions=True)
+    # cache=True: Lark keeps the built parser in the temp folder, keyed by grammar and options;
+    # building it anew (its lexer's regex-collision check) costs about a second every process
+    return Lark(grammar, start="tap", parser="lalr", propagate_positions=True, cache=True)
 
 
 class _ToAst(Transformer):
@@ -159,7 +177,7 @@ class _ToAst(Transformer):
     # actions
     def number(self, items):
         text = str(items[0])
-        return int(text) if text.lstrip("+-").isdigit() else float(text)
+        return int(text) if text.lstrip("+-").isdigit() else float(text)  # finite: _check_numbers
 
     def name(self, items):
         return Param(str(items[0]))
@@ -200,6 +218,7 @@ _TERMINAL_WORDS = {
     "VBAR": "`|` and an action", "__ANON_0": "`->` and a block name", "EQUAL": "`=`",
     "SIGNED_NUMBER": "a number", "OUTPUT": "`output`", "INPUT": "`input`", "RESID": "`resid`",
     "SOURCE": "`source`", "LOGITS": "`logits`", "SAMPLES": "`samples`", "$END": "the end of the tap",
+    "<END-OF-FILE>": "the end of the tap",  # how Lark's lexer names $END when it stops at a token
 }
 
 
@@ -229,6 +248,35 @@ def _explain_unexpected(e: lark.UnexpectedInput, text: str) -> str:
     return f"{got}: expected {_expected(expected)}"
 
 
+def _check_size(text: str, where: str) -> None:
+    """The limits above, on the raw text (before Lark, whose tree walk recurses per level)."""
+    if len(text) > MAX_TAP_CHARS:
+        raise TapSyntaxError(f"a tap of {len(text)} characters; taps are at most {MAX_TAP_CHARS} "
+                             f"({where or ''}starts {text[:40]!r})", text[:80])
+    point = re.split(r"\||->", text, maxsplit=1)[0]
+    if point.count(".") >= MAX_SEGMENTS:
+        raise _syntax_error(text[:80], 1, f"a point of {point.count('.') + 1} parts; a point has at most "
+                            f"{MAX_SEGMENTS}", where)
+    depth = 0
+    for col, ch in enumerate(text, start=1):
+        depth += (ch == "[") - (ch == "]")
+        if depth > MAX_NESTING:
+            raise _syntax_error(text[:col], col, f"brackets nested more than {MAX_NESTING} deep", where)
+
+
+def _check_numbers(tree: lark.Tree, text: str, where: str) -> None:
+    """Integers of at most MAX_DIGITS digits, floats finite (`1e999` is inf)."""
+    for tok in tree.scan_values(lambda v: isinstance(v, lark.Token)):
+        if tok.type not in ("INT", "SINT", "SIGNED_NUMBER"):
+            continue
+        mantissa = re.split(r"[.eE]", tok.lstrip("+-"), maxsplit=1)[0]
+        if len(mantissa) > MAX_DIGITS:
+            raise _syntax_error(text, tok.column, f"a number of {len(mantissa)} digits; numbers have at most "
+                                f"{MAX_DIGITS}", where)
+        if tok.type == "SIGNED_NUMBER" and not math.isfinite(float(tok)):
+            raise _syntax_error(text, tok.column, f"{str(tok)!r} is not a finite number", where)
+
+
 def parse_tap(text: str, line: int = 1, unit: str = "line") -> TapSpec:
     """Parse one tap. Raises TapSyntaxError with the tap, a caret and what was expected.
 
@@ -236,6 +284,7 @@ def parse_tap(text: str, line: int = 1, unit: str = "line") -> TapSpec:
     """
     raw = text
     where = f"{unit} {line}, " if line > 1 else ""
+    _check_size(text, where)
     text = text.split("#", 1)[0].rstrip()
     if not text.strip():
         raise _syntax_error(raw, 1, "empty tap", where)
@@ -243,9 +292,10 @@ def parse_tap(text: str, line: int = 1, unit: str = "line") -> TapSpec:
         tree = _parser().parse(text)
     except lark.UnexpectedInput as e:
         column = getattr(e, "column", None)
-        at_end = isinstance(e, lark.UnexpectedToken) and e.token.type == "$END"
+        at_end = isinstance(e, lark.UnexpectedEOF) or isinstance(e, lark.UnexpectedToken) and e.token.type == "$END"
         column = column if isinstance(column, int) and column > 0 and not at_end else len(text) + 1
-        raise _syntax_error(text, column, _explain_unexpected(e, text), where) from None
+        raise _syntax_error(text, column, _explain_unexpected(e, text) + _point_word_hint(text, at_end), where) from None
+    _check_numbers(tree, text, where)
     for sub in tree.iter_subtrees():
         if sub.data == "slice":
             sub.children = [_slice_from_tree(sub)]
@@ -257,6 +307,21 @@ def parse_tap(text: str, line: int = 1, unit: str = "line") -> TapSpec:
     return TapSpec(text=text.strip(), action=action, line=line, **point)
 
 
+def _point_word_hint(text: str, at_end: bool) -> str:
+    """`model.layers.*.outptu` -> "; did you mean `model.layers.*.output`?" (a near miss of a site
+    word); a point that stops before its site word is told the words."""
+    point, *action = re.split(r"\||->", text, maxsplit=1)
+    head, dot, last = point.rstrip().rpartition(".")
+    word = re.match(r"[A-Za-z_]\w*", last)
+    if dot and word is not None and word.group() not in SITES:
+        near = difflib.get_close_matches(word.group(), SITES, n=1, cutoff=0.6)
+        if near:
+            return f"; did you mean `{head}.{near[0]}{last[word.end():]}`?"
+    if at_end and not action and "source" not in point and not point.rstrip().endswith("."):
+        return "; a module point ends in `.output`, `.input`, `.resid` or `.source.<op>.output`"
+    return ""
+
+
 def _bind_action(text: str, op: str | None, args: list, where: str) -> Action:
     """Check an action call against its signature; fill in defaults."""
     if op is None or op == "capture":
@@ -265,7 +330,9 @@ def _bind_action(text: str, op: str | None, args: list, where: str) -> Action:
         return Action()
     if op not in EDIT_SIGNATURES:
         col = text.rindex("|") + 2
-        raise _syntax_error(text, col, f"unknown action {op!r}: the actions are {', '.join(ACTIONS)}, "
+        near = difflib.get_close_matches(op, ACTIONS, n=1, cutoff=0.6)
+        hint = f"did you mean `{near[0]}`? " if near else ""
+        raise _syntax_error(text, col, f"unknown action {op!r}: {hint}the actions are {', '.join(ACTIONS)}, "
                             "or `-> name` for a Python block", where)
     signature = EDIT_SIGNATURES[op] + (AT,)
     names = [a for a, _, _ in signature]
@@ -325,6 +392,6 @@ def taps_without_duplicates(taps: Iterable[TapSpec], units: str = "entries") -> 
     for tap in taps:
         key = " ".join(tap.text.split())
         if key in seen:
-            raise TapSyntaxError(f"the same tap twice ({units} {seen[key].line} and {tap.line}): {tap.text}", tap.text)
+            raise PlanError(f"the same tap twice ({units} {seen[key].line} and {tap.line}): {tap.text}")
         seen[key] = tap
     return tuple(seen.values())

@@ -30,6 +30,12 @@ from tapc.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from tapc.spec import TapSpec, parse_taps
 
 DTYPES = ("bfloat16", "float16", "float32")
+MAX_SPEC_BYTES = 1 << 20        # a spec is a page of YAML; tensors live in parameter files
+SPEC_SUFFIXES = (".yaml", ".yml")  # compared case-insensitively (`steer.YAML` is a spec)
+
+
+def is_spec_path(target: str) -> bool:
+    return target.lower().endswith(SPEC_SUFFIXES)
 
 
 @dataclass(frozen=True)
@@ -78,24 +84,41 @@ class Spec:
     "The spec file this came from (not a YAML key)."
 
     def plan(self):
+        """The spec's plan, with its `params:` checked as the engine will check them (the engine's
+        own checker), so that `tapc explain` refuses what the GPU machine would."""
+        from tapc.engine.requests import check_engine_params
         from tapc.planner import build_plan
 
         engine = self.engine
-        return build_plan(self.model, self.taps, capture_dtype=self.capture.dtype,
+        plan = build_plan(self.model, self.taps, capture_dtype=self.capture.dtype,
                           max_num_batched_tokens=int(engine.get("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)),
                           max_num_seqs=int(engine.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)), engine_args=engine)
+        if self.params:
+            check_engine_params(plan, self.param_values(), f"{self.path}: params")
+        return plan
+
+    def param_values(self) -> dict:
+        """`params:` with tensor files loaded (on the CPU)."""
+        return {k: load_tensor(v) if isinstance(v, TensorFile) else v for k, v in self.params.items()}
 
 
 def load_spec(path: str | Path) -> Spec:
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"{path}: no such spec file")
+    if path.stat().st_size > MAX_SPEC_BYTES:
+        raise SpecError(f"{path}: {path.stat().st_size} bytes; a spec is at most {MAX_SPEC_BYTES} (put tensors in "
+                        "parameter files)")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         raise SpecError(f"{path}: not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path}: not a text file ({e.reason} at byte {e.start})") from None
+    except RecursionError:  # PyYAML's composer recurses once per nesting level
+        raise SpecError(f"{path}: YAML nested too deep") from None
     return spec_from_dict(data, base=path.parent, name=str(path))
 
 
@@ -195,21 +218,25 @@ def _param(value, base: Path, where: str):
         raise SpecError(f"{where}.file: no such file {path}")
     if path.suffix not in (".safetensors", ".pt", ".pth"):
         raise SpecError(f"{where}.file: {path.name} is neither .safetensors nor .pt")
-    keys = _tensor_keys(path)
+    keys = _tensor_keys(path, where)
     if ref.key not in keys:
         raise SpecError(f"{where}.key: {path.name} has no tensor {ref.key!r}; it has {', '.join(sorted(keys)) or 'none'}")
     return TensorFile(file=str(path), key=ref.key)
 
 
-def _tensor_keys(path: Path) -> list[str]:
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
+def _tensor_keys(path: Path, where: str) -> list[str]:
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
 
-        with safe_open(str(path), framework="numpy") as f:
-            return list(f.keys())
-    import torch
+            with safe_open(str(path), framework="numpy") as f:
+                return list(f.keys())
+        import torch
 
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged or foreign file raises whatever its reader hits first
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise SpecError(f"{where}.file: {path.name} is not a readable {path.suffix} tensor file ({why})") from None
     if not isinstance(obj, dict):
         raise SpecError(f"{path}: a .pt parameter file must hold a dict of tensors, not {type(obj).__name__}")
     return list(obj)
@@ -227,15 +254,12 @@ def load_tensor(ref: TensorFile):
 
 
 def _check_engine_args(engine: dict, name: str) -> None:
-    """Engine keys must be vLLM EngineArgs fields (checked against the installed vLLM)."""
-    if not engine:
-        return
-    try:
-        from vllm.engine.arg_utils import EngineArgs
-    except ImportError:  # no vLLM here: the engine will check when it starts
-        return
-    known = [f.name for f in dataclasses.fields(EngineArgs)]
-    _no_unknown(engine, known, name, "engine.")
+    """Engine keys must be vLLM EngineArgs fields (the installed vLLM's, cached: no vLLM import)."""
+    from tapc.tree import vllm_names
+
+    known = vllm_names().get("engine_args", []) if engine else []
+    if known:  # none: no vLLM here, the engine checks when it starts
+        _no_unknown(engine, known, name, "engine.")
     for key in ("max_num_batched_tokens", "max_num_seqs"):
         if key in engine:
             _typed(engine[key], int, f"{name}: engine.{key}")

@@ -9,6 +9,7 @@ disk by config, vLLM version and this file's contents.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import hashlib
 import inspect
@@ -44,9 +45,12 @@ class Node:
     """One module of the tree.
 
     output: "tensor" | "linear" (returns (out, bias): `.output` is `out`) | "pair" (a decoder
-    layer's (hidden_states, residual)) | "norm" (tensor, or (tensor, residual) when called with a
-    residual) | "tuple" (several tensors, e.g. rotary (q, k)) | "none" (not tappable: token ids in,
-    or not called in the forward).
+    layer's (hidden_states, residual)) | "norm" (a norm its caller gives a residual: returns
+    (normed, residual); a norm called without one is a "tensor") | "heads" (called on a per-head
+    view [tokens, heads, head_dim], e.g. Qwen3's q_norm: no [tokens, width] rows to tap) |
+    "tuple" (several tensors, e.g. rotary (q, k)) | "none" (not tappable: token ids in, or not
+    called in the forward). The kind is per call site: vLLM calls layer 0's input_layernorm
+    without a residual and the others' with one, so the two nodes differ.
     """
 
     path: str
@@ -122,6 +126,40 @@ def config_path(model: str) -> Path:
                        "cache (tapc builds trees offline: give a local directory with config.json)")
 
 
+MAX_CONFIG_BYTES = 4 << 20  # a config.json is a few kB; refuse to parse anything near this
+
+
+def check_config(cfg: Path) -> dict:
+    """config.json as a mapping that names its architecture, or a ResolveError naming the file and field.
+    Cheap: runs before anything imports vLLM."""
+    if cfg.stat().st_size > MAX_CONFIG_BYTES:
+        raise ResolveError(f"{cfg}: {cfg.stat().st_size} bytes, too large for a model config (at most {MAX_CONFIG_BYTES})")
+    try:
+        data = json.loads(cfg.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
+        raise ResolveError(f"{cfg}: not valid JSON{where}: {getattr(e, 'msg', e)}") from None
+    if not isinstance(data, dict):
+        raise ResolveError(f"{cfg}: a model config is a JSON object, not {type(data).__name__}")
+    archs = data.get("architectures")
+    if not (isinstance(archs, list) and archs and all(isinstance(a, str) for a in archs)):
+        raise ResolveError(f"{cfg}: field `architectures` is {'missing' if archs is None else repr(archs)}; it names "
+                           'the model class vLLM builds, e.g. "architectures": ["LlamaForCausalLM"]')
+    return data
+
+
+def _check_architecture(cfg: Path, archs: list[str]) -> None:
+    """An architecture vLLM has no model class for, said in one line (vLLM's own error is a page)."""
+    supported = vllm_names().get("architectures")
+    if supported and not any(a in supported for a in archs):
+        import difflib
+
+        near = difflib.get_close_matches(archs[0], supported, n=3)
+        hint = f"; did you mean {', '.join(near)}?" if near else ""
+        raise ResolveError(f"{cfg}: field `architectures` is {archs}: vLLM {_vllm_version()} has no model class "
+                           f"for {'it' if len(archs) == 1 else 'them'}{hint}")
+
+
 # Engine arguments that change the module tree (sharded widths, LoRA-wrapped layers), with the
 # values a tree is built for when the caller does not give them.
 TREE_ENGINE_ARGS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enable_lora": False}
@@ -136,6 +174,7 @@ def load_tree(model: str, engine_args: dict | None = None) -> ModuleTree:
     """The module tree of `model` as an engine with `engine_args` builds it, from the disk cache
     or built in a child process."""
     cfg = config_path(model)
+    _check_architecture(cfg, check_config(cfg)["architectures"])
     args = json.dumps(tree_args(engine_args), sort_keys=True)
     key = hashlib.sha256(cfg.read_bytes() + _vllm_version().encode() + Path(__file__).read_bytes()
                          + args.encode()).hexdigest()[:20]
@@ -143,8 +182,9 @@ def load_tree(model: str, engine_args: dict | None = None) -> ModuleTree:
     if cached.is_file():
         return dataclasses.replace(ModuleTree.from_json(cached.read_text()), model=model)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-m", "tapc.tree", str(cfg.parent), args], capture_output=True,
-                          text=True, env=env)
+    with _status(f"building vLLM's module tree for {model} on the meta device (once per config; cached)"):
+        proc = subprocess.run([sys.executable, "-m", "tapc.tree", str(cfg.parent), args], capture_output=True,
+                              text=True, env=env)
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-6:])
         raise ResolveError(f"could not build vLLM's module tree for {model}:\n{tail}")
@@ -160,6 +200,44 @@ def _vllm_version() -> str:
     from importlib.metadata import version
 
     return version("vllm")
+
+
+def vllm_names() -> dict[str, list[str]]:
+    """Names tapc checks input against, read from the installed vLLM once per vLLM version and
+    cached beside the trees (importing vLLM costs seconds; `tapc explain` stays off it):
+    "engine_args", EngineArgs' fields (a spec's `engine:` keys), and "architectures", the model
+    classes vLLM has (a config's `architectures`). Empty when vLLM is not installed."""
+    try:
+        version = _vllm_version()
+    except Exception:  # importlib.metadata.PackageNotFoundError: no vLLM here
+        return {}
+    cached = CACHE_DIR / f"vllm-names-{version}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    with _status("reading vLLM's engine arguments and model classes (once per vLLM version; cached)"):
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.model_executor.models import ModelRegistry
+
+        names = {"engine_args": [f.name for f in dataclasses.fields(EngineArgs)],
+                 "architectures": sorted(ModelRegistry.get_supported_archs())}
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(names))
+    tmp.replace(cached)
+    return names
+
+
+@contextlib.contextmanager
+def _status(what: str):
+    """Say on stderr what a slow first step is doing: a spinner on a terminal, one line elsewhere."""
+    if not sys.stderr.isatty():
+        print(f"tapc: {what} ...", file=sys.stderr, flush=True)
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(f"tapc: {what}"):
+        yield
 
 
 # ----------------------------------------------------------------------------- building (child process)
@@ -182,13 +260,84 @@ def build_tree(model_dir: str, engine_args: dict | None = None) -> ModuleTree:
             continue
         layer = next((layer_of[id(m)] for p, m in _ancestors(model, path) if id(m) in layer_of), None)
         output, w_in, w_out = widths.of(mod, path, model, id(mod) in layer_of)
+        if output == "norm":
+            output = _norm_kind(model, path, layer)
+            w_in = None if output == "heads" else w_in
+        ops = _source_ops(mod, model, path, widths, layer_of.get(id(mod)))
         nodes.append(Node(path=path, cls=type(mod).__name__, output=output, in_width=w_in, out_width=w_out,
-                          layer=layer, source_ops=_source_ops(mod, model, path, widths)))
+                          layer=layer, source_ops=ops))
     arch = (getattr(hf, "architectures", None) or [type(model).__name__])[0]
     dtype = str(getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None) or torch.bfloat16)
     return ModuleTree(model=model_dir, architecture=arch, hidden_size=hidden, num_layers=len(layers),
                       vocab_size=int(getattr(hf, "vocab_size", 0)), dtype=dtype.replace("torch.", ""),
                       layers_path=layers_path, vllm_version=_vllm_version(), nodes=tuple(nodes))
+
+
+def _norm_kind(model, path: str, layer: int | None) -> str:
+    """What a norm returns where its caller calls it: "norm" (normed, residual) when called with a
+    residual, "tensor" without, "heads" on a per-head view. vLLM's decoder layers call their first
+    norm under `if residual is None:` without one, and the stack starts with residual None: so
+    that norm returns one tensor in layer 0 and a pair in the others."""
+    parent_path, _, attr = path.rpartition(".")
+    sites = _call_sites(type(model.get_submodule(parent_path)) if parent_path else type(model), attr)
+    if not sites:
+        return "tensor"  # not called where we can read it: refuse elements rather than guess
+    if any(s.per_head for s in sites):
+        return "heads"
+    if all(s.args >= 2 for s in sites):
+        return "norm"
+    if all(s.args == 1 for s in sites):
+        return "tensor"
+    guarded = all(s.under_none_check for s in sites if s.args == 1)
+    return ("tensor" if layer == 0 else "norm") if guarded and layer is not None else "tensor"
+
+
+@dataclass(frozen=True)
+class _CallSite:
+    args: int                 # arguments passed (positional and keyword)
+    under_none_check: bool    # inside the body of an `if X is None:`
+    per_head: bool            # its first argument was made by `.view(...)`/`.reshape(...)` with more dims
+
+
+def _none_branches(fn: ast.FunctionDef) -> tuple[set[int], set[int]]:
+    """ids of the AST nodes in the bodies, and in the else branches, of `if X is None:` in `fn`."""
+    body: set[int] = set()
+    orelse: set[int] = set()
+    for node in ast.walk(fn):
+        test = getattr(node, "test", None)
+        if isinstance(node, ast.If) and isinstance(test, ast.Compare) and len(test.ops) == 1 \
+                and isinstance(test.ops[0], ast.Is) and isinstance(test.comparators[0], ast.Constant) \
+                and test.comparators[0].value is None:
+            body.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+            orelse.update(id(n) for stmt in node.orelse for n in ast.walk(stmt))
+    return body, orelse
+
+
+def _per_head_names(fn: ast.FunctionDef) -> set[str]:
+    """Names a forward assigns from a `.view`/`.reshape`/`.unflatten` into 3+ dims (a per-head view,
+    `q.view(*q.shape[:-1], heads, head_dim)`): not [tokens, width] rows."""
+    return {t.id for node in ast.walk(fn) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Attribute) and node.value.func.attr in ("view", "reshape", "unflatten")
+            and (len(node.value.args) >= 3 or any(isinstance(a, ast.Starred) for a in node.value.args))
+            for t in node.targets if isinstance(t, ast.Name)}
+
+
+def _call_sites(cls, attr: str) -> list[_CallSite]:
+    """Every `self.<attr>(...)` in `cls.forward`."""
+    found = forward_calls(cls)
+    if found is None:
+        return []
+    fn, _, _ = found
+    guarded, _ = _none_branches(fn)
+    reshaped = _per_head_names(fn)
+    sites = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr \
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "self":
+            first = node.args[0] if node.args else None
+            sites.append(_CallSite(args=len(node.args) + len(node.keywords), under_none_check=id(node) in guarded,
+                                   per_head=isinstance(first, ast.Name) and first.id in reshaped))
+    return sites
 
 
 def _meta_model(model_dir: str, engine_args: dict):
@@ -326,23 +475,31 @@ def forward_calls(cls) -> tuple[ast.FunctionDef, int, list[tuple[str, ast.Call]]
     return tree.body[0], start, named
 
 
-def _source_ops(mod, model, path: str, widths: _Widths) -> tuple[SourceOp, ...]:
-    """The calls in `type(mod).forward`, in source order, with widths where they can be known."""
+def _source_ops(mod, model, path: str, widths: _Widths, stack_index: int | None) -> tuple[SourceOp, ...]:
+    """The calls in `type(mod).forward`, in source order, with widths where they can be known. In
+    a decoder layer (`stack_index` its place in the stack), the calls under `if residual is None:`
+    run only in layer 0 and those of its `else:` only after: each layer lists the calls it runs."""
     found = forward_calls(type(mod))
     if found is None:
         return ()
-    _, start, named = found
+    fn, start, named = found
+    per_head = _per_head_names(fn)
+    first_only, later_only = _none_branches(fn) if stack_index is not None else (set(), set())
+    skip = later_only if stack_index == 0 else first_only
     ops = []
     for name, call in named:
-        out_widths, in_width, linear = _call_widths(mod, model, path, call, widths)
+        if id(call) in skip:
+            continue
+        out_widths, in_width, linear = _call_widths(mod, model, path, call, widths, per_head)
         text = ast.unparse(call)
         ops.append(SourceOp(name=name, call=text if len(text) <= 80 else text[:77] + "...",
                             line=start + call.lineno - 1, out_widths=out_widths, in_width=in_width, linear=linear))
     return tuple(ops)
 
 
-def _call_widths(mod, model, path: str, call: ast.Call, widths: _Widths):
-    """Widths of a call's output(s) and first input: submodule calls and `x.split([sizes])`."""
+def _call_widths(mod, model, path: str, call: ast.Call, widths: _Widths, per_head: set[str]):
+    """Widths of a call's output(s) and first input: submodule calls and `x.split([sizes])`. A
+    norm's call is sized as it is made: on a per-head view, unsizable; with a residual, two tensors."""
     func = call.func
     if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "self":
         role = widths.of_child(mod, func.attr, model, path)
@@ -350,6 +507,11 @@ def _call_widths(mod, model, path: str, call: ast.Call, widths: _Widths):
             output, w_in, w_out = role
             if output in ("tuple", "none") or w_out is None:
                 return None, w_in, False
+            if output == "norm":
+                if call.args and isinstance(call.args[0], ast.Name) and call.args[0].id in per_head:
+                    return None, None, False
+                n_args = len(call.args) + len(call.keywords)
+                return ((w_out, w_out) if n_args >= 2 else (w_out,)), w_in, False
             return (w_out,), w_in, output == "linear"
     if isinstance(func, ast.Attribute) and func.attr == "split" and call.args:
         try:  # sizes are usually attributes of self: qkv.split([self.q_size, self.kv_size, self.kv_size])

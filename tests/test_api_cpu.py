@@ -100,3 +100,16 @@ def test_generate_refuses_what_it_cannot_tap_before_submitting():
         llm.generate(one * 2, [SamplingParams(max_tokens=2)], taps=TapRequest(capture="*"))
     assert llm.llm.submitted is None
     llm.generate(one, SamplingParams(n=2, max_tokens=2))   # untapped: vLLM's own n is fine
+def test_engine_params_may_bind_part_of_a_tap_and_requests_bring_the_rest():
+    """The shipped examples/steer.yaml sets only `alpha` engine-wide: `steer` comes per request."""
+    from vllm import SamplingParams
+
+    llm, _ = toy_vllm(["model.layers.1.resid | add(steer, alpha=a)"], {"a": 3.0})
+    llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=2),
+                 taps=TapRequest(params={"steer": np.ones(HIDDEN)}))
+    from tapc.engine.protocol import WireRequest
+
+    params = WireRequest.from_wire(llm.llm.submitted[0].extra_args["tapc"]).ask.params
+    assert params["a"] == 3.0 and len(params["steer"]) == HIDDEN * 4
+    with pytest.raises(RequestError, match="engine params: parameter 'a' \\(scalar\\) must be a finite number"):
+        toy_vllm(["model.layers.1.resid | add(steer, alpha=a)"], {"a": float("nan")})

@@ -297,3 +297,21 @@ def test_session_pieces_serve_requests_one_at_a_time():
     gc.collect()
     llm._give_back()
     assert not hooks.arena.held, "the cancelled request's chunks and the dropped captures are back"
+def test_an_element_of_a_one_tensor_output_is_refused_when_it_runs():
+    """Defence behind the tree's per-call-site arity: if a plan says a module returns a tuple
+    where it returns one tensor, the forward raises instead of capturing that tensor as `[1]`."""
+    import dataclasses
+
+    from engine_toy import toy_tree
+
+    from tapc.errors import EngineError
+    from tapc.planner import build_plan
+
+    tree = toy_tree()
+    wrong = tuple(dataclasses.replace(n, output="norm") if n.path == "model.layers.1.mlp" else n for n in tree.nodes)
+    plan = build_plan("toy", ["model.layers.1.mlp.output[1]"], max_num_batched_tokens=64, max_num_seqs=8,
+                      tree=dataclasses.replace(tree, nodes=wrong))
+    model = ToyModel()
+    hooks_for(plan, model)
+    with pytest.raises(EngineError, match=r"`model.layers.1.mlp.output\[1\]`: `model.layers.1.mlp` returned one tensor"):
+        model(torch.tensor([1, 2, 3]), torch.arange(3))

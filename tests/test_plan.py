@@ -139,7 +139,17 @@ BAD = [
     (["model.layers.9.resid"], ResolveError, ["no module `model.layers.9`", "`model.layers` has 0..3"]),
     (["model.layers[1,7].resid"], ResolveError, ["`model.layers` has no 7", "0..3"]),
     (["model.layers[5:].resid"], ResolveError, ["`model.layers[5:]` matches no module"]),
-    (["model.layers.3.output"], ResolveError, ["(hidden_states, residual)", "`.output[0]`", "`.resid`"]),
+    (["model.layers.3.output | add(v)"], ResolveError, ["(hidden_states, residual)", "edit `.resid`", "`.output[0]` or `.output[1]`"]),
+    (["model.layers.3.output -> probe"], ResolveError, ["run a block at `.resid`", "`.output[1]`"]),
+    (["model.layers.3.output[2]"], ResolveError, ["(hidden_states, residual)", "`.output` for both"]),
+    # vLLM calls layer 0's input norm without a residual: one tensor there, (normed, residual) after
+    (["model.layers.0.input_layernorm.output[1]"], ResolveError,
+     ["at `model.layers.0.input_layernorm` (RMSNorm): its output is one tensor; drop `[1]`",
+      "without a residual in layer 0; in layers 1..3 it returns (normed, residual)", "`model.layers.0.input`"]),
+    (["model.layers.0.input_layernorm.output[0]"], ResolveError, ["one tensor; drop `[0]`"]),
+    (["model.layers.2.input_layernorm.output[2]"], ResolveError, ["returns (normed, residual)", "not `[2]`"]),
+    (["model.layers[0:2].input_layernorm.output[1]"], ResolveError, ["layer 0"]),
+    (["model.layers.*.self_attn.rotary_emb.output"], ResolveError, ["several tensors"]),
     (["model.layers.3.self_attn.source.qkv_splt_0.output"], ResolveError,
      ["no `.source` op 'qkv_splt_0'", "did you mean `qkv_split_0`", "self_qkv_proj_0, qkv_split_0, self_rotary_emb_0"]),
     (["model.layers.3.self_attn.source.qkv_split_0.output"], ResolveError, ["returns 3 tensors", "256, 128, 128", "`.output[k]`"]),
@@ -172,6 +182,57 @@ def test_plan_errors(trees, taps, error, words):
     assert isinstance(info.value, TapcError)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen2_moe"])
+def test_norm_arity_per_call_site(trees, arch):
+    """vLLM's decoder layers: `if residual is None: h = input_layernorm(h)` (layer 0), else
+    `h, residual = input_layernorm(h, residual)`; post_attention_layernorm and the final norm
+    always get a residual."""
+    tree = trees(arch)
+    kinds = {n.path: n.output for n in tree.nodes}
+    assert kinds["model.layers.0.input_layernorm"] == "tensor"
+    assert all(kinds[f"model.layers.{i}.input_layernorm"] == "norm" for i in range(1, tree.num_layers))
+    assert all(kinds[f"model.layers.{i}.post_attention_layernorm"] == "norm" for i in range(tree.num_layers))
+    assert kinds["model.norm"] == "norm"
+    p = plan(trees, arch, ["model.layers.*.input_layernorm.output[1]", "model.layers.1.input_layernorm.output[0]"])
+    assert [t.key for t in p.taps] == [f"model.layers.{i}.input_layernorm.output[1]" for i in range(1, tree.num_layers)] \
+        + ["model.layers.1.input_layernorm.output[0]"]
+
+
+def test_qwen3_qk_norms_run_per_head_and_are_refused(trees):
+    tree = trees("qwen3")
+    assert {tree.by_path[f"model.layers.{i}.self_attn.{n}"].output for i in range(6) for n in ("q_norm", "k_norm")} == {"heads"}
+    for site in ("output", "input"):
+        with pytest.raises(ResolveError, match=r"per head, to a \[tokens, heads, head_dim\] view.*qkv_split_0"):
+            plan(trees, "qwen3", [f"model.layers.2.self_attn.q_norm.{site}"])
+    p = plan(trees, "qwen3", ["model.layers.2.self_attn.*.output"])  # a glob skips them (and the rotary)
+    assert [t.key for t in p.taps] == [f"model.layers.2.self_attn.{m}.output" for m in ("qkv_proj", "o_proj", "attn")]
+
+
+def test_a_star_skips_children_its_point_does_not_apply_to_and_says_so(trees):
+    from tapc.resolve import notes
+
+    tree = trees("llama")
+    p = plan(trees, "llama", ["model.layers.0.self_attn.*.output", "model.layers.*.input_layernorm.output[1]"])
+    assert [t.key for t in p.taps] == ["model.layers.0.self_attn.qkv_proj.output", "model.layers.0.self_attn.o_proj.output",
+                                       "model.layers.0.self_attn.attn.output"] + \
+        [f"model.layers.{i}.input_layernorm.output[1]" for i in (1, 2, 3)]
+    said = notes(p, tree)
+    assert len(said) == 2
+    assert "`model.layers.0.self_attn.*.output` skips 1 match(es)" in said[0]
+    assert "`model.layers.0.self_attn.rotary_emb` (this module returns several tensors" in said[0]
+    assert "`model.layers.*.input_layernorm.output[1]` skips 1" in said[1] and "`model.layers.0.input_layernorm`" in said[1]
+
+
+def test_decoder_layer_output_means_both_tensors_for_captures(trees):
+    from tapc.resolve import notes
+
+    p = plan(trees, "llama", ["model.layers[1:3].output"])
+    assert [(t.key, t.width) for t in p.taps] == [(f"model.layers.{i}.output[{k}]", 256) for i in (1, 2) for k in (0, 1)]
+    assert [t.source for t in p.taps] == ["model.layers[1:3].output"] * 4
+    (said,) = notes(p, trees("llama"))
+    assert "captured as `.output[0]` and `.output[1]` (as nnsight reads it)" in said
+
+
 def test_unknown_model_is_a_clear_error(tmp_path):
     from tapc.tree import load_tree
 
@@ -179,3 +240,46 @@ def test_unknown_model_is_a_clear_error(tmp_path):
         load_tree(str(tmp_path / "nope"))
     with pytest.raises(ResolveError, match="without config.json"):
         load_tree(str(tmp_path))
+
+
+BAD_CONFIGS = [
+    ('{"architectures": ["LlamaForCausalLM"], "hidden_size": 256,', "not valid JSON (line 1, column 60)"),
+    ('{"model_type": "llama", "hidden_size": 256}', "field `architectures` is missing; it names the model class"),
+    ('{"architectures": "LlamaForCausalLM"}', "field `architectures` is 'LlamaForCausalLM'"),
+    ('["LlamaForCausalLM"]', "a model config is a JSON object, not list"),
+    (b"\xff\xfe{}", "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("text,words", BAD_CONFIGS, ids=[w[:30] for _, w in BAD_CONFIGS])
+def test_bad_model_config_fails_fast_naming_file_and_field(tmp_path, text, words):
+    import time
+
+    from tapc.tree import load_tree
+
+    cfg = tmp_path / "config.json"
+    cfg.write_bytes(text if isinstance(text, bytes) else text.encode())
+    start = time.monotonic()
+    with pytest.raises(ResolveError) as info:
+        load_tree(str(tmp_path))
+    assert time.monotonic() - start < 1, "checked before anything imports vLLM"
+    message = str(info.value)
+    assert message.startswith(f"{cfg}: ") and words in message and message.count("\n") == 0, message
+
+
+def test_an_architecture_vllm_lacks_is_one_line(tmp_path):
+    from tapc.tree import load_tree
+
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLN"], "model_type": "llama"}')
+    with pytest.raises(ResolveError) as info:
+        load_tree(str(tmp_path))
+    message = str(info.value)
+    assert message.count("\n") == 0 and len(message) < 400, message
+    assert f"{tmp_path / 'config.json'}: field `architectures` is ['LlamaForCausalLN']: vLLM" in message
+    assert "did you mean LlamaForCausalLM" in message
+    import time
+
+    start = time.monotonic()  # vLLM's model classes are cached by version: the next one is fast
+    with pytest.raises(ResolveError, match="has no model class"):
+        load_tree(str(tmp_path))
+    assert time.monotonic() - start < 1

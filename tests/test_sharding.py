@@ -204,13 +204,15 @@ POINTS = {
     "mlp.source.self_down_proj_0.input": "l:act", "mlp.source.self_down_proj_0.output": "r:down",
     "source.self_input_layernorm_0.input": "r:h", "source.self_input_layernorm_0.output": "r:x",
     "source.self_self_attn_0.input": "r:x", "source.self_self_attn_0.output": "r:o",
-    "source.self_post_attention_layernorm_0.input": "r:o", "source.self_post_attention_layernorm_0.output": "r:h2",
+    "source.self_post_attention_layernorm_0.input": "r:o", "source.self_post_attention_layernorm_0.output[0]": "r:h2",
     "source.self_mlp_0.input": "r:h2", "source.self_mlp_0.output": "r:down",
 }
 # Points the tree offers that layer 0 never runs (a norm's (out, residual) elements, the norm
 # called with a residual): checked to share the layout of the point they stand beside.
 NOT_RUN = {"source.self_input_layernorm_1.input": "source.self_input_layernorm_0.input",
            "source.self_input_layernorm_1.output": "source.self_input_layernorm_0.output",
+           # the residual the norm passes on beside its output (hidden width, replicated)
+           "source.self_post_attention_layernorm_0.output[1]": "source.self_post_attention_layernorm_0.output[0]",
            **{f"{norm}.output[{k}]": f"{norm}.output" for k in (0, 1) for norm in
               ("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm")}}
 

@@ -1,11 +1,12 @@
 """YAML tap specs: full validation with messages that name the key."""
+import dataclasses
 import textwrap
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from tapc.errors import SpecError, TapSyntaxError
+from tapc.errors import RequestError, SpecError, TapSyntaxError
 from tapc.specfile import TensorFile, load_spec, load_tensor
 
 from conftest import CONFIGS
@@ -42,7 +43,10 @@ def test_full_spec(tmp_path):
     assert spec.params["alpha"] == 4 and spec.params["cols"] == (1, 2)
     assert torch.equal(load_tensor(spec.params["steer"]), vec)
     assert isinstance(spec.params["refusal"], TensorFile)
-    plan = spec.plan()
+    # planning checks the values as the engine will: it refuses parameters no tap names
+    with pytest.raises(RequestError, match=r"params: parameter 'refusal' is not named by any tap"):
+        spec.plan()
+    plan = dataclasses.replace(spec, params={k: spec.params[k] for k in ("steer", "alpha")}).plan()
     assert plan.max_num_batched_tokens == 1024 and plan.max_num_seqs == 8
     assert plan.taps[0].dtype == "float32"
 

@@ -34,6 +34,16 @@ GRAPH_MODULES = ("tapc.engine.install", "tapc.engine.source", "tapc.engine.layou
 GRAPH_PACKAGES = ("tapc.kernels",)   # every module of these
 
 
+def require_cuda() -> None:
+    """Refuse at once, in one line, where there is no CUDA GPU: vLLM would start and fail seconds
+    later in a page of traceback ("Device string must not be empty")."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise EngineError("the engine needs a CUDA GPU, and torch sees none here; `tapc explain` shows "
+                          "the plan on any machine")
+
+
 def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
     """vLLM `LLM(...)` keyword arguments for `plan`, from the user's `kwargs`."""
     out = dict(kwargs)

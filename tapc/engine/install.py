@@ -115,6 +115,10 @@ def _around(module: torch.nn.Module, original, taps: list):
                 op(out[0], out[1])
             elif isinstance(out, tuple):
                 op(out[point.element or 0], None)
+            elif point.element is not None:
+                # the plan thought this call returns a tuple: never capture the tensor under `[k]`
+                raise EngineError(f"`{point.key}`: `{point.module}` returned one tensor here, not a tuple; "
+                                  "the plan was built for a model that calls it differently")
             else:
                 op(out, None)
         return out

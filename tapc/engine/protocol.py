@@ -24,8 +24,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-import torch
-
 from tapc.errors import ProtocolError
 
 VERSION = 1
@@ -129,10 +127,14 @@ class TensorData:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "TensorData":
+        import torch  # here, not at the top: `tapc explain` checks requests without torch
+
         t = t.detach().to("cpu").contiguous()
         return cls(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
 
     def tensor(self) -> torch.Tensor:
+        import torch
+
         dtype = getattr(torch, self.dtype, None)
         if not isinstance(dtype, torch.dtype):
             raise ProtocolError(f"tensor of unknown dtype {self.dtype!r}")
@@ -157,7 +159,8 @@ SAVEABLE = "a tensor, None, a bool, int, float, str or bytes, or a list, tuple o
 def encode_value(value: Any, where: str = "value") -> list:
     """A value a block saves (`ctx.save`), in wire form: tensors as `TensorData`, containers
     tagged so that tuples come back as tuples. Anything else is a TypeError naming `where`."""
-    if isinstance(value, torch.Tensor):
+    torch = sys.modules.get("torch")   # no torch loaded: the value is no tensor
+    if torch is not None and isinstance(value, torch.Tensor):
         return ["tensor", TensorData.of(value).to_wire()]
     if isinstance(value, _SCALARS):
         if isinstance(value, int) and not isinstance(value, bool) and not -2**63 <= value < 2**63:

@@ -106,7 +106,13 @@ def _positions(positions, where: str):
     return sorted(out)
 
 
-def _params(plan: TapPlan, params: Mapping[str, Any], where: str) -> dict:
+def check_engine_params(plan: TapPlan, params: Mapping[str, Any], where: str) -> None:
+    """Engine-wide parameter values (`VLLM(params=...)`, a spec's `params:`), each checked as a
+    request's would be; a tap may take its other parameters from each request."""
+    _params(plan, params, where, partial=True)
+
+
+def _params(plan: TapPlan, params: Mapping[str, Any], where: str, partial: bool = False) -> dict:
     specs = {p.name: p for p in plan.params}
     out = {}
     for name, value in params.items():
@@ -118,7 +124,7 @@ def _params(plan: TapPlan, params: Mapping[str, Any], where: str) -> dict:
     for tap in (t for t in plan.taps if t.action in EDITS):   # in the graphs and on the logits
         names = [a.param for a in tap.args if a.param is not None]
         given = [n for n in names if n in out]
-        if given and len(given) != len(names):
+        if given and len(given) != len(names) and not partial:
             missing = [n for n in names if n not in out]
             raise RequestError(f"{where}: `{tap.source}` needs {', '.join(map(repr, names))}; the request "
                                f"binds {', '.join(map(repr, given))} but not {', '.join(map(repr, missing))}")

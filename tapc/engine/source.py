@@ -66,6 +66,9 @@ def rewrite_forward(module: torch.nn.Module, path: str, taps: list) -> types.Met
 
     def tapc_out(name, value):
         for element, op in outs[name]:
+            if element is not None and not isinstance(value, tuple):  # never the tensor under the label `[k]`
+                raise EngineError(f"`{path}.source.{name}.output[{element}]`: the call returned one tensor here, "
+                                  "not a tuple; the plan was built for a model that calls it differently")
             op(value[element or 0] if isinstance(value, tuple) else value, None)
         return value
 
