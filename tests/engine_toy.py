@@ -124,7 +124,7 @@ class ToyBuffers:
         self.layout = layout
         self.table = torch.full((layout.num_tables, rows), -1, dtype=torch.int32)
         self.pools = [torch.zeros(len(g.caps) * rows, g.width, dtype=getattr(torch, g.dtype)) for g in layout.groups]
-        self.params = ParamTables(layout.edits, slots, torch.device("cpu"))
+        self.params = ParamTables(layout.edits, slots, torch.device("cpu"), layout.localize)
         self.logit_params = ParamTables(layout.logit_edits, slots, torch.device("cpu"))
         self.logit_rows = torch.full((len(layout.logit_edits), slots), -1, dtype=torch.int32)
         self._host = np.empty((layout.num_tables, rows), dtype=np.int32)
