@@ -32,7 +32,9 @@ def _explain(args) -> int:
         if not args.taps:
             raise TapcError("no taps: `tapc explain MODEL TAP [TAP ...]`, e.g. `tapc explain ./llama 'model.layers.*.resid'`")
         plan = build_plan(args.target, args.taps, max_num_batched_tokens=args.max_num_batched_tokens,
-                          max_num_seqs=args.max_num_seqs)
+                          max_num_seqs=args.max_num_seqs,
+                          engine_args={"tensor_parallel_size": args.tensor_parallel_size,
+                                       "pipeline_parallel_size": args.pipeline_parallel_size})
     print(plan.to_json(indent=2) if args.json else render(plan) + after, end="\n" if args.json else "")
     return 0
 
@@ -73,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--json", action="store_true", help="print the plan as JSON")
     ex.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
                     help=f"rows each buffer holds (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    ex.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="GPUs per pipeline stage: shows each point replicated or sharded, bytes per GPU")
+    ex.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (each point's stage)")
     ex.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
                     help=f"requests per step the engine is sized for (default {DEFAULT_MAX_NUM_SEQS})")
     hv = sub.add_parser("harvest", help="run prompts through the spec's engine, write captures to shards (GPU)")

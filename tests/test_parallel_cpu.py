@@ -234,3 +234,20 @@ def test_a_missing_rank_is_an_error_not_a_short_tensor(tmp_path):
     out = NS(request_id="r1", prompt_token_ids=list(range(4)), outputs=[NS(token_ids=[1, 2, 3])])
     session.finish(out, wire, session.results(replies)["t1"])
     assert "lack the columns of tensor-parallel rank(s) [1]" in str(out.error)
+
+
+def test_explain_shows_layout_stage_and_bytes_per_gpu(capsys):
+    from tapc.cli import main
+
+    assert main(["explain", LLAMA, "model.layers.*.resid", "model.layers.1.mlp.act_fn.output",
+                 "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--max-num-batched-tokens",
+                 str(ROWS), "--max-num-seqs", str(SEQS)]) == 0
+    text = capsys.readouterr().out
+    plan = plan_for(["model.layers.*.resid", "model.layers.1.mlp.act_fn.output"], tp=2, pp=2)
+    from tapc.explain import human_bytes
+
+    for tap in plan.taps:
+        row = next(line for line in text.splitlines() if line.startswith(f"│ {tap.key} "))
+        assert f"{tap.layout}, stage {tap.stage}" in row and human_bytes(tap.buffer_bytes) in row
+    assert "columns, stage 0" in text and "stages hold decoder layers 0..1, 2..3" in text
+    assert f"{human_bytes(plan.total_buffer_bytes)} on the most loaded GPU" in text

@@ -50,6 +50,7 @@ class TapWorker(Worker):
         self.tapc_allocated = torch.cuda.memory_allocated(self.device) - before
         install(runner.get_model(), layout, buffers)
         points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
+        self.tapc_has_blocks = any(t.action == "block" for t in plan.taps)
         self.tapc = RunnerHooks(layout, buffers, buffers.slots, Arena(register=_register), points)
         self.tapc_patches = patches.apply(runner, V2Adapter(runner, self.tapc), points, breaks=bool(layout.blocks))
 
@@ -74,9 +75,12 @@ class TapWorker(Worker):
         return sorted((d.num_tokens, len(g.steps) if isinstance(g, SegmentedGraph) else 0) for d, g in graphs.items())
 
     def tapc_set_blocks(self, blocks: bytes) -> None:
-        """Engine-wide Python blocks, by name (cloudpickled by the API)."""
+        """Engine-wide Python blocks, by name (cloudpickled by the API). Every worker gets them;
+        one whose GPU runs none of the plan's blocks (another pipeline stage's) keeps none."""
         if self.tapc.points is None:
-            raise EngineError("this engine's plan has no Python blocks")
+            if not self.tapc_has_blocks:
+                raise EngineError("this engine's plan has no Python blocks")
+            return
         self.tapc.points.runtime.register(pickle.loads(blocks))
 
 
