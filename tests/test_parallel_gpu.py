@@ -9,6 +9,7 @@ same taps on the small Llama checkpoint of tests/gpu_engines.py. TP=1 against HF
 tests/test_engine_gpu.py's."""
 import gc
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -146,6 +147,10 @@ def test_a_request_failing_on_one_gpu_fails_whole_and_the_others_return(llama_en
     llm, ref_llm = llama_engines["tp2"], llama_engines["tp1"]
     ask = TapRequest(capture=[f"{L1}.mlp.act_fn.output", "model.layers.3.resid"])
     prompts = _prompts()
+    import cloudpickle
+
+    # the workers do not import this test module: send its functions by value
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
     llm.llm.collective_rpc(_fail_next_admission_on_rank_1)
     outs = llm.generate(prompts, _sampling(), taps=ask)
     ref = ref_llm.generate(prompts, _sampling(), taps=ask)
