@@ -10,10 +10,9 @@ import dataclasses
 
 from tapc.errors import PlanError
 from tapc.plan import BLOCK, READ, ParamSpec, PlannedTap, TapPlan, plan_digest
-from tapc.ranks import indexed_rank_taps
 from tapc.resolve import resolve_tap
 from tapc.sharding import ModelDims, PointShard, pp_stages, shard_points
-from tapc.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, tap_bytes
+from tapc.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, gpu_bytes
 from tapc.spec import TapSpec, parse_taps
 from tapc.tree import load_tree
 
@@ -53,7 +52,7 @@ def build_plan(model: str, taps, *, max_num_batched_tokens: int = DEFAULT_MAX_NU
     shards = _parallel(model, tree, planned, dims, tp, pp) if tp * pp > 1 else {}
     planned = [dataclasses.replace(t, layout=shards[t.key].layout, stage=shards[t.key].stage) if shards else t
                for t in planned]
-    sizes, total = _sizes(planned, shards, tp, pp, max_num_batched_tokens, max_num_seqs)
+    sizes, total = gpu_bytes(planned, shards, tp, pp, max_num_batched_tokens, max_num_seqs)
     planned = [dataclasses.replace(t, buffer_bytes=n) for t, n in zip(planned, sizes)]
     block_points = {t.key for t in planned if t.kind == BLOCK}
     pieces = tree.num_layers + 1  # vLLM splits at each attention op: one compiled piece per gap
@@ -109,23 +108,4 @@ def _parallel(model: str, tree, taps: list[PlannedTap], dims: ModelDims | None, 
                 raise PlanError(f"parameter {a.param!r} is a vector at {first[1].key} ({first[0]}) and at {tap.key} "
                                 f"({shard.layout}), which split differently across {tp} GPUs: use two names")
     return {t.key: shards[t.key] for t in taps}
-
-
-def _sizes(taps: list[PlannedTap], shards: dict[str, PointShard], tp: int, pp: int, rows: int,
-           seqs: int) -> tuple[list[int], int]:
-    """Device bytes per tap on the GPU that allocates most for it, and the most any GPU allocates
-    for the plan: every GPU sized as it allocates (tapc/ranks.py, local widths)."""
-    if not shards:
-        sizes = tap_bytes(taps, rows, seqs)
-        return sizes, sum(sizes)
-    per_tap = [0] * len(taps)
-    total = 0
-    for stage in range(pp):
-        for rank in range(tp):
-            pairs = indexed_rank_taps(taps, shards, rank, stage)
-            sizes = tap_bytes([t for _, t in pairs], rows, seqs)
-            total = max(total, sum(sizes))
-            for (i, _), n in zip(pairs, sizes):
-                per_tap[i] = max(per_tap[i], n)
-    return per_tap, total
 
