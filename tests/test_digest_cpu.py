@@ -7,7 +7,7 @@ from engine_toy import ToyBuffers, ToyModel, toy_plan
 
 from tapc.engine.config import digest, graph_code
 from tapc.engine.install import install
-from tapc.engine.tables import Layout
+from tapc.engine.layout import Layout
 
 # Every kind of in-graph tap and every edit op, at every kind of site (Python blocks run their
 # runtime eagerly between graph pieces: that code is not in the graphs).
