@@ -251,14 +251,14 @@ def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
         step += 1
 
 
-def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8):
+def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank: int = 0, stage: int = 0):
     from tapc.engine.install import install
     from tapc.engine.layout import Layout
 
     from tapc.engine import patches
     from tapc.engine.points import EnginePoints
 
-    layout = Layout(plan)
+    layout = Layout(plan, tp_rank, stage)   # on several GPUs: this one's part of the plan
     buffers = ToyBuffers(layout, rows, slots)
     install(model, layout, buffers)
     runner = ToyRunner(model, pad)

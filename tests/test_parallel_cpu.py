@@ -251,3 +251,57 @@ def test_explain_shows_layout_stage_and_bytes_per_gpu(capsys):
         assert f"{tap.layout}, stage {tap.stage}" in row and human_bytes(tap.buffer_bytes) in row
     assert "columns, stage 0" in text and "stages hold decoder layers 0..1, 2..3" in text
     assert f"{human_bytes(plan.total_buffer_bytes)} on the most loaded GPU" in text
+
+
+# ----------------------------------------------------------------------------- two stages, end to end
+
+
+def test_two_pipeline_stages_through_the_workers_hooks_equal_one_gpu():
+    """The toy engine as two pipeline stages: each stage's worker hooks (install, tables, records,
+    arena, collect) on its own copy of the model with its part of the plan, the same requests
+    scheduled on both, replies merged by the API: equal to one GPU's run of the same taps. The
+    toy model cannot hand hidden states between stages, so each copy runs every layer; the edit
+    sits on the last stage, so what stage 1 computes before it is what stage 0 would send."""
+    from engine_toy import HIDDEN, INTER, Req, ToyModel, hooks_for, output_of, run, toy_tree
+
+    # the edit changes layer 2's residual stream, which is captured after it
+    taps = ["model.layers.*.resid", "model.layers.*.mlp.up_proj.output",
+            "model.layers.2.mlp.up_proj.output | add(steer, alpha=2.0)"]
+
+    def plan(pp):
+        return build_plan("toy", taps, max_num_batched_tokens=64, max_num_seqs=8, tree=toy_tree(),
+                          engine_args={"pipeline_parallel_size": pp}, dims=ModelDims(1, 1, HIDDEN))
+
+    one, two = plan(1), plan(2)
+    assert two.pp_layers == ((0, 2), (2, 3))
+    assert [len(Layout(two, 0, stage).edits) for stage in (0, 1)] == [0, 1]
+    assert [len(Layout(two, 0, stage).captures) for stage in (0, 1)] == [4, 2]
+    steer = np.random.default_rng(5).standard_normal(INTER).tolist()
+    asks = [TapRequest(capture=list(one.capture_keys), params={"steer": steer}), TapRequest(capture="model.layers.2.resid"),
+            TapRequest(capture="model.layers.0.resid", positions="generated")]
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+
+    def reqs(p):
+        return [Req(f"r{i}", pr, 4, wire_for(p, a, f"t{i}"), arrive=i) for i, (pr, a) in enumerate(zip(prompts, asks))]
+
+    def outputs(p, stages):
+        session = TapSession(p)
+        replies, done = [], None
+        for stage in range(stages):
+            runner, hooks = hooks_for(p, ToyModel(), stage=stage)
+            done = reqs(p)
+            run(runner, done, budget=8)
+            replies.append(over_the_wire(hooks.collect([r.wire.id for r in done]).to_wire()))
+        got = session.results(replies if stages > 1 else replies[0])
+        outs = []
+        for r in done:
+            outs.append(output_of(r))
+            session.finish(outs[-1], r.wire, got[r.wire.id])
+        return outs
+
+    ref, got = outputs(one, 1), outputs(two, 2)
+    assert [len(r.taps) for r in ref] == [len(one.capture_keys), 1, 1]
+    for r, g in zip(ref, got):
+        assert r.error is None and g.error is None and set(g.taps) == set(r.taps)
+        for key in r.taps:
+            torch.testing.assert_close(g.taps[key], r.taps[key], rtol=0, atol=0)
