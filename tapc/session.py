@@ -164,6 +164,10 @@ class TapSession:
         if isinstance(replies, Mapping):
             replies = [replies]
         per_rank = [CollectReply.from_wire(r).by_id() for r in replies]
+        gpus = self.plan.tensor_parallel_size * self.plan.pipeline_parallel_size
+        if len(per_rank) != gpus:
+            raise ProtocolError(f"{len(per_rank)} tapc_collect replies for an engine on {gpus} GPUs: pass "
+                                "collective_rpc's whole list (one reply per worker)")
         if len(per_rank) == 1:
             return per_rank[0]
         ids = dict.fromkeys(tid for got in per_rank for tid in got)

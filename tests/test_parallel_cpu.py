@@ -21,7 +21,7 @@ from tapc.engine.layout import Layout
 from tapc.engine.positions import expected_rows
 from tapc.engine.protocol import Chunk, CollectReply, Result, StoreResult
 from tapc.engine.requests import TapRequest
-from tapc.errors import PlanError
+from tapc.errors import PlanError, ProtocolError
 from tapc.plan import TapPlan
 from tapc.planner import build_plan
 from tapc.ranks import rank_taps
@@ -234,6 +234,8 @@ def test_a_missing_rank_is_an_error_not_a_short_tensor(tmp_path):
     out = NS(request_id="r1", prompt_token_ids=list(range(4)), outputs=[NS(token_ids=[1, 2, 3])])
     session.finish(out, wire, session.results(replies)["t1"])
     assert "lack the columns of tensor-parallel rank(s) [1]" in str(out.error)
+    with pytest.raises(ProtocolError, match="1 tapc_collect replies for an engine on 2 GPUs"):
+        session.results(replies[0])
 
 
 def test_explain_shows_layout_stage_and_bytes_per_gpu(capsys):
