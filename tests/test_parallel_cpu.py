@@ -32,7 +32,7 @@ from tapc.sizing import ITEMSIZE, ROW_ENTRY
 LLAMA = str(CONFIGS / "llama")       # 8 heads, 4 kv heads, head_dim 32, 4 layers, hidden 256
 ROWS, SEQS = 64, 4
 CAPTURES = ["model.layers.*.resid", "model.layers.1.self_attn.qkv_proj.output", "model.layers.2.mlp.act_fn.output",
-            "model.layers.0.self_attn.o_proj.input", "logits"]
+            "model.layers.0.self_attn.o_proj.input", "model.layers.3.self_attn.source.qkv_split_0.output[1]", "logits"]
 
 
 def plan_for(taps, tp=1, pp=1):

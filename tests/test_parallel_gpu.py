@@ -24,7 +24,8 @@ os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the failure t
 
 L1, L2 = "model.layers.1", "model.layers.2"
 SHARDED = [f"{L1}.self_attn.qkv_proj.output", f"{L1}.self_attn.attn.output", f"{L1}.self_attn.o_proj.input",
-           f"{L1}.mlp.gate_up_proj.output", f"{L1}.mlp.act_fn.output", f"{L1}.mlp.down_proj.input"]
+           f"{L1}.mlp.gate_up_proj.output", f"{L1}.mlp.act_fn.output", f"{L1}.mlp.down_proj.input",
+           f"{L1}.self_attn.source.qkv_split_0.output[1]", f"{L1}.mlp.source.self_down_proj_0.input"]
 REPLICATED = ["model.layers.*.resid", f"{L1}.self_attn.o_proj.output", f"{L1}.mlp.down_proj.output", "logits"]
 EDITS = [f"{L2}.resid | add(steer, alpha=6.0)", f"{L2}.mlp.act_fn.output | add(inner)"]
 TAPS = REPLICATED + SHARDED + EDITS
@@ -87,7 +88,7 @@ def test_captures_equal_one_gpus(llama_engines, name, steered):
     ref, got = _run(llama_engines["tp1"], params), _run(llama_engines[name], params)
     plan = llama_engines[name].plan
     layouts = {t.key: t.layout for t in plan.taps}
-    want = {"qkv", "q_heads", "gate_up", "columns"} if name == "tp2" else {"replicated"}
+    want = {"qkv", "q_heads", "kv_heads", "gate_up", "columns"} if name == "tp2" else {"replicated"}
     assert {layouts[k] for k in SHARDED} == want
     for r, g in zip(ref, got):
         assert r.error is None and g.error is None, (r.error, g.error)
