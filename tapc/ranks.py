@@ -55,11 +55,6 @@ def indexed_rank_taps(taps, shards: dict[str, PointShard], tp_rank: int, stage: 
     return out
 
 
-def stage_captures(taps, shards: dict[str, PointShard], stage: int) -> set[str]:
-    """Capture keys of one stage (any rank), for telling a key of another stage from a wrong one."""
-    return {t.key for t in taps if t.action == "capture" and shards[t.key].stage == stage}
-
-
 def local_args(shard: PointShard, tp_rank: int, action: str, values: dict) -> dict:
     """An edit's argument values (name -> literal or request wire value) at a sharded point,
     mapped to the rank's local columns: vectors sliced (`local_vector`), columns to local ones
