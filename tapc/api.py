@@ -70,8 +70,9 @@ class VLLM:
         self._give_back()
         outs = self.llm.generate(prompts, [p.params for p in prepared], **kwargs)
         wanted = self.session.wanted(prepared)
-        reply = self.llm.collective_rpc("tapc_collect", args=(wanted,))[0] if wanted else None
-        return self.session.finish_batch(outs, prepared, reply)
+        # one reply per worker (several under tensor / pipeline parallelism): the session merges them
+        replies = self.llm.collective_rpc("tapc_collect", args=(wanted,)) if wanted else None
+        return self.session.finish_batch(outs, prepared, replies)
 
     def _give_back(self) -> None:
         """Tell the worker which capture chunks the caller has dropped since the last call."""

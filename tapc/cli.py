@@ -19,6 +19,7 @@ def _explain(args) -> int:
     from tapc.explain import render, render_points
     from tapc.planner import build_plan
     from tapc.specfile import is_spec_path
+    from tapc.tree import load_tree
 
     after = ""
     sizes = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
@@ -35,20 +36,19 @@ def _explain(args) -> int:
             after = (f"harvest (`tapc harvest {args.target} PROMPTS`): the captures at {spec.capture.positions} "
                      f"positions go to {spec.output.dir}, {spec.output.shard_tokens} rows per shard\n")
     else:
-        from tapc.tree import load_tree
-
         if not args.taps:
             if args.json:
                 print(load_tree(args.target).to_json())
             else:
                 print(render_points(load_tree(args.target)), end="")
             return 0
-        plan = build_plan(args.target, args.taps, **sizes)
+        plan = build_plan(args.target, args.taps, **sizes,
+                          engine_args={"tensor_parallel_size": args.tensor_parallel_size,
+                                       "pipeline_parallel_size": args.pipeline_parallel_size})
     if args.json:
         print(plan.to_json(indent=2))
         return 0
     from tapc.resolve import notes
-    from tapc.tree import load_tree
 
     print(render(plan, notes(plan, load_tree(plan.model))) + after, end="")
     return 0
@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"rows each buffer holds (default: the spec's, else {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     ex.add_argument("--max-num-seqs", type=int, default=None,
                     help=f"request slots in parameter tables (default: the spec's, else {DEFAULT_MAX_NUM_SEQS})")
+    ex.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="GPUs per pipeline stage: shows each point replicated or sharded, bytes per GPU")
+    ex.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (each point's stage)")
     hv = sub.add_parser("harvest", help="run prompts through the spec's engine, write captures to shards (CUDA GPU)",
                         epilog=f"Docs: {DOCS}.")
     hv.add_argument("spec", help="a spec .yaml with an `output:` section")

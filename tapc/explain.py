@@ -37,13 +37,16 @@ def _args(tap) -> str:
 def taps_table(plan: TapPlan) -> Table:
     table = Table(title=f"tapc plan {plan.digest} for {plan.model} ({plan.architecture})", title_justify="left")
     longest = max(len(t.key) for t in plan.taps)
-    for col, just in (("point", "left"), ("kind", "left"), ("action", "left"), ("per token", "right"),
-                      ("buffer", "right"), ("from tap", "left")):
+    parallel = bool(plan.shards)   # several GPUs: each point's layout and stage, bytes on the most loaded GPU
+    cols = (("point", "left"), ("kind", "left"), ("action", "left"), ("per token", "right"))
+    cols += (("GPUs", "left"), ("per GPU", "right")) if parallel else (("buffer", "right"),)
+    for col, just in cols + (("from tap", "left"),):
         # a point's name stays whole while the terminal has room for it; the others wrap at spaces
         table.add_column(col, justify=just, overflow="fold", min_width=longest if col == "point" else None)
     for tap in plan.taps:
         action = tap.action + (f"({_args(tap)})" if tap.args else f" {_args(tap)}" if tap.block else "")
-        table.add_row(tap.key, tap.kind, action, f"{tap.width} x {tap.dtype}",
+        where = (f"{tap.layout}, stage {tap.stage}",) if parallel else ()
+        table.add_row(tap.key, tap.kind, action, f"{tap.width} x {tap.dtype}", *where,
                       human_bytes(tap.buffer_bytes) if tap.buffer_bytes else "-", tap.source)
     return table
 
@@ -78,7 +81,11 @@ def totals(plan: TapPlan) -> list[str]:
     return [
         f"taps: {len(plan.taps)} ({', '.join(f'{n} {k}' for k, n in kinds.items())})",
         f"parameters: {params or 'none'}",
-        f"preallocated: {human_bytes(plan.total_buffer_bytes)} on the device for {plan.max_num_batched_tokens} "
+        *([f"GPUs: tensor_parallel_size={plan.tensor_parallel_size} x pipeline_parallel_size="
+           f"{plan.pipeline_parallel_size}; stages hold decoder layers "
+           + ", ".join(f"{a}..{b - 1}" for a, b in plan.pp_layers)] if plan.shards else []),
+        f"preallocated: {human_bytes(plan.total_buffer_bytes)} on the {'most loaded GPU' if plan.shards else 'device'}"
+        f" for {plan.max_num_batched_tokens} "
         f"tokens per step and {plan.max_num_seqs} requests ({param_slots(plan.max_num_seqs)} parameter slots)",
         f"digest: {plan.digest}",
     ]

@@ -70,10 +70,13 @@ class PlannedTap:
     kind: str                      # READ | EDIT | BLOCK | ENGINE
     args: tuple[Arg, ...] = ()
     block: str | None = None       # name of the Python block for `-> name`
-    width: int = 0                 # elements per token (per rank under tensor parallelism)
+    width: int = 0                 # elements per token in the single-GPU layout
     dtype: str = "bfloat16"        # dtype of the activation at that point (captures: of the buffer)
-    buffer_bytes: int = 0          # device memory the engine allocates for it (tapc/sizing.py)
+    buffer_bytes: int = 0          # device memory the engine allocates for it (tapc/sizing.py), on
+                                   # the most loaded GPU under tensor / pipeline parallelism
     layer: int | None = None       # decoder layer index, when the point is inside one
+    layout: str = "replicated"     # under tensor parallelism (tapc/sharding.py): replicated or a sharded kind
+    stage: int = 0                 # the pipeline stage that runs it
 
     @property
     def key(self) -> str:
@@ -96,7 +99,14 @@ class TapPlan:
     splitting_ops: tuple[str, ...] # vLLM splitting ops the plan adds ("" when none)
     pieces_before: int             # piecewise graph pieces without the plan
     pieces_after: int
-    total_buffer_bytes: int        # device memory the engine allocates for the plan (tapc/sizing.py)
+    total_buffer_bytes: int        # device memory the engine allocates for the plan (tapc/sizing.py),
+                                   # on the most loaded GPU
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pp_layers: tuple[tuple[int, int], ...] = ()  # decoder layers (start, end) of each pipeline stage
+    # tapc/sharding.py's PointShard of each tapped point (one per key), when either size is
+    # above 1: which GPU runs, captures and edits which columns (tapc/ranks.py).
+    shards: tuple = ()
     digest: str = ""
 
     def by_kind(self, kind: str) -> tuple[PlannedTap, ...]:
@@ -110,6 +120,11 @@ class TapPlan:
             if t.action == "capture":
                 seen.setdefault(t.key)
         return tuple(seen)
+
+    @property
+    def shard_map(self) -> dict:
+        """key -> PointShard (empty on one GPU)."""
+        return {s.key: s for s in self.shards}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -127,8 +142,12 @@ class TapPlan:
             PlannedTap(**{**t, "point": Point(**t["point"]), "args": tuple(arg(a) for a in t["args"])})
             for t in d["taps"]
         )
+        from tapc.sharding import PointShard   # it imports this module
+
         return cls(**{**d, "taps": taps, "params": tuple(ParamSpec(**p) for p in d["params"]),
-                      "splitting_ops": tuple(d["splitting_ops"])})
+                      "splitting_ops": tuple(d["splitting_ops"]),
+                      "pp_layers": tuple(tuple(r) for r in d.get("pp_layers", ())),
+                      "shards": tuple(PointShard.from_dict(s) for s in d.get("shards", ()))})
 
     @classmethod
     def from_json(cls, text: str) -> "TapPlan":

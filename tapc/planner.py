@@ -1,4 +1,9 @@
-"""Tap specs + vLLM's module tree -> a TapPlan (tapc/plan.py): resolve, check, size, digest."""
+"""Tap specs + vLLM's module tree -> a TapPlan (tapc/plan.py): resolve, check, size, digest.
+
+Under tensor / pipeline parallelism (`engine_args` sizes above 1) the tree stays the single-GPU
+one; the plan records the sizes, the stages' layers and tapc/sharding.py's map of every point,
+refuses what cannot run (the map's messages), and sizes each GPU's buffers at its local widths
+(tapc/ranks.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +11,8 @@ import dataclasses
 from tapc.errors import PlanError
 from tapc.plan import BLOCK, READ, ParamSpec, PlannedTap, TapPlan, plan_digest
 from tapc.resolve import resolve_tap
-from tapc.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, tap_bytes
+from tapc.sharding import ModelDims, PointShard, pp_stages, shard_points
+from tapc.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, gpu_bytes
 from tapc.spec import TapSpec, parse_taps
 from tapc.tree import load_tree
 
@@ -16,9 +22,11 @@ CAPTURE_DTYPES = ("float32", "bfloat16", "float16")
 
 def build_plan(model: str, taps, *, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, capture_dtype: str | None = None, tree=None,
-               engine_args: dict | None = None) -> TapPlan:
+               engine_args: dict | None = None, dims: ModelDims | None = None) -> TapPlan:
     """Resolve taps (strings, a text, or parsed `TapSpec`s) against `model`'s vLLM module tree, as
-    an engine with `engine_args` builds it (tree.py TREE_ENGINE_ARGS: parallel sizes, LoRA)."""
+    an engine with `engine_args` builds it (tree.py TREE_ENGINE_ARGS: LoRA), for its
+    `tensor_parallel_size` and `pipeline_parallel_size`. `dims`: the attention shape the
+    parallel layouts need (default: from the model's config.json)."""
     specs = tuple(taps) if taps and all(isinstance(t, TapSpec) for t in taps) else parse_taps(taps)
     if not specs:
         raise PlanError("no taps: give at least one tap")
@@ -39,7 +47,12 @@ def build_plan(model: str, taps, *, max_num_batched_tokens: int = DEFAULT_MAX_NU
             seen[sig] = tap
             planned.append(tap)
     params = _collect_params(planned)
-    sizes = tap_bytes(planned, max_num_batched_tokens, max_num_seqs)
+    tp = int((engine_args or {}).get("tensor_parallel_size", 1))
+    pp = int((engine_args or {}).get("pipeline_parallel_size", 1))
+    shards = _parallel(model, tree, planned, dims, tp, pp) if tp * pp > 1 else {}
+    planned = [dataclasses.replace(t, layout=shards[t.key].layout, stage=shards[t.key].stage) if shards else t
+               for t in planned]
+    sizes, total = gpu_bytes(planned, shards, tp, pp, max_num_batched_tokens, max_num_seqs)
     planned = [dataclasses.replace(t, buffer_bytes=n) for t, n in zip(planned, sizes)]
     block_points = {t.key for t in planned if t.kind == BLOCK}
     pieces = tree.num_layers + 1  # vLLM splits at each attention op: one compiled piece per gap
@@ -47,7 +60,9 @@ def build_plan(model: str, taps, *, max_num_batched_tokens: int = DEFAULT_MAX_NU
         model=model, architecture=tree.architecture, num_layers=tree.num_layers, hidden_size=tree.hidden_size,
         dtype=tree.dtype, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
         taps=tuple(planned), params=params, splitting_ops=(BOUNDARY_OP,) if block_points else (),
-        pieces_before=pieces, pieces_after=pieces + len(block_points), total_buffer_bytes=sum(sizes),
+        pieces_before=pieces, pieces_after=pieces + len(block_points), total_buffer_bytes=total,
+        tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        pp_layers=pp_stages(tree.num_layers, pp) if shards else (), shards=tuple(shards.values()),
     )
     return dataclasses.replace(plan, digest=plan_digest(plan))
 
@@ -70,3 +85,27 @@ def _collect_params(taps: list[PlannedTap]) -> tuple[ParamSpec, ...]:
                 continue
             found[a.param] = (ParamSpec(a.param, a.kind, tap.width if a.kind == "vector" else None), tap)
     return tuple(a for a, _ in found.values())
+
+
+def _parallel(model: str, tree, taps: list[PlannedTap], dims: ModelDims | None, tp: int,
+              pp: int) -> dict[str, PointShard]:
+    """The map of every tapped point; what cannot run at these sizes is refused, naming the tap."""
+    shards = shard_points(tree, [t.point for t in taps], dims or ModelDims.of_model(model), tp=tp, pp=pp)
+    layouts: dict[str, tuple[str, PlannedTap]] = {}
+    for tap in taps:
+        shard = shards[tap.key]
+        why = shard.refusal(tap.action)
+        if why is None and shard.sharded and shard.width != tap.width:
+            why = (f"{tap.key} holds one attention head per row, which tapc does not split across GPUs yet: "
+                   f"tap the attention block's qkv_proj.output or attn.input instead, or run tensor_parallel_size=1")
+        if why is not None:
+            raise PlanError(f"`{tap.source}`: {why}")
+        for a in tap.args:   # a named vector is one table per GPU: one slicing for all its points
+            if a.param is None or a.kind != "vector":
+                continue
+            first = layouts.setdefault(a.param, (shard.layout, tap))
+            if first[0] != shard.layout:
+                raise PlanError(f"parameter {a.param!r} is a vector at {first[1].key} ({first[0]}) and at {tap.key} "
+                                f"({shard.layout}), which split differently across {tp} GPUs: use two names")
+    return {t.key: shards[t.key] for t in taps}
+

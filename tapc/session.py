@@ -7,8 +7,8 @@ engine or an HTTP route around theirs:
     prepared = session.prepare(sampling_params, checked, "request 3")   # tapc id, SamplingParams
     chunks = session.released()      # -> collective_rpc("tapc_release", chunks), before submitting
     ... submit the prompt with prepared.params; wait for its final output `out` ...
-    reply = collective_rpc("tapc_collect", session.wanted([prepared]))  # tapped requests only
-    session.finish(out, prepared.wire, session.results(reply).get(prepared.id))
+    replies = collective_rpc("tapc_collect", session.wanted([prepared]))  # one per worker; tapped only
+    session.finish(out, prepared.wire, session.results(replies).get(prepared.id))
     out.taps, out.saved, out.error
 
 `prepare_batch` and `finish_batch` are the loops `generate` needs: one SamplingParams and one
@@ -25,7 +25,7 @@ import copy
 import dataclasses
 import logging
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -158,10 +158,45 @@ class TapSession:
         drops its record then, and says if the request ran untapped)."""
         return [p.wire.id for p in prepared if p.wire is not None]
 
-    @staticmethod
-    def results(reply) -> dict[str, Result]:
-        """The `tapc_collect` reply (wire form) by tapc id."""
-        return CollectReply.from_wire(reply).by_id()
+    def results(self, replies) -> dict[str, Result]:
+        """The `tapc_collect` replies (wire form) by tapc id: one reply, or `collective_rpc`'s list
+        of one per worker (in rank order), merged into one result per request (`merge`)."""
+        if isinstance(replies, Mapping):
+            replies = [replies]
+        per_rank = [CollectReply.from_wire(r).by_id() for r in replies]
+        gpus = self.plan.tensor_parallel_size * self.plan.pipeline_parallel_size
+        if len(per_rank) != gpus:
+            raise ProtocolError(f"{len(per_rank)} tapc_collect replies for an engine on {gpus} GPUs: pass "
+                                "collective_rpc's whole list (one reply per worker)")
+        if len(per_rank) == 1:
+            return per_rank[0]
+        ids = dict.fromkeys(tid for got in per_rank for tid in got)
+        return {tid: self.merge(tid, [got.get(tid) for got in per_rank]) for tid in ids}
+
+    def merge(self, tid: str, results: Sequence[Result | None]) -> Result:
+        """One request's results from every worker (global rank order: stage-major, tensor-parallel
+        rank inner, as vLLM numbers them) as one. A request that failed on any GPU fails as a
+        whole, and the chunks the other GPUs hold for it go back. Engine points come from the
+        one GPU that keeps them (the last stage's first rank); blocks' saved values from the
+        first rank of each stage (every rank of a stage runs the block on the same input)."""
+        tp = self.plan.tensor_parallel_size
+        failed = next(((r, res) for r, res in enumerate(results) if res is None or res.error is not None), None)
+        if failed is not None:
+            for res in results:
+                if res is not None:
+                    self.discard(res)
+            rank, res = failed
+            why = "its reply has no result for this request" if res is None else res.error
+            return Result(tid, error=f"on GPU {rank} (pipeline stage {rank // tp}, tensor-parallel rank {rank % tp}): "
+                                     f"{why}")
+        saved: dict = {}
+        for rank, res in enumerate(results):
+            if rank % tp == 0:
+                saved.update(res.saved)
+        engine = {k: t for res in results for k, t in res.engine.items()}
+        block_error = next((res.block_error for res in results if res.block_error is not None), None)
+        return Result(tid, stores=tuple(st for res in results for st in res.stores), engine=engine, saved=saved,
+                      block_error=block_error)
 
     def finish(self, out, wire: WireRequest | None, result: Result | None) -> None:
         """Give vLLM's output `out` its `taps`, `saved` and `error`. What went wrong for this
@@ -183,8 +218,8 @@ class TapSession:
         _attach_points(out, result)
 
     def finish_batch(self, outs: list, prepared: Sequence[Prepared], reply) -> list:
-        """`finish` for each output of a `generate` call; `reply` is the collect reply (None
-        when nothing was collected)."""
+        """`finish` for each output of a `generate` call; `reply` is the collect reply, or the
+        list of them, one per worker (None when nothing was collected)."""
         got = self.results(reply) if reply is not None else {}
         try:
             for out, p in zip(outs, prepared):
@@ -208,6 +243,8 @@ class TapSession:
             self.discard(result)
             raise EngineError(f"request {out.request_id}: {short[0]} rows captured for {keep} positions")
         taps: dict[str, torch.Tensor] = {}
+        shards = self.plan.shard_map
+        parts_of: dict[str, list] = {}   # sharded key -> (rank, its local [rows, local width] view)
         for store in result.stores:
             keys, width, dtype = store.keys, store.width, getattr(torch, store.dtype)
             parts, done = [], 0
@@ -221,7 +258,13 @@ class TapSession:
             # One chunk is the usual case (the first is sized for every row the request can
             # have); several are joined by a copy, and go back as soon as `parts` is dropped.
             block = parts[0] if len(parts) == 1 else torch.cat(parts or [torch.empty((0, len(keys), width), dtype=dtype)])
-            taps.update({k: block[:, j] for j, k in enumerate(keys)})
+            for j, k in enumerate(keys):
+                if k in shards and shards[k].sharded:
+                    parts_of.setdefault(k, []).append((store.rank, block[:, j]))
+                else:
+                    taps[k] = block[:, j]
+        for k, parts in parts_of.items():
+            taps[k] = place(shards[k], parts, out.request_id)
         return taps
 
     def discard(self, result: Result) -> None:
@@ -230,6 +273,28 @@ class TapSession:
         for store in result.stores:
             for chunk in store.chunks:
                 self.arena.unused(chunk.path, chunk.offset)
+
+
+def place(shard, parts: list[tuple[int, torch.Tensor]], request_id: str) -> torch.Tensor:
+    """A sharded point's `[rows, width]` in the single-GPU layout from each writing rank's local
+    `[rows, local width]` (tapc/sharding.py `writes`: every column from exactly one rank). A host
+    copy, so the ranks' arena chunks go back as soon as the views here are dropped."""
+    got = dict(parts)
+    writers = [r.rank for r in shard.ranks if r.writes]
+    missing = [r for r in writers if r not in got]
+    if missing or len(got) != len(parts):
+        raise EngineError(f"request {request_id}: {shard.key} is sharded over {shard.tp} GPUs, but the engine's "
+                          f"replies lack the columns of tensor-parallel rank(s) {missing or 'given twice'}")
+    rows = {t.shape[0] for t in got.values()}
+    if len(rows) != 1:
+        raise EngineError(f"request {request_id}: {shard.key}: the GPUs captured {sorted(rows)} rows")
+    first = got[writers[0]]
+    whole = torch.empty((rows.pop(), shard.width), dtype=first.dtype)
+    for r in writers:
+        local = got[r]
+        for dst, src, n in shard.ranks[r].writes:
+            whole[:, dst:dst + n] = local[:, src:src + n]
+    return whole
 
 
 def _attach_points(out, result: Result) -> None:

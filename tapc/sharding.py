@@ -14,8 +14,8 @@ whole tensor; with fewer kv heads than ranks, kv head h lives on ranks h*R .. h*
 (R = N / kv heads). A row-parallel linear's output is all-reduced: replicated again.
 
 Python and numpy only at import (no torch, no vLLM), so the plan and `tapc explain` can use it
-without a GPU. Nothing calls it yet: the engine wiring (which rank copies what, edits per rank)
-is designed in docs/distributed.md.
+without a GPU. The planner records the map in the plan (`TapPlan.shards`); tapc/ranks.py
+derives each GPU's taps from it, and the API places sharded captures with its `writes`.
 """
 from __future__ import annotations
 
@@ -125,10 +125,22 @@ class PointShard:
         if self.sharded and action in WHOLE_ROW_EDITS:
             return (f"{self.key} is sharded across {self.tp} GPUs under tensor parallelism; {action} needs "
                     f"the whole row: tap {_replicated_neighbour(self.key)} instead, or run tensor_parallel_size=1")
+        if self.sharded and action == "block":
+            return (f"{self.key} is sharded across {self.tp} GPUs under tensor parallelism; a Python block needs "
+                    f"the whole row, and gathering it is not wired yet: tap {_replicated_neighbour(self.key)} "
+                    "instead, or run tensor_parallel_size=1")
         return None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PointShard":
+        def runs(rs):
+            return tuple(Run(*r) for r in rs)
+
+        ranks = tuple(RankShard(r["rank"], r["local_width"], runs(r["writes"]), runs(r["holds"])) for r in d["ranks"])
+        return cls(**{**d, "ranks": ranks})
 
 
 def shard_points(tree: ModuleTree, points, dims: ModelDims, *, tp: int = 1, pp: int = 1,

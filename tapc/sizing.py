@@ -10,7 +10,9 @@ The worker allocates, once, before vLLM's first forward (engine/buffers.py):
   edit that uses the name (counted at the first);
 - per `logits` edit: its parameter tables, and an int32 row of `max_num_seqs` entries mapping
   the step's logits rows to slots.
-`rows` is max_num_batched_tokens. Captures of `logits` / `samples` are kept per step on the
+`rows` is max_num_batched_tokens. Under tensor / pipeline parallelism every GPU allocates this
+for its own part of the plan (tapc/ranks.py: its stage, local widths), and `gpu_bytes` says
+what the most loaded GPU allocates. Captures of `logits` / `samples` are kept per step on the
 device until collected (a row per generated token): not preallocated, not counted here. Nor is
 host memory: the pinned staging buffers of the row tables and the captures' arena in /dev/shm
 (engine/arena.py), which grows with what requests ask for.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from tapc.edits import EDITS, Table, tables
 from tapc.plan import EDIT, ENGINE, READ, PlannedTap
+from tapc.ranks import indexed_rank_taps
 
 # The plan sizes buffers and tables for these unless the caller sets them; the engine gets the
 # same values (vLLM's own defaults depend on the GPU).
@@ -69,3 +72,23 @@ def tap_bytes(taps, rows: int, max_num_seqs: int) -> list[int]:
         for i, own in zip(index, edit_tables([taps[i] for i in index])):
             out[i] = per_row * ROW_ENTRY + sum(slots * t.nbytes_per_slot for t, first in own if first)
     return out
+
+
+def gpu_bytes(taps, shards: dict, tp: int, pp: int, rows: int, seqs: int) -> tuple[list[int], int]:
+    """Device bytes per tap on the GPU that allocates most for it, and the most any GPU allocates
+    for the plan: every GPU sized as it allocates (tapc/ranks.py, local widths). `shards`: the
+    plan's map by key (empty on one GPU)."""
+    if not shards:
+        sizes = tap_bytes(taps, rows, seqs)
+        return sizes, sum(sizes)
+    per_tap = [0] * len(taps)
+    total = 0
+    for stage in range(pp):
+        for rank in range(tp):
+            pairs = indexed_rank_taps(taps, shards, rank, stage)
+            sizes = tap_bytes([t for _, t in pairs], rows, seqs)
+            total = max(total, sum(sizes))
+            for (i, _), n in zip(pairs, sizes):
+                per_tap[i] = max(per_tap[i], n)
+    return per_tap, total
+

@@ -160,9 +160,11 @@ def _check_architecture(cfg: Path, archs: list[str]) -> None:
                            f"for {'it' if len(archs) == 1 else 'them'}{hint}")
 
 
-# Engine arguments that change the module tree (sharded widths, LoRA-wrapped layers), with the
-# values a tree is built for when the caller does not give them.
-TREE_ENGINE_ARGS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "enable_lora": False}
+# Engine arguments that change the module tree (LoRA-wrapped layers), with the values a tree is
+# built for when the caller does not give them. Not the parallel sizes: the tree is always the
+# single-GPU one (results come back in its layout); the plan keeps the sizes and
+# tapc/sharding.py says what each GPU holds.
+TREE_ENGINE_ARGS = {"enable_lora": False}
 
 
 def tree_args(engine_args: dict | None) -> dict:
@@ -342,10 +344,6 @@ def _call_sites(cls, attr: str) -> list[_CallSite]:
 
 def _meta_model(model_dir: str, engine_args: dict):
     """vLLM's model on meta: CPU platform for the config, a one-rank gloo group, `_C` stood in for."""
-    parallel = engine_args["tensor_parallel_size"] * engine_args["pipeline_parallel_size"]
-    if parallel != 1:  # one rank of several needs the others' process group: not built yet
-        raise ResolveError(f"module trees of engines on several GPUs are not built yet ({engine_args}): "
-                           "tapped engines run on one GPU for now")
     import torch
     import vllm.platforms as platforms
     from vllm.platforms.cpu import CpuPlatform

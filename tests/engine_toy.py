@@ -124,7 +124,7 @@ class ToyBuffers:
         self.layout = layout
         self.table = torch.full((layout.num_tables, rows), -1, dtype=torch.int32)
         self.pools = [torch.zeros(len(g.caps) * rows, g.width, dtype=getattr(torch, g.dtype)) for g in layout.groups]
-        self.params = ParamTables(layout.edits, slots, torch.device("cpu"))
+        self.params = ParamTables(layout.edits, slots, torch.device("cpu"), layout.localize)
         self.logit_params = ParamTables(layout.logit_edits, slots, torch.device("cpu"))
         self.logit_rows = torch.full((len(layout.logit_edits), slots), -1, dtype=torch.int32)
         self._host = np.empty((layout.num_tables, rows), dtype=np.int32)
@@ -251,14 +251,14 @@ def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
         step += 1
 
 
-def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8):
+def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank: int = 0, stage: int = 0):
     from tapc.engine.install import install
     from tapc.engine.layout import Layout
 
     from tapc.engine import patches
     from tapc.engine.points import EnginePoints
 
-    layout = Layout(plan)
+    layout = Layout(plan, tp_rank, stage)   # on several GPUs: this one's part of the plan
     buffers = ToyBuffers(layout, rows, slots)
     install(model, layout, buffers)
     runner = ToyRunner(model, pad)

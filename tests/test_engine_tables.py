@@ -186,7 +186,7 @@ def test_engine_kwargs():
 
 @pytest.mark.parametrize("kwargs,words", [
     ({"enable_prefix_caching": True}, "prefix cache skip the forward"),
-    ({"tensor_parallel_size": 2}, "one GPU"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 but the plan was built for 1"),
     ({"worker_cls": "my.Worker"}, "runs tapc's worker"),
     ({"max_num_seqs": 9}, "plan was built for 8"),
 ])

@@ -1,16 +1,13 @@
 """The module tree is built for the engine arguments that change it, and cached by them."""
-import pytest
 
 from conftest import CONFIGS
-from tapc.errors import ResolveError
 from tapc.tree import CACHE_DIR, load_tree, tree_args
 
 LLAMA = str(CONFIGS / "llama")
 
 
 def test_tree_args_pick_the_ones_that_change_the_tree():
-    assert tree_args({"tensor_parallel_size": 2, "max_num_seqs": 8, "enable_lora": True}) == \
-        {"tensor_parallel_size": 2, "pipeline_parallel_size": 1, "enable_lora": True}
+    assert tree_args({"tensor_parallel_size": 2, "max_num_seqs": 8, "enable_lora": True}) == {"enable_lora": True}
     assert tree_args(None) == tree_args({"max_model_len": 99})
 
 
@@ -25,6 +22,6 @@ def test_lora_engines_get_their_own_tree_and_cache_entry(trees):
     assert set(CACHE_DIR.glob("*.json")) - before == made
 
 
-def test_several_gpus_are_refused_clearly():
-    with pytest.raises(ResolveError, match="one GPU"):
-        load_tree(LLAMA, {"tensor_parallel_size": 2})
+def test_several_gpus_get_the_single_gpu_tree(trees):
+    """Results come back in the single-GPU layout: the tree (its widths) is the TP=1 one."""
+    assert load_tree(LLAMA, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}) == trees("llama")

@@ -66,6 +66,10 @@ class Arena:
                 return self.path(seg), p - m.data_ptr()
         raise ValueError("not a tensor of this arena")
 
+    def owns(self, path: str) -> bool:
+        """Whether `path` is one of this arena's files (each worker process has its own)."""
+        return path in self.segment
+
     def give_back(self, path: str, off: int) -> None:
         """Free the block at (file, offset) that `tensor` gave out."""
         seg = self.segment.get(path, -1)

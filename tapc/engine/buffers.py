@@ -45,7 +45,7 @@ class Buffers:
         self._copy_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._batch = BatchCopy.load() if device.type == "cuda" else None
         self._copied: torch.cuda.Event | None = None
-        self.params = ParamTables(layout.edits, self.slots, device)
+        self.params = ParamTables(layout.edits, self.slots, device, layout.localize)
         self.logit_params = ParamTables(layout.logit_edits, self.slots, device)
         self.logit_rows = torch.full((len(layout.logit_edits), seqs), -1, dtype=torch.int32, device=device)
 
@@ -118,8 +118,10 @@ class ParamTables:
     the column tables of set/zero, belong to their edit and hold the literal in every slot.
     """
 
-    def __init__(self, taps, slots: int, device: torch.device):
+    def __init__(self, taps, slots: int, device: torch.device, localize=None):
         self.taps = taps
+        # per edit: a request's values -> this GPU's (layout.py `localize`; None: as they come)
+        self.localize = localize or [None] * len(taps)
         self.specs = edit_tables(taps)
         self.tables: list[dict[str, torch.Tensor]] = []
         shared: dict[tuple, torch.Tensor] = {}
@@ -146,6 +148,8 @@ class ParamTables:
         for e in edits:
             tap = self.taps[e]
             values = {a.name: a.value if a.param is None else params[a.param] for a in tap.args}
+            if self.localize[e] is not None:
+                values = {**values, **self.localize[e](_global_values(tap, values))}
             for spec, _ in self.specs[e]:
                 table = self.tables[e][spec.arg]
                 if spec.literal or id(table) in done:
@@ -156,6 +160,14 @@ class ParamTables:
     def tensors(self) -> list[torch.Tensor]:
         """The tables, a shared one once."""
         return list({id(t): t for ts in self.tables for t in ts.values()}.values())
+
+
+def _global_values(tap, values: dict) -> dict:
+    """The values of an edit still in the single-GPU layout on a GPU of several: its parameters,
+    and a literal `value` list whose columns are a parameter (tapc/ranks.py maps the rest)."""
+    cols_bound = any(a.name == "cols" and a.param is not None for a in tap.args)
+    return {a.name: values[a.name] for a in tap.args
+            if a.param is not None or (cols_bound and a.name == "value")}
 
 
 def upload_pinned(dst: torch.Tensor, src: torch.Tensor) -> None:

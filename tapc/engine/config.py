@@ -8,7 +8,8 @@
 - prefix caching off: tokens served from the prefix cache skip the forward, so their rows
   would be missing from a capture and would not carry a request's edit. tapc refuses to run a
   tapped engine with it rather than return short captures.
-- one GPU per engine for now (no tensor or pipeline parallelism).
+- on several GPUs (tensor / pipeline parallel sizes as the plan was built for): vLLM's
+  multiprocessing executor, one worker process per GPU on this node (docs/distributed.md).
 Compilation settings are left as the user gave them (vLLM's default: FULL_AND_PIECEWISE),
 except that with Python blocks `tapc::boundary` joins vLLM's splitting ops: PIECEWISE graphs
 split there, and FULL graphs are captured broken there (graphs.py).
@@ -30,7 +31,7 @@ WORKER = "tapc.engine.worker.TapWorker"
 # them must invalidate vLLM's compile cache. tests/test_digest_cpu.py runs an install and the
 # patched forwards and fails if a tapc file they run is missing here.
 GRAPH_MODULES = ("tapc.engine.install", "tapc.engine.source", "tapc.engine.layout", "tapc.tree", "tapc.edits",
-                 "tapc.sizing")
+                 "tapc.sizing", "tapc.ranks", "tapc.sharding")
 GRAPH_PACKAGES = ("tapc.kernels",)   # every module of these
 
 
@@ -55,8 +56,14 @@ def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
                           "their rows would be missing from captures and edits; tapped engines run without it")
     out["enable_prefix_caching"] = False
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if out.get(name, 1) != 1:
-            raise EngineError(f"{name}={out[name]}: tapped engines run on one GPU for now")
+        if out.get(name, 1) != getattr(plan, name):
+            raise EngineError(f"{name}={out.get(name, 1)} but the plan was built for {getattr(plan, name)}")
+    if plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
+        backend = out.get("distributed_executor_backend")
+        if backend not in (None, "mp"):
+            raise EngineError(f"distributed_executor_backend={backend!r}: tapped engines on several GPUs run vLLM's "
+                              "multiprocessing executor (\"mp\"); the capture arena is per node (docs/distributed.md)")
+        out["distributed_executor_backend"] = "mp"
     if out.get("worker_cls", "auto") not in ("auto", WORKER):
         raise EngineError(f"worker_cls={out['worker_cls']!r}: a tapped engine runs tapc's worker ({WORKER})")
     out["worker_cls"] = WORKER

@@ -12,6 +12,10 @@ position-major, `[rows, its captures in the group, width]`, so that one step's b
 request is one contiguous run of the pool and lands with one copy in that request's host
 storage, which has the same layout (storage.py). Padding rows and requests that ask for nothing
 stay -1 (fill.py).
+
+Under tensor / pipeline parallelism each worker's layout holds its own GPU's taps
+(tapc/ranks.py: its stage's layers, captures it writes, local widths); `localize[e]` maps a
+request's values of edit e's parameters to the GPU's columns (None: the point is replicated).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tapc.plan import BLOCK, EDIT, ENGINE, READ, TapPlan
+from tapc.ranks import local_args, rank_taps
 from tapc.sizing import is_logit_edit
 
 
@@ -35,12 +40,17 @@ class Group:
 class Layout:
     """The plan's in-graph taps as table rows: capture c is row c, edit e is row C + e."""
 
-    def __init__(self, plan: TapPlan):
-        self.captures = plan.by_kind(READ)
-        self.edits = plan.by_kind(EDIT)
-        self.blocks = plan.by_kind(BLOCK)     # boundary op k is blocks[k]
-        self.engine = plan.by_kind(ENGINE)    # logits / samples: in the runner, outside the graphs
-        self.plan_order = {id(t): i for i, t in enumerate(plan.taps)}
+    def __init__(self, plan: TapPlan, tp_rank: int = 0, stage: int = 0):
+        shards = plan.shard_map
+        taps = rank_taps(plan.taps, shards, tp_rank, stage) if shards else plan.taps
+        self.tp_rank, self.stage = tp_rank, stage
+        self.captures = tuple(t for t in taps if t.kind == READ)
+        self.edits = tuple(t for t in taps if t.kind == EDIT)
+        self.blocks = tuple(t for t in taps if t.kind == BLOCK)     # boundary op k is blocks[k]
+        self.engine = tuple(t for t in taps if t.kind == ENGINE)    # logits / samples: in the runner
+        # Capture keys of the whole plan: a request may ask for one this GPU does not write.
+        self.plan_captures = frozenset(t.key for t in plan.taps if t.action == "capture")
+        self.plan_order = {id(t): i for i, t in enumerate(taps)}
         self.cap_index = {t.key: i for i, t in enumerate(self.captures)}
         groups: dict[tuple[int, str], list[int]] = {}
         for i, t in enumerate(self.captures):
@@ -57,6 +67,14 @@ class Layout:
         self.logit_edit_params = [tuple(a.param for a in t.args if a.param is not None) for t in self.logit_edits]
         # Edits without parameters are part of the engine's model: they apply to every request.
         self.always = [e for e, names in enumerate(self.edit_params) if not names]
+        self.localize = [_localizer(shards.get(t.key), tp_rank, t.action) for t in self.edits]
 
     def edit_row(self, e: int) -> int:
         return len(self.captures) + e
+
+
+def _localizer(shard, tp_rank: int, action: str):
+    """values -> the GPU's values, for an edit at a sharded point (else None)."""
+    if shard is None or not shard.sharded:
+        return None
+    return lambda values: local_args(shard, tp_rank, action, values)

@@ -36,6 +36,7 @@ class EnginePoints:
         self.block_taps = layout.blocks + tuple(engine_blocks)
         self.runtime = BlockRuntime([BlockPoint(t.key, t.block) for t in self.block_taps])
         self.block_at = {t.key: len(layout.blocks) + i for i, t in enumerate(engine_blocks)}
+        self.captures = {t.key for t in layout.engine if t.action == "capture"}
         self.logit_edits = LogitEdits(layout, buffers)
         self.kept: dict[str, dict[str, list[torch.Tensor]]] = {}   # tapc id -> point -> rows
         self.wants: dict[str, tuple[str, ...]] = {}                 # tapc id -> engine captures
@@ -45,7 +46,8 @@ class EnginePoints:
         # Functions the offline API cloudpickled in the caller's process (protocol.Ask.blocks).
         blocks = pickle.loads(wire.ask.blocks) if wire.ask.blocks else None
         self.runtime.admit(rec.id, rec.prompt_len, blocks, request_id=rec.rid)
-        self.wants[rec.id] = wire.ask.engine
+        # logits / samples are kept by the GPU whose plan part captures them (tapc/ranks.py)
+        self.wants[rec.id] = tuple(k for k in wire.ask.engine if k in self.captures)
         self.kept[rec.id] = {k: [] for k in self.wants[rec.id]}
 
     def begin_step(self, records: dict, batch: StepBatch) -> None:

@@ -26,7 +26,7 @@ from typing import Any, Union
 
 from tapc.errors import ProtocolError
 
-VERSION = 1
+VERSION = 2
 
 # A request's value of a named parameter as checked by requests.py: float32 bytes for a
 # vector, a float for a scalar, a list of ints for columns, a list of floats for values.
@@ -274,20 +274,21 @@ class StoreResult:
 
     keys: tuple[str, ...]
     dtype: str
-    width: int
+    width: int         # the writing GPU's local width (the single-GPU width unless the keys are sharded)
     rows: int          # rows written in all
     chunks: tuple[Chunk, ...]
+    rank: int = 0      # tensor-parallel rank of the GPU that wrote it (tapc/sharding.py places its columns)
 
     def to_wire(self) -> dict:
         return {"keys": list(self.keys), "dtype": self.dtype, "width": self.width, "rows": self.rows,
-                "chunks": [[c.path, c.offset, c.rows, c.written] for c in self.chunks]}
+                "chunks": [[c.path, c.offset, c.rows, c.written] for c in self.chunks], "rank": self.rank}
 
     @classmethod
     def from_wire(cls, d) -> "StoreResult":
         what = "capture store"
         chunks = tuple(Chunk(str(p), int(o), int(r), int(w)) for p, o, r, w in _get(d, "chunks", (list, tuple), what))
         return cls(tuple(_get(d, "keys", (list, tuple), what)), _get(d, "dtype", str, what),
-                   _get(d, "width", int, what), _get(d, "rows", int, what), chunks)
+                   _get(d, "width", int, what), _get(d, "rows", int, what), chunks, _get(d, "rank", int, what))
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,12 @@ class Record:
         self.prompt_len = prompt_len
         self.positions = wire.ask.positions
         self.params = wire.ask.params
-        try:
-            caps = np.array(sorted(layout.cap_index[k] for k in wire.ask.capture), dtype=np.int64)
-        except KeyError as e:
-            raise RequestError(f"capture {e.args[0]!r} is not in this engine's plan") from None
+        wrong = [k for k in wire.ask.capture if k not in layout.plan_captures]
+        if wrong:
+            raise RequestError(f"capture {wrong[0]!r} is not in this engine's plan")
+        # Under tensor / pipeline parallelism another GPU may write a key (layout.py).
+        caps = np.array(sorted(layout.cap_index[k] for k in wire.ask.capture if k in layout.cap_index),
+                        dtype=np.int64)
         # Every row it can have, plus one: with async scheduling vLLM may run one more step for a
         # request that has just finished (the API drops that row).
         first = expected_rows(self.positions, prompt_len, max_tokens) + 1

@@ -167,12 +167,15 @@ class RunnerHooks:
         return CollectReply(tuple(out.values()))
 
     def release(self, chunks: list[tuple[str, int]]) -> None:
-        """The API no longer uses these chunks (file, byte offset): their space is free again."""
+        """The API no longer uses these chunks (file, byte offset): their space is free again.
+        The API sends every worker the same list; each gives back the chunks of its own files."""
         for path, offset in chunks:
-            self.arena.give_back(path, offset)
+            if self.arena.owns(path):
+                self.arena.give_back(path, offset)
 
 
 def _store_result(layout: Layout, arena: Arena, store: Store) -> StoreResult:
     return StoreResult(keys=tuple(layout.captures[c].key for c in store.caps),
                        dtype=str(store.dtype).removeprefix("torch."), width=store.width, rows=store.rows,
-                       chunks=tuple(Chunk(*arena.locate(c), c.shape[0], n) for c, n in store.filled()))
+                       chunks=tuple(Chunk(*arena.locate(c), c.shape[0], n) for c, n in store.filled()),
+                       rank=layout.tp_rank)

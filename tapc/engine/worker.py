@@ -5,6 +5,11 @@
 child process by default) and its digest is part of vLLM's compile-cache key. `load_model`
 runs before vLLM's first forward (memory profiling, where torch.compile traces), which is when
 the taps must be in place.
+
+Under tensor / pipeline parallelism vLLM's multiprocessing executor runs one worker per GPU,
+each with the whole plan: it installs its own GPU's part (layout.py, tapc/ranks.py), fills
+its tables from the same scheduler output as the others, writes its captures into its own
+arena, and answers `tapc_collect` for itself (the API merges the answers, session.py).
 """
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ class TapWorker(Worker):
         plan = TapPlan.from_json(config["plan"])
         runner = self.model_runner
         V2Adapter.check_runner(runner)
-        layout = Layout(plan)
+        tp_rank, stage = _place(plan)
+        layout = Layout(plan, tp_rank, stage)
         sched = self.vllm_config.scheduler_config
         before = torch.cuda.memory_allocated(self.device)
         buffers = Buffers(layout, runner.max_num_tokens, sched.max_num_seqs, self.vllm_config.max_concurrent_batches,
@@ -44,6 +50,7 @@ class TapWorker(Worker):
         self.tapc_allocated = torch.cuda.memory_allocated(self.device) - before
         install(runner.get_model(), layout, buffers)
         points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
+        self.tapc_has_blocks = any(t.action == "block" for t in plan.taps)
         self.tapc = RunnerHooks(layout, buffers, buffers.slots, Arena(register=_register), points)
         self.tapc_patches = patches.apply(runner, V2Adapter(runner, self.tapc), points, breaks=bool(layout.blocks))
 
@@ -68,10 +75,34 @@ class TapWorker(Worker):
         return sorted((d.num_tokens, len(g.steps) if isinstance(g, SegmentedGraph) else 0) for d, g in graphs.items())
 
     def tapc_set_blocks(self, blocks: bytes) -> None:
-        """Engine-wide Python blocks, by name (cloudpickled by the API)."""
+        """Engine-wide Python blocks, by name (cloudpickled by the API). Every worker gets them;
+        one whose GPU runs none of the plan's blocks (another pipeline stage's) keeps none."""
         if self.tapc.points is None:
-            raise EngineError("this engine's plan has no Python blocks")
+            if not self.tapc_has_blocks:
+                raise EngineError("this engine's plan has no Python blocks")
+            return
         self.tapc.points.runtime.register(pickle.loads(blocks))
+
+
+def _place(plan: TapPlan) -> tuple[int, int]:
+    """(tensor-parallel rank, pipeline stage) of this worker, checked against the plan: the
+    sizes it was built for, and the layers vLLM gave this stage (VLLM_PP_LAYER_PARTITION is
+    read by each process; the plan recorded what the API saw)."""
+    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.distributed.utils import get_pp_indices
+
+    tp, pp = get_tensor_model_parallel_world_size(), get_pp_group().world_size
+    if (tp, pp) != (plan.tensor_parallel_size, plan.pipeline_parallel_size):
+        raise EngineError(f"this engine runs tensor_parallel_size={tp}, pipeline_parallel_size={pp}, but the plan was "
+                          f"built for {plan.tensor_parallel_size} and {plan.pipeline_parallel_size}")
+    stage = get_pp_group().rank_in_group
+    if plan.pp_layers:
+        layers = get_pp_indices(plan.num_layers, stage, pp)
+        if tuple(layers) != tuple(plan.pp_layers[stage]):
+            raise EngineError(f"pipeline stage {stage} holds decoder layers {layers[0]}..{layers[1] - 1}, but the plan "
+                              f"put {plan.pp_layers[stage][0]}..{plan.pp_layers[stage][1] - 1} there: "
+                              "VLLM_PP_LAYER_PARTITION differs between the API's process and the workers'")
+    return get_tensor_model_parallel_rank(), stage
 
 
 def _register(t: torch.Tensor) -> None:

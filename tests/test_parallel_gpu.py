@@ -1,0 +1,169 @@
+"""tapc's engine on two GPUs (vLLM's multiprocessing executor, one worker per GPU, V2 runner):
+captures of replicated and sharded points at tensor_parallel_size=2 and at
+pipeline_parallel_size=2 equal the same engine's at size 1 on the same weights; steering (a
+replicated and a sharded edit) gives TP=1's greedy tokens; a request that fails on one GPU fails
+as a whole, the others in its batch return, and every GPU's chunks go back.
+
+Three engines (each TP=2 start is about 85 s): the TP=1 reference, TP=2 and PP=2, all with the
+same taps on the small Llama checkpoint of tests/gpu_engines.py. TP=1 against HF transformers is
+tests/test_engine_gpu.py's."""
+import gc
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gpu_engines import SMALL, engine_args, shutdown
+from test_engine_gpu import assert_matches
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")                   # NVLink multicast off on the lent machines
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the failure test sends a function to workers
+
+L1, L2 = "model.layers.1", "model.layers.2"
+SHARDED = [f"{L1}.self_attn.qkv_proj.output", f"{L1}.self_attn.attn.output", f"{L1}.self_attn.o_proj.input",
+           f"{L1}.mlp.gate_up_proj.output", f"{L1}.mlp.act_fn.output", f"{L1}.mlp.down_proj.input",
+           f"{L1}.self_attn.source.qkv_split_0.output[1]", f"{L1}.mlp.source.self_down_proj_0.input"]
+REPLICATED = ["model.layers.*.resid", f"{L1}.self_attn.o_proj.output", f"{L1}.mlp.down_proj.output", "logits"]
+EDITS = [f"{L2}.resid | add(steer, alpha=6.0)", f"{L2}.mlp.act_fn.output | add(inner)"]
+TAPS = REPLICATED + SHARDED + EDITS
+MAX_TOKENS = 8
+
+
+def _prompts():
+    rng = np.random.default_rng(3)
+    return [{"prompt_token_ids": rng.integers(0, SMALL["vocab_size"], n).tolist()} for n in (5, 17, 40)]
+
+
+def _sampling():
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _steer():
+    rng = np.random.default_rng(11)
+    return {"steer": rng.standard_normal(SMALL["hidden_size"]).tolist(),
+            "inner": (0.5 * rng.standard_normal(SMALL["intermediate_size"])).tolist()}
+
+
+@pytest.fixture(scope="module")
+def llama_engines(checkpoints):
+    """size name -> a tapped engine; started one after another, stopped at the module's end."""
+    from tapc import VLLM
+
+    path = checkpoints("llama")
+    started = {}
+    try:
+        for name, sizes in (("tp1", {}), ("tp2", {"tensor_parallel_size": 2}), ("pp2", {"pipeline_parallel_size": 2})):
+            started[name] = VLLM(path, taps=TAPS, **engine_args(), **sizes)
+        yield started
+    finally:
+        for llm in started.values():
+            shutdown(llm)
+
+
+def _run(llm, params):
+    from tapc.api import TapRequest
+
+    keys = list(llm.plan.capture_keys)
+    return llm.generate(_prompts(), _sampling(), taps=TapRequest(capture=keys, params=params))
+
+
+def _same_rows(r, g) -> tuple[int, int]:
+    """(capture rows, logits rows) both engines computed from the same tokens: up to the first
+    generated token where they differ (test_steering_gives_one_gpus_greedy_tokens checks that
+    such a divergence is a tie)."""
+    a, b = list(r.outputs[0].token_ids), list(g.outputs[0].token_ids)
+    k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+    return len(r.prompt_token_ids) + min(k, len(a) - 1), min(k + 1, len(a))
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2"])
+@pytest.mark.parametrize("steered", [False, True])
+def test_captures_equal_one_gpus(llama_engines, name, steered):
+    params = _steer() if steered else {}
+    ref, got = _run(llama_engines["tp1"], params), _run(llama_engines[name], params)
+    plan = llama_engines[name].plan
+    layouts = {t.key: t.layout for t in plan.taps}
+    want = {"qkv", "q_heads", "kv_heads", "gate_up", "columns"} if name == "tp2" else {"replicated"}
+    assert {layouts[k] for k in SHARDED} == want
+    for r, g in zip(ref, got):
+        assert r.error is None and g.error is None, (r.error, g.error)
+        rows, logit_rows = _same_rows(r, g)
+        for key in plan.capture_keys:
+            assert g.taps[key].shape[1:] == r.taps[key].shape[1:], key
+            n = logit_rows if key == "logits" else rows
+            assert_matches(g.taps[key][:n], r.taps[key][:n].float(), f"{name} {key}{' steered' if steered else ''}")
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2"])
+def test_steering_gives_one_gpus_greedy_tokens(llama_engines, name):
+    """The same edits (a replicated residual add, a sharded act_fn add): TP=1's tokens, except
+    where TP=1's top two logits are a bf16 tie at the first divergence; and the edits matter."""
+    params = _steer()
+    plain = _run(llama_engines["tp1"], {})
+    ref, got = _run(llama_engines["tp1"], params), _run(llama_engines[name], params)
+    assert any(list(p.outputs[0].token_ids) != list(r.outputs[0].token_ids) for p, r in zip(plain, ref)), \
+        "the edits change no token: this test would prove nothing"
+    for r, g in zip(ref, got):
+        a, b = list(r.outputs[0].token_ids), list(g.outputs[0].token_ids)
+        if a == b:
+            continue
+        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        logits = r.taps["logits"][k].float()
+        margin = (logits[a[k]] - logits[b[k]]).item()
+        assert 0 <= margin <= 2e-2 * logits.abs().max().item(), \
+            f"{name} diverges from TP=1 at token {k} ({b[k]} vs {a[k]}) with a logit margin of {margin:.4f}"
+
+
+def _fail_next_admission_on_rank_1(worker):
+    """In a worker: the next request admitted on tensor-parallel rank 1 finds no room for its
+    captures (the arena's real refusal, once)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    from tapc.errors import RequestError
+
+    if get_tensor_model_parallel_rank() != 1:
+        return
+    arena = worker.tapc.arena
+    original = arena.tensor
+
+    def once(*shape):
+        arena.tensor = original
+        raise RequestError("no room for its captures (injected by the test)")
+
+    arena.tensor = once
+
+
+def _held(worker) -> int:
+    return sum(worker.tapc.arena.held.values())
+
+
+def test_a_request_failing_on_one_gpu_fails_whole_and_the_others_return(llama_engines):
+    from tapc.api import TapRequest
+
+    llm, ref_llm = llama_engines["tp2"], llama_engines["tp1"]
+    ask = TapRequest(capture=[f"{L1}.mlp.act_fn.output", "model.layers.3.resid"])
+    prompts = _prompts()
+    import cloudpickle
+
+    # the workers do not import this test module: send its functions by value
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    llm.llm.collective_rpc(_fail_next_admission_on_rank_1)
+    outs = llm.generate(prompts, _sampling(), taps=ask)
+    ref = ref_llm.generate(prompts, _sampling(), taps=ask)
+    failed = [o for o in outs if o.error is not None]
+    assert len(failed) == 1 and "tensor-parallel rank 1" in str(failed[0].error) \
+        and "injected by the test" in str(failed[0].error)
+    assert not failed[0].taps and list(failed[0].outputs[0].token_ids), "its tokens still come back, untapped"
+    for o, r in zip(outs, ref):
+        if o.error is None:
+            for key in ask.capture:
+                assert_matches(o.taps[key], r.taps[key].float(), f"after a failure elsewhere: {key}")
+    del outs, failed, o
+    gc.collect()
+    llm._give_back()
+    assert llm.llm.collective_rpc(_held) == [0, 0], "every GPU's chunks went back, the failed request's too"
