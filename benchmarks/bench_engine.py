@@ -98,13 +98,16 @@ def ablation(llm, workload: str):
     return {"tapc, project_out 32 layers": TapRequest(params={"refusal": direction})}
 
 
-def run_rounds(workloads, runs_for, repeats: int, results: dict, report) -> None:
+def run_rounds(workloads, runs_for, repeats: int, results: dict, report, phase: int) -> None:
     """`repeats` rounds over `workloads`, each running every variant of `runs_for(workload)`
-    ({name: generate}) in turn; round 0 is warmup unless it is the only one."""
+    ({name: generate}) in turn; round 0 is warmup unless it is the only one. Prompts are new for
+    every (phase, round, workload): vanilla keeps vLLM's default prefix caching (tapped engines
+    run without it), so a prompt it saw before would skip its prefill and flatter vanilla."""
     for rnd in range(repeats):
-        for w in workloads:
+        for i, w in enumerate(workloads):
+            seed = 1000 * phase + 10 * rnd + i
             for name, gen in runs_for(w).items():
-                value = timed(gen, w, seed=rnd)
+                value = timed(gen, w, seed=seed)
                 print(f"round {rnd} {w:18s} {name:42s} {value:10.2f}", flush=True)
                 if rnd > 0 or repeats == 1:
                     results.setdefault((w, name), []).append(value)
@@ -161,14 +164,14 @@ def main():
         vanilla = started("vanilla", lambda: LLM(model, gpu_memory_utilization=0.42, **common))
     if "taps" in args.phases:
         tapped = started("tapc", lambda: VLLM(model, taps=TAPS, gpu_memory_utilization=0.42, **common))
-        run_rounds(WORKLOADS, runs_for(tapped, tapc_variants), args.repeats, results, report)
+        run_rounds(WORKLOADS, runs_for(tapped, tapc_variants), args.repeats, results, report, phase=1)
         del tapped
         gc.collect()
         torch.cuda.empty_cache()
     if "ablation" in args.phases:
         ablating = started("tapc ablation", lambda: VLLM(model, taps=ABLATE_TAPS, gpu_memory_utilization=0.42,
                                                          **common))
-        run_rounds(ABLATE_WORKLOADS, runs_for(ablating, ablation), args.repeats, results, report)
+        run_rounds(ABLATE_WORKLOADS, runs_for(ablating, ablation), args.repeats, results, report, phase=2)
         del ablating
     if "taps" in args.phases or "ablation" in args.phases:
         del vanilla
@@ -178,9 +181,10 @@ def main():
         return
 
     eager = LLM(model, enforce_eager=True, gpu_memory_utilization=0.85, **common)
-    for w in WORKLOADS:
-        timed(lambda ps, sp: eager.generate(ps, sp, use_tqdm=False), w, seed=0)
-        results[(w, "vanilla enforce_eager")] = [timed(lambda ps, sp: eager.generate(ps, sp, use_tqdm=False), w, seed=1)]
+    for i, w in enumerate(WORKLOADS):
+        timed(lambda ps, sp: eager.generate(ps, sp, use_tqdm=False), w, seed=3000 + i)
+        results[(w, "vanilla enforce_eager")] = [timed(lambda ps, sp: eager.generate(ps, sp, use_tqdm=False), w,
+                                                       seed=3100 + i)]
     report()
 
 
