@@ -7,11 +7,10 @@ input), `[0]` the normed states (HF's input_layernorm output), and layer 0's `[1
 A decoder layer's bare `.output` captures both tensors (nnsight's reading): `[0]` the MLP output,
 `[1]` the residual stream after attention (HF's post_attention_layernorm input).
 """
-import gc
-
 import pytest
 import torch
-from test_engine_gpu import assert_matches, engine_args, prompts, sampling, write_checkpoint
+from gpu_engines import engine_args, hf_forward, shutdown
+from test_engine_gpu import assert_captures_equal_hf, prompts, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -23,48 +22,43 @@ KEYS = ["model.layers.1.input_layernorm.output[0]", "model.layers.1.input_layern
 
 
 def hf_points(path, tokens) -> dict[str, torch.Tensor]:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     seen = {}
 
     def put(key, t):
         seen[key] = t[0].float().cpu()
 
-    layers = model.model.layers
-    layers[1].input_layernorm.register_forward_hook(lambda m, a, o: put(KEYS[0], o))
-    layers[1].register_forward_pre_hook(lambda m, a, kw: put(KEYS[1], (a[0] if a else kw["hidden_states"])),
-                                        with_kwargs=True)
-    for i in (2, 3):
-        layers[i].mlp.register_forward_hook(lambda m, a, o, i=i: put(f"model.layers.{i}.output[0]", o))
-        layers[i].post_attention_layernorm.register_forward_pre_hook(
-            lambda m, a, i=i: put(f"model.layers.{i}.output[1]", a[0]))
-    model.model.norm.register_forward_pre_hook(lambda m, a: put(KEYS[-1], a[0]))
-    with torch.no_grad():
-        model(torch.tensor([tokens], device="cuda"))
-    del model
+    def hooks(model):
+        layers = model.model.layers
+        handles = [layers[1].input_layernorm.register_forward_hook(lambda m, a, o: put(KEYS[0], o)),
+                   layers[1].register_forward_pre_hook(lambda m, a, kw: put(KEYS[1], (a[0] if a else kw["hidden_states"])),
+                                                       with_kwargs=True),
+                   model.model.norm.register_forward_pre_hook(lambda m, a: put(KEYS[-1], a[0]))]
+        for i in (2, 3):
+            handles += [layers[i].mlp.register_forward_hook(lambda m, a, o, i=i: put(f"model.layers.{i}.output[0]", o)),
+                        layers[i].post_attention_layernorm.register_forward_pre_hook(
+                            lambda m, a, i=i: put(f"model.layers.{i}.output[1]", a[0]))]
+        return handles
+
+    hf_forward(path, tokens, hooks)   # the session's HF model, loaded once
     seen[KEYS[2]] = seen[KEYS[1]]  # the same call, tapped from the decoder layer's forward
     return seen
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_norm_elements_and_layer_outputs_equal_hf(tmp_path, arch):
+def test_norm_elements_and_layer_outputs_equal_hf(checkpoints, arch):
     from tapc import VLLM
     from tapc.api import TapRequest
     from tapc.errors import ResolveError
 
-    path = write_checkpoint(tmp_path / arch, arch)
+    path = checkpoints(arch)
     with pytest.raises(ResolveError, match=r"its output is one tensor; drop `\[1\]` \(vLLM calls it without a residual in layer 0"):
         VLLM(path, taps=["model.layers.0.input_layernorm.output[1]"], **engine_args())
     llm = VLLM(path, taps=TAPS, **engine_args())
-    assert list(llm.plan.capture_keys) == KEYS
-    outs = llm.generate(prompts(), sampling(), taps=TapRequest(capture="*"))
-    for i, out in enumerate(outs):
-        tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-        ref = hf_points(path, tokens[:-1])
-        for key in KEYS:
-            assert_matches(out.taps[key], ref[key], f"{arch} request {i} {key}")
-        # [1] is the residual stream, not the normed states the old plan would have taken
-        assert not torch.allclose(out.taps[KEYS[0]].float(), out.taps[KEYS[1]].float(), atol=1e-2)
-    del llm
-    gc.collect()
+    try:
+        assert list(llm.plan.capture_keys) == KEYS
+        outs = llm.generate(prompts(), sampling(), taps=TapRequest(capture="*"))
+        assert_captures_equal_hf(outs, path, KEYS, hf_points, f"{arch} ")
+        for out in outs:   # [1] is the residual stream, not the normed states the old plan would have taken
+            assert not torch.allclose(out.taps[KEYS[0]].float(), out.taps[KEYS[1]].float(), atol=1e-2)
+    finally:
+        shutdown(llm)   # this test's engine alone

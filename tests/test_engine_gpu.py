@@ -68,6 +68,16 @@ def assert_matches(got: torch.Tensor, ref: torch.Tensor, what: str):
     assert rel < 3e-2 and cos > 0.995, f"{what}: relative error {rel:.4f}, worst row cosine {cos:.5f}"
 
 
+def assert_captures_equal_hf(outs, path: str, keys, hf_points, label: str = "") -> None:
+    """Every request's captures at `keys` equal `hf_points(path, tokens)` on the tokens that went
+    through the model (the last generated one is never fed back)."""
+    for i, out in enumerate(outs):
+        tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        ref = hf_points(path, tokens[:-1])
+        for key in keys:
+            assert_matches(out.taps[key], ref[key], f"{label}request {i} {key}")
+
+
 def rows_for(positions: str, prompt_len: int, n_gen: int) -> slice:
     total = prompt_len + n_gen - 1
     return {"all": slice(0, total), "prompt": slice(0, prompt_len), "generated": slice(prompt_len, total),

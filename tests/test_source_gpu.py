@@ -3,7 +3,7 @@
 import pytest
 import torch
 from gpu_engines import engine_args, hf_forward, shutdown
-from test_engine_gpu import assert_matches, prompts, sampling
+from test_engine_gpu import assert_captures_equal_hf, prompts, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -34,10 +34,6 @@ def test_qkv_split_and_down_proj_input_equal_hf(checkpoints):
     llm = VLLM(path, taps=TAPS, **engine_args())
     try:
         outs = llm.generate(prompts(), sampling(), taps=TapRequest(capture="*"))
-        for i, out in enumerate(outs):
-            tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
-            ref = hf_points(path, tokens[:-1])
-            for key in TAPS:
-                assert_matches(out.taps[key], ref[key], f"request {i} {key}")
+        assert_captures_equal_hf(outs, path, TAPS, hf_points)
     finally:
         shutdown(llm)   # this test's engine alone

@@ -22,9 +22,12 @@ import sys
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from tapc.errors import ProtocolError
+
+if TYPE_CHECKING:   # torch is imported where a tensor is made: `tapc explain` checks requests without it
+    import torch
 
 VERSION = 2
 
@@ -127,7 +130,7 @@ class TensorData:
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "TensorData":
-        import torch  # here, not at the top: `tapc explain` checks requests without torch
+        import torch
 
         t = t.detach().to("cpu").contiguous()
         return cls(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -16,8 +16,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from tapc.edits import EDITS, POSITIONS, check_param, set_lengths
 from tapc.engine.protocol import Ask
 from tapc.errors import RequestError
