@@ -87,9 +87,8 @@ class TapSpec:
 
 # ----------------------------------------------------------------------------- edit signatures
 
-# op -> ((argument, kind, default), ...); every edit also takes `at=` (AT). tapc/edits.py.
-EDIT_SIGNATURES = SIGNATURES
-ACTIONS = ("capture", *EDIT_SIGNATURES)
+# op -> ((argument, kind, default), ...) is tapc/edits.py's SIGNATURES; every edit also takes `at=` (AT).
+ACTIONS = ("capture", *SIGNATURES)
 
 
 # ----------------------------------------------------------------------------- limits
@@ -328,21 +327,21 @@ def _bind_action(text: str, op: str | None, args: list, where: str) -> Action:
         if args:
             raise _syntax_error(text, text.index("capture") + 1, "capture takes no arguments", where)
         return Action()
-    if op not in EDIT_SIGNATURES:
+    if op not in SIGNATURES:
         col = text.rindex("|") + 2
         near = difflib.get_close_matches(op, ACTIONS, n=1, cutoff=0.6)
         hint = f"did you mean `{near[0]}`? " if near else ""
         raise _syntax_error(text, col, f"unknown action {op!r}: {hint}the actions are {', '.join(ACTIONS)}, "
                             "or `-> name` for a Python block", where)
-    signature = EDIT_SIGNATURES[op] + (AT,)
+    signature = SIGNATURES[op] + (AT,)
     names = [a for a, _, _ in signature]
     bound: dict[str, Value] = {}
     for i, (name, value) in enumerate(args):
         if name is None:
             if bound and any(n is not None for n, _ in args[:i]):
                 raise _syntax_error(text, len(text), f"{op}(): a positional argument follows a named one", where)
-            if i >= len(EDIT_SIGNATURES[op]):
-                raise _syntax_error(text, len(text), f"{op}() takes {len(EDIT_SIGNATURES[op])} positional "
+            if i >= len(SIGNATURES[op]):
+                raise _syntax_error(text, len(text), f"{op}() takes {len(SIGNATURES[op])} positional "
                                     f"argument(s): {', '.join(names)}", where)
             name = names[i]
         if name not in names:
