@@ -60,17 +60,28 @@ class Layout:
         for g, group in enumerate(self.groups):
             self.cap_group[list(group.caps)] = g
         self.num_tables = len(self.captures) + len(self.edits)
-        self.edit_at = [next((a.value for a in t.args if a.name == "at"), "all") for t in self.edits]
-        self.edit_params = [tuple(a.param for a in t.args if a.param is not None) for t in self.edits]
+        self.edit_at = _at(self.edits)
+        self.edit_params = _param_names(self.edits)
         # Edits of the logits, in the runner (points.py): the same ops over the step's logits rows.
         self.logit_edits = tuple(t for t in self.engine if is_logit_edit(t))
-        self.logit_edit_params = [tuple(a.param for a in t.args if a.param is not None) for t in self.logit_edits]
+        self.logit_edit_at = _at(self.logit_edits)
+        self.logit_edit_params = _param_names(self.logit_edits)
         # Edits without parameters are part of the engine's model: they apply to every request.
         self.always = [e for e, names in enumerate(self.edit_params) if not names]
         self.localize = [_localizer(shards.get(t.key), tp_rank, t.action) for t in self.edits]
 
     def edit_row(self, e: int) -> int:
         return len(self.captures) + e
+
+
+def _at(taps) -> list:
+    """Each edit's `at=`: which rows of its request it edits (positions.py)."""
+    return [next((a.value for a in t.args if a.name == "at"), "all") for t in taps]
+
+
+def _param_names(taps) -> list[tuple[str, ...]]:
+    """Each edit's parameter names: a request that binds all of them gets the edit (records.py)."""
+    return [tuple(a.param for a in t.args if a.param is not None) for t in taps]
 
 
 def _localizer(shard, tp_rank: int, action: str):

@@ -105,7 +105,7 @@ class LogitEdits:
         self.taps = layout.logit_edits
         self.tables = buffers.logit_params.tables
         self.rows = buffers.logit_rows             # device [edits, max_num_seqs]
-        self.at = [next(a.value for a in t.args if a.name == "at") for t in self.taps]
+        self.at = layout.logit_edit_at
         self.always = [not names for names in layout.logit_edit_params]
         if self.taps:
             import tapc.kernels  # noqa: F401  registers torch.ops.tapc.*

@@ -32,9 +32,8 @@ class Record:
             mine = caps[layout.cap_group[caps] == g]
             if mine.size:
                 self.stores.append(Store(g, mine, group.width, getattr(torch, group.dtype), alloc, first))
-        self.edits = [e for e, names in enumerate(layout.edit_params) if names and all(n in self.params for n in names)]
-        self.logit_edits = [e for e, names in enumerate(layout.logit_edit_params)
-                            if names and all(n in self.params for n in names)]
+        self.edits = _bound(layout.edit_params, self.params)
+        self.logit_edits = _bound(layout.logit_edit_params, self.params)
         # The same, as a mask over the plan's edits: the step fill stacks these for a whole batch.
         self.edit_mask = np.zeros(len(layout.edits), dtype=bool)
         self.edit_mask[self.edits] = True
@@ -46,3 +45,9 @@ class Record:
         # its tokens from 0, and each position is kept once, the first time it went through.
         self.next_pos = 0
         self.finished = False
+
+
+def _bound(edit_params: list[tuple[str, ...]], params: dict) -> list[int]:
+    """The edits (indices) with parameters that `params` binds all of; the parameterless ones
+    apply to every request by another way (layout.py `always`)."""
+    return [e for e, names in enumerate(edit_params) if names and all(n in params for n in names)]
