@@ -94,10 +94,10 @@ def _parallel(model: str, tree, taps: list[PlannedTap], dims: ModelDims | None, 
     layouts: dict[str, tuple[str, PlannedTap]] = {}
     for tap in taps:
         shard = shards[tap.key]
+        # Per-head points (the only ones the map sizes unlike the tap) never get here: resolve
+        # refuses them at any size (resolve.py `_point`, tree.py "heads").
+        assert not shard.sharded or shard.width == tap.width, (tap.key, shard.width, tap.width)
         why = shard.refusal(tap.action)
-        if why is None and shard.sharded and shard.width != tap.width:
-            why = (f"{tap.key} holds one attention head per row, which tapc does not split across GPUs yet: "
-                   f"tap the attention block's qkv_proj.output or attn.input instead, or run tensor_parallel_size=1")
         if why is not None:
             raise PlanError(f"`{tap.source}`: {why}")
         for a in tap.args:   # a named vector is one table per GPU: one slicing for all its points
