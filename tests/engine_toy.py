@@ -122,6 +122,7 @@ class ToyBuffers:
 
     def __init__(self, layout, rows: int, slots: int):
         self.layout = layout
+        self.slots = slots
         self.table = torch.full((layout.num_tables, rows), -1, dtype=torch.int32)
         self.pools = [torch.zeros(len(g.caps) * rows, g.width, dtype=getattr(torch, g.dtype)) for g in layout.groups]
         self.params = ParamTables(layout.edits, slots, torch.device("cpu"), layout.localize)
@@ -265,7 +266,7 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank
     # as the worker does
     points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
     # Small arena segments, so a run spans several files and reuses freed space.
-    hooks = RunnerHooks(layout, buffers, slots, Arena(segment_bytes=4096), points)
+    hooks = RunnerHooks(layout, buffers, Arena(segment_bytes=4096), points)
     patches.apply(runner, V2Adapter(runner, hooks), points)
     return runner, hooks
 

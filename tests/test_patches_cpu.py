@@ -28,7 +28,7 @@ def test_undo_restores_every_original():
     runner = Runner(ToyModel())
     runner.sampler = sampler = Sampler()
     points = EnginePoints(layout, buffers)
-    adapter = V2Adapter(runner, RunnerHooks(layout, buffers, 8, Arena(segment_bytes=4096), points))
+    adapter = V2Adapter(runner, RunnerHooks(layout, buffers, Arena(segment_bytes=4096), points))
     before = (dict(vars(runner)), type(sampler), ops._boundary_handler, torch.cuda.CUDAGraph)
     assert runner.capture_model() is torch.cuda.CUDAGraph
 

@@ -32,13 +32,12 @@ log = logging.getLogger("tapc")
 
 
 class RunnerHooks:
-    def __init__(self, layout: Layout, buffers: Buffers, slots: int, arena: Arena,
-                 points: EnginePoints | None = None):
+    def __init__(self, layout: Layout, buffers: Buffers, arena: Arena, points: EnginePoints | None = None):
         self.points = points                     # logits, samples and Python blocks (points.py)
         self.layout = layout
         self.buffers = buffers
         self.arena = arena                       # captures' host storage, shared with the API
-        self.slots = Slots(slots)
+        self.slots = Slots(buffers.slots)         # one per slot of the parameter tables
         self.records: dict[str, Record] = {}     # vLLM request id -> record, while vLLM has it
         self.by_id: dict[str, Record] = {}       # tapc id -> record, until collected
         self.errors: dict[str, str] = {}         # tapc id -> why its taps were not served

@@ -51,7 +51,7 @@ class TapWorker(Worker):
         install(runner.get_model(), layout, buffers)
         points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
         self.tapc_has_blocks = any(t.action == "block" for t in plan.taps)
-        self.tapc = RunnerHooks(layout, buffers, buffers.slots, Arena(register=_register), points)
+        self.tapc = RunnerHooks(layout, buffers, Arena(register=_register), points)
         self.tapc_patches = patches.apply(runner, V2Adapter(runner, self.tapc), points, breaks=bool(layout.blocks))
 
     def tapc_collect(self, ids: list[str]) -> dict:
