@@ -32,6 +32,7 @@ def _explain(args) -> int:
         spec = load_spec(args.target)
         spec = dataclasses.replace(spec, engine={**spec.engine, **sizes})  # a flag given overrides the spec
         plan = spec.plan()
+        engine_args = spec.engine   # the tree the plan was resolved on is the engine's (LoRA: tree.py)
         if spec.output is not None and not args.json:
             after = (f"harvest (`tapc harvest {args.target} PROMPTS`): the captures at {spec.capture.positions} "
                      f"positions go to {spec.output.dir}, {spec.output.shard_tokens} rows per shard\n")
@@ -42,15 +43,15 @@ def _explain(args) -> int:
             else:
                 print(render_points(load_tree(args.target)), end="")
             return 0
-        plan = build_plan(args.target, args.taps, **sizes,
-                          engine_args={"tensor_parallel_size": args.tensor_parallel_size,
-                                       "pipeline_parallel_size": args.pipeline_parallel_size})
+        engine_args = {"tensor_parallel_size": args.tensor_parallel_size,
+                       "pipeline_parallel_size": args.pipeline_parallel_size}
+        plan = build_plan(args.target, args.taps, **sizes, engine_args=engine_args)
     if args.json:
         print(plan.to_json(indent=2))
         return 0
     from tapc.resolve import notes
 
-    print(render(plan, notes(plan, load_tree(plan.model))) + after, end="")
+    print(render(plan, notes(plan, load_tree(plan.model, engine_args))) + after, end="")
     return 0
 
 
