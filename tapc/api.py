@@ -52,10 +52,10 @@ class VLLM:
         """An engine from a YAML spec (a path or a loaded `Spec`): its model, engine arguments,
         taps, parameters (tensors loaded from their files) and capture dtype. `overrides` are
         more keyword arguments (e.g. blocks=, attention_backend=)."""
-        from tapc.specfile import Spec, TensorFile, load_spec, load_tensor
+        from tapc.specfile import Spec, load_spec
 
         spec = spec if isinstance(spec, Spec) else load_spec(spec)
-        params = {k: load_tensor(v) if isinstance(v, TensorFile) else v for k, v in spec.params.items()}
+        params = spec.param_values()
         return cls(spec.model, [t.text for t in spec.taps], params=params or None,
                    capture_dtype=spec.capture.dtype, **{**spec.engine, **overrides})
 
