@@ -11,8 +11,8 @@ GPU:
 - edits on every rank that holds columns of the point, at its local width, literal vectors
   and columns mapped to its own (`local_args`); a `set`/`zero` whose literal columns are all
   on other ranks is left out there;
-- Python blocks (replicated points only: the plan refuses sharded ones) on every rank of the
-  stage, with the same input.
+- Python blocks on every rank of the stage, with the same input: at a sharded point the
+  runtime all-gathers the ranks' columns into whole rows first (tapc/runtime.py `Sharded`).
 Named parameters bound per request are mapped the same way when a request's values are
 written (`local_args`, engine/buffers.py `ParamTables`).
 

@@ -14,6 +14,9 @@ request's block on a view of only its rows:
 `ctx` says whose rows these are: `request_id`, `step` (0 at the request's first step),
 `positions` (a range of token positions), `prompt_len`, `point`. At a `.resid` point the view is
 hidden_states + residual, and edits are written back so that the sum is the edited value.
+At a point sharded under tensor parallelism each GPU holds some of the columns: the runtime
+all-gathers them into the single-GPU layout first (`Sharded`), every GPU runs the block on the
+same whole rows, and each takes its own columns of the result back.
 
 A block that raises, or returns the wrong shape, fails its own request only: the error (type,
 message, traceback) is kept for that request, its blocks stop running, and every other request
@@ -33,11 +36,30 @@ Block = Callable[["BlockContext", torch.Tensor], "torch.Tensor | None"]
 
 
 @dataclass(frozen=True)
+class Sharded:
+    """How one GPU's columns of a sharded point become whole rows and back (tapc/sharding.py):
+    `all_gather` concatenates the GPUs' local tensors on the last dim, `index` picks the
+    single-GPU layout out of that (`gather_index`), `holds` are this GPU's runs (dst, src, n)."""
+
+    index: torch.Tensor
+    holds: tuple[tuple[int, int, int], ...]
+    all_gather: Callable[[torch.Tensor], torch.Tensor]
+
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        return self.all_gather(x.contiguous())[:, self.index]
+
+    def scatter(self, whole: torch.Tensor, x: torch.Tensor) -> None:
+        for dst, src, n in self.holds:
+            x[:, src:src + n] = whole[:, dst:dst + n]
+
+
+@dataclass(frozen=True)
 class BlockPoint:
     """One boundary op call site: what the plan taps there and which block runs."""
 
     key: str          # the point's key, e.g. "model.layers.3.mlp.output"
     block: str        # the block's name in the tap (`-> name`)
+    sharded: Sharded | None = None   # set where the point is split across tensor-parallel GPUs
 
 
 @dataclass(frozen=True)
@@ -122,6 +144,21 @@ class BlockRuntime:
         (hidden = sum - residual), not per request: per-request kernels would cost a few
         launches for every request at every step."""
         bp = self.points[point]
+        if bp.sharded is not None:
+            # The all-gather is a collective: every GPU of the group must make it, so whether it
+            # runs hangs on what the scheduler gave all of them alike (admitted spans), never on
+            # a block's error, which one GPU alone might see.
+            if not any(span.rid in self.requests for span in spans):
+                return
+            flat = x if x.dim() == 2 else x.view(x.shape[0], -1)   # a view: the scatter reaches x
+            whole = bp.sharded.whole(flat)
+            self._run_spans(bp, point, whole, None, spans)
+            bp.sharded.scatter(whole, flat)
+            return
+        self._run_spans(bp, point, x, b, spans)
+
+    def _run_spans(self, bp: BlockPoint, point: int, x: torch.Tensor, b: torch.Tensor | None,
+                   spans: list[Span]) -> None:
         live = [(span, req) for span in spans
                 if (req := self.requests.get(span.rid)) is not None and req.error is None]
         for lo, hi, run in _adjacent(live):

@@ -125,10 +125,6 @@ class PointShard:
         if self.sharded and action in WHOLE_ROW_EDITS:
             return (f"{self.key} is sharded across {self.tp} GPUs under tensor parallelism; {action} needs "
                     f"the whole row: tap {_replicated_neighbour(self.key)} instead, or run tensor_parallel_size=1")
-        if self.sharded and action == "block":
-            return (f"{self.key} is sharded across {self.tp} GPUs under tensor parallelism; a Python block needs "
-                    f"the whole row, and gathering it is not wired yet: tap {_replicated_neighbour(self.key)} "
-                    "instead, or run tensor_parallel_size=1")
         return None
 
     def to_dict(self) -> dict:

@@ -28,7 +28,8 @@ SHARDED = [f"{L1}.self_attn.qkv_proj.output", f"{L1}.self_attn.attn.output", f"{
            f"{L1}.self_attn.source.qkv_split_0.output[1]", f"{L1}.mlp.source.self_down_proj_0.input"]
 REPLICATED = ["model.layers.*.resid", f"{L1}.self_attn.o_proj.output", f"{L1}.mlp.down_proj.output", "logits"]
 EDITS = [f"{L2}.resid | add(steer, alpha=6.0)", f"{L2}.mlp.act_fn.output | add(inner)"]
-TAPS = REPLICATED + SHARDED + EDITS
+BLOCKS = [f"{L2}.mlp.act_fn.output -> inner_block"]   # sharded at TP=2: the runtime all-gathers it
+TAPS = REPLICATED + SHARDED + EDITS + BLOCKS
 MAX_TOKENS = 8
 
 
@@ -54,15 +55,29 @@ def llama_engines(checkpoints):
     """size name -> a tapped engine; started one after another, stopped at the module's end."""
     from tapc import VLLM
 
+    import cloudpickle
+
+    # the workers do not import this test module: its blocks travel by value
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
     path = checkpoints("llama")
     started = {}
     try:
         for name, sizes in (("tp1", {}), ("tp2", {"tensor_parallel_size": 2}), ("pp2", {"pipeline_parallel_size": 2})):
-            started[name] = VLLM(path, taps=TAPS, **engine_args(), **sizes)
+            started[name] = VLLM(path, taps=TAPS, blocks={"inner_block": _pass}, **engine_args(), **sizes)
         yield started
     finally:
         for llm in started.values():
             shutdown(llm)
+
+
+def _pass(ctx, x):
+    return None
+
+
+def _record_and_steer(ctx, x):
+    """At L2's act_fn output (whole rows on every GPU): keep what it sees, then add `inner`."""
+    ctx.save("x", x)
+    x.add_(torch.tensor(_steer()["inner"], dtype=x.dtype, device=x.device))
 
 
 def _run(llm, params):
@@ -167,3 +182,29 @@ def test_a_request_failing_on_one_gpu_fails_whole_and_the_others_return(llama_en
     gc.collect()
     llm._give_back()
     assert llm.llm.collective_rpc(_held) == [0, 0], "every GPU's chunks went back, the failed request's too"
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2"])
+def test_a_block_at_a_sharded_point_sees_whole_rows_and_its_edit_is_tp1s(llama_engines, name):
+    """A block at L2's act_fn output (sharded by columns at TP=2): what it saw equals TP=1's
+    block input, once per request (not once per GPU), and its in-place add gives the tokens of
+    TP=1's in-graph `add(inner)` at the same point (near-ties aside)."""
+    from tapc.api import TapRequest
+
+    ask = TapRequest(capture=["logits"], blocks={"inner_block": _record_and_steer})
+    ref_block = llama_engines["tp1"].generate(_prompts(), _sampling(), taps=ask)
+    got = llama_engines[name].generate(_prompts(), _sampling(), taps=ask)
+    in_graph = _run(llama_engines["tp1"], {"inner": _steer()["inner"]})
+    for r, g, e in zip(ref_block, got, in_graph):
+        assert g.error is None and r.error is None, (g.error, r.error)
+        assert list(r.outputs[0].token_ids) == list(e.outputs[0].token_ids), "TP=1: block add != in-graph add"
+        rows, _ = _same_rows(r, g)
+        seen, ref = torch.cat(g.saved["x"]), torch.cat(r.saved["x"])
+        assert seen.shape[1] == SMALL["intermediate_size"] and seen.shape[0] == ref.shape[0], (seen.shape, ref.shape)
+        assert_matches(seen[:rows], ref[:rows].float(), f"{name}: the block's whole rows")
+        a, b = list(r.outputs[0].token_ids), list(g.outputs[0].token_ids)
+        if a != b:
+            k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            logits = r.taps["logits"][k].float()
+            margin = (logits[a[k]] - logits[b[k]]).item()
+            assert 0 <= margin <= 2e-2 * logits.abs().max().item(), f"{name} diverges at token {k}"

@@ -485,3 +485,65 @@ def test_bad_input_is_refused_by_name(models, trees):
     for use in (global_columns, lambda s, r: local_vector(s, r, np.zeros(s.width)), lambda s, r: gather_index(s)):
         with pytest.raises(PlanError, match="inside the mixture-of-experts block"):
             use(refused, 0)
+
+
+@pytest.mark.parametrize("name,site", [("llama", "self_attn.qkv_proj.output"), ("mqa", "self_attn.qkv_proj.output"),
+                                       ("llama", "mlp.act_fn.output"), ("kv2", "self_attn.attn.output")])
+def test_a_block_at_a_sharded_point_sees_whole_rows_and_each_gpu_keeps_its_columns(models, name, site):
+    """Two GPUs' block runtimes, each with only its columns, gathered through a real two-party
+    all-gather (threads at a barrier): every GPU's block sees the single-GPU rows, and each
+    GPU's columns end as the block's result's (replicated kv heads on both)."""
+    import threading
+
+    from tapc.runtime import BlockPoint, BlockRuntime, Sharded, Span
+
+    tree, _, dims = models[name]
+    key = f"{LAYER}.{site}"
+    shard = shard_points(tree, [key], dims, tp=2)[key]
+    assert shard.sharded
+    whole = torch.randn(9, shard.width, generator=torch.Generator().manual_seed(5))
+    edited = whole.clone()
+    edited[2:6] = edited[2:6] * 3 + torch.arange(shard.width)     # what the block does to request a's rows
+    barrier, put, calls = threading.Barrier(2), {}, []
+
+    def all_gather(rank):
+        def gather(t):
+            calls.append(rank)
+            put[rank] = t.clone()
+            barrier.wait()
+            out = torch.cat([put[0], put[1]], dim=-1)
+            barrier.wait()
+            return out
+        return gather
+
+    seen, locals_ = {}, {}
+
+    def block(ctx, x):
+        seen.setdefault(threading.current_thread().name, []).append(x.clone())
+        x.mul_(3).add_(torch.arange(x.shape[1]))
+
+    def rank_run(rank):
+        cols = torch.as_tensor(global_columns(shard, rank))
+        local = whole[:, cols].clone()
+        rt = BlockRuntime([BlockPoint(key, "f", Sharded(torch.as_tensor(gather_index(shard)),
+                                                        shard.ranks[rank].holds, all_gather(rank)))])
+        rt.register({"f": block})
+        rt.admit("a", 10)
+        rt.begin_step([Span("a", 2, 6, 0), Span("b", 6, 8, 0)])   # b runs no block
+        rt(0, local, None)
+        rt.begin_step([Span("b", 0, 1, 8)])                        # nothing admitted: no collective
+        rt(0, local, None)
+        locals_[rank] = (local, cols)
+
+    threads = [threading.Thread(target=rank_run, args=(r,), name=f"rank{r}") for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(calls) == [0, 1], "one all-gather per GPU, none in the step without blocks"
+    for r in range(2):
+        (x,) = seen[f"rank{r}"]
+        assert torch.equal(x, whole[2:6]), f"rank {r}'s block saw other than the single-GPU rows"
+        local, cols = locals_[r]
+        assert torch.equal(local, edited[:, cols]), f"rank {r}'s columns are not the block's result"
+

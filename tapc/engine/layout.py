@@ -43,7 +43,7 @@ class Layout:
     def __init__(self, plan: TapPlan, tp_rank: int = 0, stage: int = 0):
         shards = plan.shard_map
         taps = rank_taps(plan.taps, shards, tp_rank, stage) if shards else plan.taps
-        self.tp_rank, self.stage = tp_rank, stage
+        self.tp_rank, self.stage, self.shards = tp_rank, stage, shards
         self.captures = tuple(t for t in taps if t.kind == READ)
         self.edits = tuple(t for t in taps if t.kind == EDIT)
         self.blocks = tuple(t for t in taps if t.kind == BLOCK)     # boundary op k is blocks[k]

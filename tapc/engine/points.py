@@ -27,14 +27,18 @@ from tapc.engine.positions import select
 from tapc.engine.protocol import BlockFailure, TensorData, WireRequest
 from tapc.engine.step import StepBatch
 from tapc.errors import EngineError
-from tapc.runtime import BlockPoint, BlockRuntime, Span
+from tapc.runtime import BlockPoint, BlockRuntime, Sharded, Span
+from tapc.sharding import gather_index
 
 
 class EnginePoints:
-    def __init__(self, layout: Layout, buffers):
+    def __init__(self, layout: Layout, buffers, all_gather=None):
+        """`all_gather`: the tensor-parallel group's all-gather on the last dim (worker.py),
+        which blocks at sharded points need to see whole rows."""
         engine_blocks = [t for t in layout.engine if t.action == "block"]
         self.block_taps = layout.blocks + tuple(engine_blocks)
-        self.runtime = BlockRuntime([BlockPoint(t.key, t.block) for t in self.block_taps])
+        self.runtime = BlockRuntime([BlockPoint(t.key, t.block, _sharded(layout, t.key, buffers.table.device, all_gather))
+                                     for t in self.block_taps])
         self.block_at = {t.key: len(layout.blocks) + i for i, t in enumerate(engine_blocks)}
         self.captures = {t.key for t in layout.engine if t.action == "capture"}
         self.logit_edits = LogitEdits(layout, buffers)
@@ -92,6 +96,16 @@ class EnginePoints:
         saved, error = self.runtime.take(tid)
         engine = {k: TensorData.of(torch.cat(v) if v else torch.empty(0)) for k, v in kept.items()}
         return engine, saved, error
+
+
+def _sharded(layout: Layout, key: str, device, all_gather) -> Sharded | None:
+    shard = layout.shards.get(key)
+    if shard is None or not shard.sharded:
+        return None
+    if all_gather is None:
+        raise EngineError(f"{key} is sharded across {shard.tp} GPUs, and its block needs the group's all-gather")
+    index = torch.as_tensor(gather_index(shard), device=device)
+    return Sharded(index, tuple(tuple(r) for r in shard.ranks[layout.tp_rank].holds), all_gather)
 
 
 class LogitEdits:

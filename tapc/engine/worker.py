@@ -49,7 +49,7 @@ class TapWorker(Worker):
         # What tapc took from the GPU, against what `tapc explain` said (tests/test_sizing_gpu.py).
         self.tapc_allocated = torch.cuda.memory_allocated(self.device) - before
         install(runner.get_model(), layout, buffers)
-        points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
+        points = EnginePoints(layout, buffers, _tp_all_gather) if layout.blocks or layout.engine else None
         self.tapc_has_blocks = any(t.action == "block" for t in plan.taps)
         self.tapc = RunnerHooks(layout, buffers, Arena(register=_register), points)
         self.tapc_patches = patches.apply(runner, V2Adapter(runner, self.tapc), points, breaks=bool(layout.blocks))
@@ -103,6 +103,13 @@ def _place(plan: TapPlan) -> tuple[int, int]:
                               f"put {plan.pp_layers[stage][0]}..{plan.pp_layers[stage][1] - 1} there: "
                               "VLLM_PP_LAYER_PARTITION differs between the API's process and the workers'")
     return get_tensor_model_parallel_rank(), stage
+
+
+def _tp_all_gather(t: torch.Tensor) -> torch.Tensor:
+    """The tensor-parallel group's all-gather on the last dim (blocks at sharded points)."""
+    from vllm.distributed import get_tp_group
+
+    return get_tp_group().all_gather(t, dim=-1)
 
 
 def _register(t: torch.Tensor) -> None:
