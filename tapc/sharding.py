@@ -114,10 +114,6 @@ class PointShard:
     def sharded(self) -> bool:
         return self.layout not in (REPLICATED, REFUSED)
 
-    def bytes_per_gpu(self, rows: int, itemsize: int) -> int:
-        """A capture buffer of `rows` tokens on the most loaded GPU: local width x rows x itemsize."""
-        return max((r.local_width for r in self.ranks), default=0) * rows * itemsize
-
     def refusal(self, action: str) -> str | None:
         """The message for an action this point cannot take under tensor parallelism, else None."""
         if self.refused:

@@ -371,15 +371,15 @@ def test_sizes_vllm_refuses_are_refused_by_name(models):
         shard_points(tree, [], wrong, tp=3)
 
 
-def test_bytes_per_gpu_is_the_local_width(models):
+def test_local_widths_are_each_gpus_share(models):
+    """What tapc/sizing.py sizes each GPU's buffers by (gpu_bytes is tested in test_parallel_cpu)."""
     tree, _, dims = models["llama"]  # 8 heads, 4 kv heads, head_dim 32, intermediate 704
     keys = [f"{LAYER}.self_attn.qkv_proj.output", f"{LAYER}.mlp.act_fn.output", f"{LAYER}.resid"]
     for tp in (1, 2, 8):
         s = shard_points(tree, keys, dims, tp=tp)
         kv_local = max(1, 4 // tp) * 32
-        assert s[keys[0]].bytes_per_gpu(rows=10, itemsize=2) == (8 * 32 // tp + 2 * kv_local) * 10 * 2
-        assert s[keys[1]].bytes_per_gpu(rows=10, itemsize=4) == 704 // tp * 10 * 4
-        assert s[keys[2]].bytes_per_gpu(rows=10, itemsize=2) == 256 * 10 * 2
+        for key, want in zip(keys, (8 * 32 // tp + 2 * kv_local, 704 // tp, 256)):
+            assert [r.local_width for r in s[key].ranks] == [want] * tp, key
 
 
 def test_points_inside_a_moe_block_are_refused_with_the_block_to_tap(trees):
