@@ -251,9 +251,13 @@ class TapSession:
             for chunk in store.chunks:
                 n = min(chunk.written, keep - done)
                 if n <= 0:
-                    self.arena.unused(chunk.path, chunk.offset)
+                    self._unused(chunk)
                     continue
-                parts.append(self.arena.view(chunk.path, chunk.offset, (chunk.rows, len(keys), width), dtype)[:n])
+                if chunk.data is not None:   # from a GPU on another node: the rows came in the reply
+                    rows = torch.frombuffer(bytearray(chunk.data), dtype=dtype).view(chunk.written, len(keys), width)
+                else:
+                    rows = self.arena.view(chunk.path, chunk.offset, (chunk.rows, len(keys), width), dtype)
+                parts.append(rows[:n])
                 done += n
             # One chunk is the usual case (the first is sized for every row the request can
             # have); several are joined by a copy, and go back as soon as `parts` is dropped.
@@ -272,7 +276,11 @@ class TapSession:
         was assembled): every chunk of it goes back with the next `released()`."""
         for store in result.stores:
             for chunk in store.chunks:
-                self.arena.unused(chunk.path, chunk.offset)
+                self._unused(chunk)
+
+    def _unused(self, chunk) -> None:
+        if chunk.data is None:   # rows sent inline have no block left to give back
+            self.arena.unused(chunk.path, chunk.offset)
 
 
 def place(shard, parts: list[tuple[int, torch.Tensor]], request_id: str) -> torch.Tensor:

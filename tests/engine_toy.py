@@ -252,7 +252,8 @@ def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
         step += 1
 
 
-def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank: int = 0, stage: int = 0):
+def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank: int = 0, stage: int = 0,
+              inline: bool = False):
     from tapc.engine.install import install
     from tapc.engine.layout import Layout
 
@@ -266,7 +267,7 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank
     # as the worker does
     points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
     # Small arena segments, so a run spans several files and reuses freed space.
-    hooks = RunnerHooks(layout, buffers, Arena(segment_bytes=4096), points)
+    hooks = RunnerHooks(layout, buffers, Arena(segment_bytes=4096), points, inline=inline)
     patches.apply(runner, V2Adapter(runner, hooks), points)
     return runner, hooks
 

@@ -103,6 +103,32 @@ def test_captures_equal_reference_under_continuous_batching(compiled):
     assert not hooks.by_id and not hooks.records
 
 
+def test_a_worker_on_another_node_sends_rows_not_places_and_frees_its_arena():
+    """A worker whose /dev/shm the API cannot see (another node: worker.py `_on_api_node`)
+    answers collect with the rows themselves; the API's tensors are the same as from the arena,
+    and the worker's arena holds nothing once collected."""
+    plan = toy_plan(TAPS)
+    got = {}
+    for inline in (False, True):
+        runner, hooks = hooks_for(plan, ToyModel(), inline=inline)
+        reqs = make_requests(plan)
+        run(runner, reqs, budget=16)
+        session = TapSession(plan)
+        outs = collect(hooks, reqs, session)
+        got[inline] = {rid: {k: v.clone() for k, v in o.taps.items()} for rid, o in outs.items()}
+        if inline:
+            assert not hooks.arena.held, "an inline reply leaves no chunk behind on the worker"
+            del outs
+            gc.collect()
+            assert session.released() == [], "nothing of the API's to give back"
+        for r in reqs:
+            if r.wire is not None:
+                check(r, got[inline][r.rid], r.wire.ask.positions)
+    for rid, taps in got[False].items():
+        for k, v in taps.items():
+            assert torch.equal(got[True][rid][k], v), (rid, k)
+
+
 def test_steering_per_request_and_untouched_others():
     """Two requests with different vectors in one batch, one steered only while generating
     (a second tap on the same layer), one unsteered: each equals its own reference."""

@@ -30,7 +30,8 @@ def test_a_result_survives_msgpack_as_itself():
     engine = {"logits": TensorData.of(torch.randn(3, 5, generator=g)),
               "samples": TensorData.of(torch.randint(0, 9, (3, 1), dtype=torch.int32, generator=g))}
     failure = BlockFailure.capture("probe", "model.layers.1.resid", ValueError("bad", 3))
-    result = Result("t", stores=(StoreResult(("k1", "k2"), "bfloat16", 16, 7, (Chunk("/dev/shm/f", 512, 8, 7),)),),
+    result = Result("t", stores=(StoreResult(("k1", "k2"), "bfloat16", 16, 7, (Chunk("/dev/shm/f", 512, 8, 7),)),
+                                 StoreResult(("k3",), "float32", 4, 2, (Chunk("", 0, 2, 2, bytes(range(32))),), rank=1)),
                     engine=engine, saved={"n": (encode_value((1, [2.5, None])),)}, block_error=failure)
     back = CollectReply.from_wire(over_the_wire(CollectReply((result, Result("u", error="why"))).to_wire())).by_id()
     assert back["t"] == result and back["u"].error == "why"
@@ -70,6 +71,14 @@ def test_a_reply_of_another_version_is_refused():
     reply["version"] = VERSION + 1
     with pytest.raises(ProtocolError, match="collect reply of protocol version"):
         TapSession(toy_plan(TAPS)).results(reply)
+
+
+@pytest.mark.parametrize("chunk,words", [([1, 2, 3], "a capture chunk is"), (["", 0, 2, 2, "rows"], "bytes, not str")])
+def test_a_malformed_chunk_is_refused_with_what_a_chunk_is(chunk, words):
+    reply = CollectReply((Result("t", stores=(StoreResult(("k",), "float32", 4, 2, ()),)),)).to_wire()
+    reply["results"][0]["stores"][0]["chunks"] = [chunk]
+    with pytest.raises(ProtocolError, match=words):
+        CollectReply.from_wire(reply)
 
 
 def test_the_worker_runs_a_request_of_another_version_untapped_and_says_why():

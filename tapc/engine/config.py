@@ -9,7 +9,7 @@
   would be missing from a capture and would not carry a request's edit. tapc refuses to run a
   tapped engine with it rather than return short captures.
 - on several GPUs (tensor / pipeline parallel sizes as the plan was built for): vLLM's
-  multiprocessing executor, one worker process per GPU on this node (docs/distributed.md).
+  multiprocessing executor, one worker process per GPU (docs/distributed.md).
 Compilation settings are left as the user gave them (vLLM's default: FULL_AND_PIECEWISE),
 except that with Python blocks `tapc::boundary` joins vLLM's splitting ops: PIECEWISE graphs
 split there, and FULL graphs are captured broken there (graphs.py).
@@ -62,7 +62,7 @@ def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
         backend = out.get("distributed_executor_backend")
         if backend not in (None, "mp"):
             raise EngineError(f"distributed_executor_backend={backend!r}: tapped engines on several GPUs run vLLM's "
-                              "multiprocessing executor (\"mp\"); the capture arena is per node (docs/distributed.md)")
+                              "multiprocessing executor (\"mp\"), the one whose capture path is built (docs/distributed.md)")
         out["distributed_executor_backend"] = "mp"
     if out.get("worker_cls", "auto") not in ("auto", WORKER):
         raise EngineError(f"worker_cls={out['worker_cls']!r}: a tapped engine runs tapc's worker ({WORKER})")

@@ -29,7 +29,7 @@ from tapc.errors import ProtocolError
 if TYPE_CHECKING:   # torch is imported where a tensor is made: `tapc explain` checks requests without it
     import torch
 
-VERSION = 2
+VERSION = 3
 
 # A request's value of a named parameter as checked by requests.py: float32 bytes for a
 # vector, a float for a scalar, a list of ints for columns, a list of floats for values.
@@ -263,12 +263,27 @@ def _loaded_class(module: str, qualname: str) -> type | None:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Rows `[rows, keys, width]` of one capture group at a byte offset of an arena file."""
+    """Rows `[rows, keys, width]` of one capture group at a byte offset of an arena file; or,
+    from a GPU on another node than the API (whose arena files the API cannot map), the
+    `written` rows themselves in `data` (no file: the worker has freed the block already)."""
 
     path: str
     offset: int
     rows: int          # allocated
     written: int
+    data: bytes | None = None
+
+    def to_wire(self) -> list:
+        return [self.path, self.offset, self.rows, self.written] + ([] if self.data is None else [self.data])
+
+    @classmethod
+    def from_wire(cls, c) -> "Chunk":
+        if not isinstance(c, (list, tuple)) or len(c) not in (4, 5):
+            raise ProtocolError(f"a capture chunk is [path, offset, rows, written(, bytes)], not {c!r:.80}")
+        data = c[4] if len(c) == 5 else None
+        if data is not None and not isinstance(data, bytes):
+            raise ProtocolError(f"a capture chunk's rows are bytes, not {type(data).__name__}")
+        return cls(str(c[0]), int(c[1]), int(c[2]), int(c[3]), data)
 
 
 @dataclass(frozen=True)
@@ -284,12 +299,12 @@ class StoreResult:
 
     def to_wire(self) -> dict:
         return {"keys": list(self.keys), "dtype": self.dtype, "width": self.width, "rows": self.rows,
-                "chunks": [[c.path, c.offset, c.rows, c.written] for c in self.chunks], "rank": self.rank}
+                "chunks": [c.to_wire() for c in self.chunks], "rank": self.rank}
 
     @classmethod
     def from_wire(cls, d) -> "StoreResult":
         what = "capture store"
-        chunks = tuple(Chunk(str(p), int(o), int(r), int(w)) for p, o, r, w in _get(d, "chunks", (list, tuple), what))
+        chunks = tuple(Chunk.from_wire(c) for c in _get(d, "chunks", (list, tuple), what))
         return cls(tuple(_get(d, "keys", (list, tuple), what)), _get(d, "dtype", str, what),
                    _get(d, "width", int, what), _get(d, "rows", int, what), chunks, _get(d, "rank", int, what))
 

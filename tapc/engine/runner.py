@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
 from tapc.engine.fill import fill_step
@@ -32,8 +34,10 @@ log = logging.getLogger("tapc")
 
 
 class RunnerHooks:
-    def __init__(self, layout: Layout, buffers: Buffers, arena: Arena, points: EnginePoints | None = None):
+    def __init__(self, layout: Layout, buffers: Buffers, arena: Arena, points: EnginePoints | None = None,
+                 inline: bool = False):
         self.points = points                     # logits, samples and Python blocks (points.py)
+        self.inline = inline                     # the API is on another node: send rows, not arena places
         self.layout = layout
         self.buffers = buffers
         self.arena = arena                       # captures' host storage, shared with the API
@@ -157,7 +161,7 @@ class RunnerHooks:
                     self.points.take(tid)
                 out[tid] = Result(tid, error=failed)
                 continue
-            stores = tuple(_store_result(self.layout, self.arena, st) for st in rec.stores)
+            stores = tuple(_store_result(self.layout, self.arena, st, self.inline) for st in rec.stores)
             if self.points is None:
                 out[tid] = Result(tid, stores=stores)
             else:
@@ -173,8 +177,17 @@ class RunnerHooks:
                 self.arena.give_back(path, offset)
 
 
-def _store_result(layout: Layout, arena: Arena, store: Store) -> StoreResult:
+def _store_result(layout: Layout, arena: Arena, store: Store, inline: bool) -> StoreResult:
     return StoreResult(keys=tuple(layout.captures[c].key for c in store.caps),
                        dtype=str(store.dtype).removeprefix("torch."), width=store.width, rows=store.rows,
-                       chunks=tuple(Chunk(*arena.locate(c), c.shape[0], n) for c, n in store.filled()),
+                       chunks=tuple(_chunk(arena, c, n, inline) for c, n in store.filled()),
                        rank=layout.tp_rank)
+
+
+def _chunk(arena: Arena, rows: torch.Tensor, written: int, inline: bool) -> Chunk:
+    """Where a chunk's rows are in the arena, or (`inline`) the rows themselves, its block freed."""
+    if not inline:
+        return Chunk(*arena.locate(rows), rows.shape[0], written)
+    data = rows[:written].reshape(-1).view(torch.uint8).numpy().tobytes()
+    arena.give_back_tensor(rows)
+    return Chunk("", 0, written, written, data)

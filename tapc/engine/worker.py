@@ -51,7 +51,7 @@ class TapWorker(Worker):
         install(runner.get_model(), layout, buffers)
         points = EnginePoints(layout, buffers, _tp_all_gather) if layout.blocks or layout.engine else None
         self.tapc_has_blocks = any(t.action == "block" for t in plan.taps)
-        self.tapc = RunnerHooks(layout, buffers, Arena(register=_register), points)
+        self.tapc = RunnerHooks(layout, buffers, Arena(register=_register), points, inline=not _on_api_node())
         self.tapc_patches = patches.apply(runner, V2Adapter(runner, self.tapc), points, breaks=bool(layout.blocks))
 
     def tapc_collect(self, ids: list[str]) -> dict:
@@ -103,6 +103,19 @@ def _place(plan: TapPlan) -> tuple[int, int]:
                               f"put {plan.pp_layers[stage][0]}..{plan.pp_layers[stage][1] - 1} there: "
                               "VLLM_PP_LAYER_PARTITION differs between the API's process and the workers'")
     return get_tensor_model_parallel_rank(), stage
+
+
+def _on_api_node() -> bool:
+    """Whether this worker shares a node (and so /dev/shm) with the API. The API runs on the node
+    of global rank 0 under vLLM's multiprocessing executor, several nodes included (the head
+    node); `in_the_same_node_as` asks every rank at once (a collective: every worker calls it at
+    load)."""
+    from vllm.distributed.parallel_state import get_world_group, in_the_same_node_as
+
+    world = get_world_group()
+    if world.world_size == 1:
+        return True
+    return in_the_same_node_as(world.cpu_group, source_rank=0)[world.rank_in_group]
 
 
 def _tp_all_gather(t: torch.Tensor) -> torch.Tensor:
