@@ -13,7 +13,8 @@ from test_engine_cpu import TAPS, reference
 from tapc.cli import main
 from tapc.data import Shards
 from tapc.errors import TapcError
-from tapc.harvest import harvest, read_prompts
+from tapc.corpus import read_prompts
+from tapc.harvest import harvest
 
 LENS = [5, 17, 3, 9, 30, 1, 12]
 
@@ -28,7 +29,7 @@ def harvested(tmp_path, positions="all", max_tokens=3, lens=LENS, shard_tokens=1
 
     llm, hooks = toy_vllm(TAPS + ["logits"])
     ps = prompts(lens=lens)
-    m = harvest(llm, ps, tmp_path / "acts", shard_tokens=shard_tokens, positions=positions, batch_size=3,
+    m = harvest(llm, ps, tmp_path / "acts", shard_tokens=shard_tokens, positions=positions, window_tokens=40, collect_every=2,
                 sampling_params=SamplingParams(max_tokens=max_tokens))
     return m, ps, hooks
 
@@ -90,11 +91,17 @@ def test_shuffled_batches_are_a_permutation_of_the_rows(tmp_path):
         acts.load("model.layers.9.resid", 0)
 
 
-def test_harvest_refuses_a_folder_with_shards_and_a_plan_without_captures(tmp_path):
-    harvested(tmp_path)
+def test_harvest_goes_on_only_with_the_same_settings_and_refuses_a_plan_without_captures(tmp_path):
+    m, _, _ = harvested(tmp_path)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "acts").iterdir()}
+    again, _, _ = harvested(tmp_path)   # complete: nothing to do, nothing rewritten
+    assert again.complete and again.rows == m.rows
+    assert {p.name: p.read_bytes() for p in (tmp_path / "acts").iterdir()} == before
+    with pytest.raises(TapcError, match="holds another harvest \\(shard_tokens: 16 there, 17 now\\)"):
+        harvested(tmp_path, shard_tokens=17)
     llm, _ = toy_vllm(TAPS)
-    with pytest.raises(TapcError, match="already holds shards"):
-        harvest(llm, prompts(), tmp_path / "acts")
+    with pytest.raises(TapcError, match="holds another harvest \\(plan digest"):
+        harvest(llm, prompts(), tmp_path / "acts", shard_tokens=16)
     steer_only, _ = toy_vllm(["model.layers.1.resid | add(steer)"])
     with pytest.raises(TapcError, match="captures nothing in the graph"):
         harvest(steer_only, prompts(), tmp_path / "other")
@@ -133,3 +140,34 @@ def _generated(prompt, n):
 
 def _sorted_rows(x):
     return x[np.lexsort(x.T.numpy()[::-1])]
+
+
+@pytest.mark.parametrize("kill_at", [2, 7, 13])
+def test_a_harvest_killed_mid_shard_goes_on_to_the_same_files(tmp_path, kill_at):
+    """SIGKILL while a shard is half written; the same command again finishes the harvest:
+    every file (shards and manifest) equals an uninterrupted run's, byte for byte."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import harvest_child
+
+    child = [sys.executable, str(Path(__file__).parent / "harvest_child.py"), str(tmp_path / "cut")]
+    ref = harvest_child.run(tmp_path / "whole")
+    assert len(ref.shards) >= 3 and ref.complete
+    killed = subprocess.run(child + [str(kill_at)], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    partial = json.loads((tmp_path / "cut" / "manifest.json").read_text())
+    assert not partial["complete"] and any((tmp_path / "cut").glob("*.partial"))
+    done = subprocess.run(child, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    whole = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert sorted(p.name for p in (tmp_path / "cut").iterdir()) == whole
+    for name in whole:
+        assert (tmp_path / "cut" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    # and the rows are right, not merely the same: every request, in order, once
+    cols = {k: torch.cat(list(Shards(tmp_path / "cut").batches(k, 1000, shuffle=False))) for k in ("request", "position")}
+    lens = [n + 2 - 1 for n in harvest_child.LENS]
+    assert cols["request"].tolist() == [i for i, n in enumerate(lens) for _ in range(n)]
+    assert cols["position"].tolist() == [p for n in lens for p in range(n)]
