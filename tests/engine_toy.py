@@ -162,8 +162,10 @@ class ToyRunner:
         return self.model
 
     def execute_model(self, so, dummy_run: bool = False):
+        for rid in so.finished_req_ids:   # its slot goes to a later request, as in vLLM's runner
+            self.index.pop(rid, None)
         for r in so.scheduled_new_reqs:
-            i = self.index.setdefault(r.req_id, len(self.index))
+            i = self.index.setdefault(r.req_id, min(set(range(len(self.index) + 1)) - set(self.index.values())))
             self.req_states.prompt_len.np[i] = len(r.prompt_token_ids)
         if dummy_run:
             return None
