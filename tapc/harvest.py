@@ -84,9 +84,10 @@ class Manifest:
         self.failed += record.failed
         self.prompts = record.end[0]
 
-    def finish(self) -> None:
-        """Per-key statistics over every shard; the harvest is complete."""
-        records = self.shards + ([self.unwritten] if self.unwritten else [])
+    def finish(self, records: list[ShardRecord] | None = None) -> None:
+        """Per-key statistics over every shard (or `records`: a merge's); the harvest is complete."""
+        if records is None:
+            records = self.shards + ([self.unwritten] if self.unwritten else [])
         for k in self.keys:
             total = Stats()
             for r in records:
