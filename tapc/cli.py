@@ -64,7 +64,9 @@ def _harvest(args) -> int:
     if spec.output is None:
         raise TapcError(f"{args.spec}: a harvest needs an `output:` section (dir, shard_tokens)")
     require_cuda()  # then, before prompts are read or vLLM is imported
-    from tapc import corpus
+    if args.gpus > 1 and args.rank is None:
+        return _harvest_gpus(args, spec)
+    from tapc import corpus, fleet
     from tapc.api import VLLM
     from tapc.harvest import harvest
 
@@ -86,12 +88,27 @@ def _harvest(args) -> int:
 
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     out = spec.output
-    m = harvest(llm, prompts, out.dir, shard_tokens=out.shard_tokens, positions=spec.capture.positions,
+    split = (0, 1) if args.rank is None else (args.rank, args.ranks)
+    folder = out.dir if args.rank is None else str(fleet.part(out.dir, args.rank))
+    m = harvest(llm, prompts, folder, split=split, shard_tokens=out.shard_tokens, positions=spec.capture.positions,
                 sampling_params=sampling, format=out.format, dtype=out.dtype,
                 context_size=args.context_size or out.context_size, source=source,
                 window_tokens=args.window_tokens)
     print(f"{m.rows} rows of {len(m.keys)} keys from {m.prompts} prompts in {len(m.shards)} shards "
           f"under {out.dir}" + (f"; {len(m.failed)} prompts failed (see manifest.json)" if m.failed else ""))
+    return 1 if m.failed else 0
+
+
+def _harvest_gpus(args, spec) -> int:
+    """One `tapc harvest --rank R --ranks N` process per GPU, then one manifest (tapc/fleet.py)."""
+    from tapc import fleet
+
+    n = args.gpus
+    cmd = [sys.executable, "-m", "tapc.cli", *args.argv, "--ranks", str(n)]
+    fleet.launch([[*cmd, "--rank", str(r)] for r in range(n)], [str(r) for r in range(n)])
+    m = fleet.merge(spec.output.dir, n)
+    print(f"{m.rows} rows of {len(m.keys)} keys from {m.prompts} prompts in {len(m.shards)} shards over {n} GPUs "
+          f"under {spec.output.dir}" + (f"; {len(m.failed)} prompts failed (see manifest.json)" if m.failed else ""))
     return 1 if m.failed else 0
 
 
@@ -123,10 +140,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="pack documents into windows of N tokens, BOS first (as SAELens); without it, one "
                          "prompt per document")
     hv.add_argument("--limit", type=int, default=None, help="only the first N prompts (windows when packing)")
+    hv.add_argument("--gpus", type=int, default=1, help="one engine per GPU, each on its share of the prompts")
+    hv.add_argument("--rank", type=int, default=None, help="run part RANK of --ranks (the --gpus launcher's)")
+    hv.add_argument("--ranks", type=int, default=1, help="parts in all, over every node")
     hv.add_argument("--window-tokens", type=int, default=None,
                     help="tokens in flight (submitted, not yet written); bounds /dev/shm use (default: 4 steps)")
     hv.add_argument("--max-tokens", type=int, default=1, help="tokens generated per prompt (default 1)")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # what --gpus runs again per GPU
     # vLLM logs to stdout at import; `--json` output must stay clean
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
