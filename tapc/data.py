@@ -55,3 +55,34 @@ class Shards:
             carry = rows[full:]
         if carry is not None and len(carry) and not drop_last:
             yield carry
+
+
+class Activations(torch.utils.data.IterableDataset):
+    """One key's rows as `[batch_size, width]` tensors for a torch DataLoader (`batch_size=None`)
+    or any trainer that takes an iterator (dictionary_learning, sparsify, SAELens's SAETrainer).
+    Shuffling mixes across shards: `mix` shards at a time, in a random order, their rows
+    permuted together. DataLoader workers take every n-th group of shards. `config` is what
+    dictionary_learning saves beside a trained dictionary."""
+
+    def __init__(self, folder: str | Path, key: str, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                 mix: int = 4):
+        self.shards, self.key, self.batch_size = Shards(folder), key, batch_size
+        self.shuffle, self.seed, self.mix, self.epoch = shuffle, seed, max(1, mix), 0
+        if key not in self.shards.keys:
+            raise TapcError(f"{key!r} is not in this harvest; it has {', '.join(self.shards.keys)}")
+        self.config = {"activation_dim": self.shards.manifest.hooks.get(key, {}).get("width"), "key": key,
+                       "harvest": str(folder), "plan_digest": self.shards.manifest.plan_digest}
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        rng = np.random.default_rng([self.seed, self.epoch])
+        n = len(self.shards.manifest.shards)
+        order = rng.permutation(n) if self.shuffle else np.arange(n)
+        groups = [order[i: i + self.mix] for i in range(0, n, self.mix)]
+        info = torch.utils.data.get_worker_info()
+        if info is not None:
+            groups = groups[info.id:: info.num_workers]
+        for group in groups:
+            rows = torch.cat([self.shards.load(self.key, int(s)) for s in group])
+            if self.shuffle:
+                rows = rows[torch.from_numpy(rng.permutation(len(rows)))]
+            yield from rows.split(self.batch_size)

@@ -201,3 +201,20 @@ def test_two_worker_processes_harvest_one_split_input_into_one_manifest(tmp_path
         assert mine.sum() == theirs.sum() > 0
         for k in two.keys:
             assert torch.equal(cols[k][mine], refs[k][theirs]), (i, k)
+
+
+def test_activations_dataset_shuffles_across_shards_and_keeps_every_row(tmp_path):
+    from tapc.data import Activations
+
+    m, _, _ = harvested(tmp_path)
+    key = "model.layers.1.resid"
+    plain = torch.cat(list(Shards(tmp_path / "acts").batches(key, 100, shuffle=False)))
+    ds = Activations(tmp_path / "acts", key, 5, seed=1, mix=3)
+    batches = list(torch.utils.data.DataLoader(ds, batch_size=None))
+    mixed = torch.cat(batches)
+    assert torch.equal(_sorted_rows(mixed), _sorted_rows(plain)) and not torch.equal(mixed, plain)
+    # a batch can hold rows of several shards: the first group's rows come from `mix` shards
+    first = torch.cat(batches[:9])
+    shard_of = torch.cat([torch.full((s.rows,), i) for i, s in enumerate(m.shards)])
+    owners = {int(shard_of[(plain == r).all(dim=1)][0]) for r in first}
+    assert len(owners) > 1 and ds.config["activation_dim"] == 16
