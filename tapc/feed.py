@@ -24,12 +24,15 @@ from tapc.errors import TapcError
 @dataclass(frozen=True)
 class Done:
     """A finished request: `seq` its place in submission order (0, 1, ...), `request` the
-    prompt's index in the whole input, `out` vLLM's RequestOutput with `taps` and `error`."""
+    prompt's index in the whole input, `out` vLLM's RequestOutput with `taps` and `error`;
+    `suspect`: the engine had counted NaN or inf values in its captures by the time this
+    request was collected (until then, every capture is known finite on the device)."""
 
     seq: int
     request: int
     out: object
     tokens: int
+    suspect: bool = True
 
 
 class Window:
@@ -135,5 +138,7 @@ def _collect(llm, outs: list, live: dict) -> list[Done]:
     prepared = [m[2] for m in metas]
     wanted = llm.session.wanted(prepared)
     replies = llm.llm.collective_rpc("tapc_collect", args=(wanted,)) if wanted else None
+    # counted on the GPU as the captures were copied out: 0 means every value so far is finite
+    suspect = replies is None or any(r.get("nonfinite", 1) for r in replies)
     llm.session.finish_batch(outs, prepared, replies)
-    return [Done(seq, index, out, cost) for (seq, index, _, cost), out in zip(metas, outs)]
+    return [Done(seq, index, out, cost, suspect) for (seq, index, _, cost), out in zip(metas, outs)]

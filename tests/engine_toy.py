@@ -129,6 +129,7 @@ class ToyBuffers:
         self.logit_params = ParamTables(layout.logit_edits, slots, torch.device("cpu"))
         self.logit_rows = torch.full((len(layout.logit_edits), slots), -1, dtype=torch.int32)
         self._host = np.empty((layout.num_tables, rows), dtype=np.int32)
+        self.nonfinite_values = 0
 
     def host_table(self, padded):
         return self._host[:, :padded]
@@ -140,7 +141,12 @@ class ToyBuffers:
         self.table.fill_(-1)
 
     def copy_out(self, segments, used):
+        for pool, n in zip(self.pools, used):
+            self.nonfinite_values += int(torch.isfinite(pool[:n]).logical_not_().sum())
         copy_segments(segments, self.pools)
+
+    def nonfinite(self):
+        return self.nonfinite_values
 
     def wait_copies(self):
         pass

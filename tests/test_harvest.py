@@ -218,3 +218,22 @@ def test_activations_dataset_shuffles_across_shards_and_keeps_every_row(tmp_path
     shard_of = torch.cat([torch.full((s.rows,), i) for i, s in enumerate(m.shards)])
     owners = {int(shard_of[(plain == r).all(dim=1)][0]) for r in first}
     assert len(owners) > 1 and ds.config["activation_dim"] == 16
+
+
+def test_a_nan_is_counted_on_the_device_and_its_request_listed_never_written(tmp_path):
+    from vllm import SamplingParams
+
+    llm, hooks = toy_vllm(TAPS)
+    with torch.no_grad():
+        llm.llm.runner.model.model.embed_tokens.weight[13] = float("nan")   # token 13: NaN from layer 0 on (the toy has no attention: only its own rows)
+    ps = [[1, 2, 3], [4, 13, 5, 13], [6, 7], [8, 9, 13]]
+    m = harvest(llm, ps, tmp_path / "acts", shard_tokens=4, positions="prompt", window_tokens=8, collect_every=1,
+                sampling_params=SamplingParams(max_tokens=1), progress=False)
+    assert [f["request"] for f in m.failed] == [1, 3]
+    assert "non-finite values (NaN or inf) in model.layers.0.resid at positions [1, 3]; not written" in m.failed[0]["error"]
+    assert "at positions [2]" in m.failed[1]["error"]
+    assert hooks.buffers.nonfinite() > 0   # counted as the captures left the (toy) device
+    assert m.rows == 5 and set(Shards(tmp_path / "acts").load("request", 0).tolist()) | set(
+        Shards(tmp_path / "acts").load("request", 1).tolist()) == {0, 2}
+    assert m.stats["model.layers.0.resid"]["nonfinite_values"] > 0
+    assert m.stats["model.layers.0.resid"]["rows"] == 5
