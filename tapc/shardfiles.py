@@ -45,6 +45,20 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
     return t.view(-1).view(torch.uint8).numpy()
 
 
+def _pwrite_rows(fd: int, t: torch.Tensor, offset: int) -> None:
+    """A `[rows, width]` tensor whose rows are apart in memory (one key of a capture block holding
+    several): written row by row from where they are, without a contiguous copy first."""
+    rows = t.view(torch.uint8).numpy()   # bytes [rows, width * itemsize], the rows' stride kept
+    views = [memoryview(r) for r in rows]
+    step = os.sysconf("SC_IOV_MAX")
+    for i in range(0, len(views), step):
+        batch = views[i: i + step]
+        n, want = os.pwritev(fd, batch, offset), sum(len(v) for v in batch)
+        if n < want:   # a short write (rare): the rest, contiguously
+            _pwrite_all(fd, b"".join(bytes(v) for v in batch)[n:], offset + n)
+        offset += want
+
+
 def _pwrite_all(fd: int, data, offset: int) -> None:
     view = memoryview(data).cast("B")
     while len(view):
@@ -77,7 +91,11 @@ class SafetensorsShard:
     def write(self, cols: dict[str, torch.Tensor]) -> None:
         n = len(next(iter(cols.values())))
         for c in self.columns:
-            _pwrite_all(self.fd, _bytes(cols[c.name]), self.base + self.offsets[c.name] + self.rows * c.row_bytes)
+            t, at = cols[c.name], self.base + self.offsets[c.name] + self.rows * c.row_bytes
+            if t.dim() == 2 and not t.is_contiguous() and t.stride(1) == 1 and len(t) > 1:
+                _pwrite_rows(self.fd, t, at)
+            else:
+                _pwrite_all(self.fd, _bytes(t), at)
         self.rows += n
 
     def finish(self) -> None:
