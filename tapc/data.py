@@ -6,7 +6,8 @@
 
 One shard is in memory at a time (safetensors loads one tensor of it); shuffling permutes the
 shards and the rows within each, so a batch mixes the rows of one shard. `token_ids`, `request`
-and `position` are keys like the captures.
+and `position` are keys like the captures. An arrow harvest reads the same way, a row per
+token (its windows' rows in order); `Activations` mixes rows across shards for a DataLoader.
 """
 from __future__ import annotations
 
@@ -26,17 +27,44 @@ class Shards:
         self.manifest = Manifest.read(self.folder)
         self.keys = list(self.manifest.keys) + list(INDEX_COLUMNS)
 
+        self.context = self.manifest.settings.get("context_size") if self.arrow else None
+
+    @property
+    def arrow(self) -> bool:
+        return self.manifest.settings.get("format") == "arrow"
+
     def __len__(self) -> int:
-        return self.manifest.rows
+        """Rows (tokens; an arrow harvest's manifest counts windows)."""
+        return self.manifest.rows * (self.context or 1)
 
     def load(self, key: str, shard: int) -> torch.Tensor:
         """All rows of `key` in one shard."""
-        from safetensors import safe_open
-
         if key not in self.keys:
             raise TapcError(f"{key!r} is not in this harvest; it has {', '.join(self.keys)}")
-        with safe_open(str(self.folder / self.manifest.shards[shard].file), framework="pt") as f:
+        path = self.folder / self.manifest.shards[shard].file
+        if self.arrow:
+            return self._load_arrow(key, path)
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
             return f.get_tensor(key)
+
+    def _load_arrow(self, key: str, path: Path) -> torch.Tensor:
+        from tapc.shardfiles import require_arrow
+
+        pa = require_arrow()
+        with pa.memory_map(str(path)) as source:
+            table = pa.ipc.open_stream(source).read_all()
+        windows, c = table.num_rows, self.context
+        if key == "position":
+            return torch.arange(c, dtype=torch.int64).repeat(windows)
+        if key == "request":
+            return torch.from_numpy(table.column("request").to_numpy().copy()).repeat_interleave(c)
+        if key == "token_ids":
+            return torch.from_numpy(table.column("token_ids").combine_chunks().flatten().to_numpy().astype(np.int64))
+        col = table.column(self.manifest.hooks[key]["saelens_hook_name"]).combine_chunks().storage
+        values = col.flatten().flatten().to_numpy()
+        return torch.from_numpy(values.copy()).view(windows * c, -1)
 
     def batches(self, key: str, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                 drop_last: bool = False) -> Iterator[torch.Tensor]:

@@ -82,3 +82,20 @@ def test_sae_lens_trains_from_the_harvest_and_its_loss_goes_down(tmp_path):
         losses.append(out.loss.item())
     assert x.shape == (32, 16)
     assert np.mean(losses[-10:]) < 0.5 * np.mean(losses[:5]), losses
+
+
+def test_shards_and_activations_read_an_arrow_harvest_a_row_per_token(tmp_path):
+    from tapc.data import Activations, Shards
+
+    m, ps = arrow_harvest(tmp_path, n=12)
+    acts = Shards(tmp_path / "acts")
+    assert len(acts) == 12 * CONTEXT
+    ds = datasets.load_from_disk(str(tmp_path / "acts")).with_format("torch")[:]
+    for k in m.keys:
+        got = acts.load(k, 0)
+        assert torch.equal(got, ds[m.hooks[k]["saelens_hook_name"]].reshape(-1, 16))
+    assert acts.load("token_ids", 0).tolist() == [t for p in ps for t in p]
+    assert acts.load("request", 0).tolist() == [i for i in range(12) for _ in range(CONTEXT)]
+    assert acts.load("position", 0).tolist() == list(range(CONTEXT)) * 12
+    rows = torch.cat(list(Activations(tmp_path / "acts", "model.layers.2.resid", 10)))
+    assert rows.shape == (12 * CONTEXT, 16)
