@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from types import SimpleNamespace
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -106,9 +107,13 @@ def feed(llm, prompts: Iterator[tuple[int, list[int]]], sampling_params, ask: Ta
                 if seq % collect_every == 0:
                     llm._give_back()   # the chunks the writer has dropped: the worker reuses them
                 rid = f"tapc-h{seq}"   # outputs and aborts name the id given here (vLLM's own has a suffix)
-                engine.add_request(rid, {"prompt_token_ids": tokens}, prepared.params)
-                live[rid] = (seq, index, prepared, cost)
-                window.take(cost)
+                try:
+                    engine.add_request(rid, {"prompt_token_ids": tokens}, prepared.params)
+                except ValueError as e:   # vLLM refuses the prompt (too long, bad token): that prompt fails
+                    hand([Done(seq, index, SimpleNamespace(error=TapcError(f"vLLM refused it: {e}")), 0)])
+                else:
+                    live[rid] = (seq, index, prepared, cost)
+                    window.take(cost)
                 if submitted is not None:
                     submitted(len(tokens))
                 seq += 1

@@ -143,7 +143,9 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
     start = manifest.shards[-1].end if manifest.shards else [0, 0]
     window = Window(window_tokens or 4 * llm.plan.max_num_batched_tokens)
     row_bytes = sum(t.width * getattr(torch, t.dtype).itemsize for t in taps.values())
-    bar = HarvestProgress(progress, folder)
+    total = len(prompts) if hasattr(prompts, "__len__") else None   # a list: the bar shows the time left
+    bar = HarvestProgress(progress, folder, None if total is None else len(range(split[0], total, split[1])))
+    bar.skipped = start[0]
     bar.say(f"tapc harvest -> {folder} ({format}{', continuing at prompt ' + str(start[0]) if start[0] else ''}): "
             f"at most {window.cap:,} tokens in flight, {window.cap * row_bytes / 2**30:.2f} GiB of captures in "
             f"{os.environ.get('TAPC_SHM_DIR', '/dev/shm')}; rows are written through to the shard files")

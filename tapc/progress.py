@@ -17,6 +17,7 @@ class HarvestProgress:
         self.show = sys.stderr.isatty() if show is None else show
         self.folder, self.total = folder, total
         self.prompts = self.tokens = self.rows = self.bytes = 0
+        self.skipped = 0   # prompts a restart does not run again
         self.started = time.monotonic()
         self._lock = threading.Lock()   # the writer thread counts rows, the feed counts prompts
         self._bar = None
@@ -59,7 +60,7 @@ class HarvestProgress:
 
     def _refresh(self) -> None:
         dt = max(time.monotonic() - self.started, 1e-9)
-        self._bar.update(self._task, completed=self.prompts, rate=f"{self.tokens / dt:,.0f} tok/s",
+        self._bar.update(self._task, completed=self.prompts + self.skipped, rate=f"{self.tokens / dt:,.0f} tok/s",
                          written=f"{self.bytes / 1e9:.2f} GB")
 
     def summary(self, manifest) -> None:

@@ -344,6 +344,9 @@ class ToyEngine:
         self.steps = 0
 
     def add_request(self, request_id, prompt, params):
+        bad = [t for t in prompt["prompt_token_ids"] if not 0 <= t < VOCAB]
+        if bad:   # as vLLM's input processor refuses it
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary")
         wire = (params.extra_args or {}).get("tapc")
         self.sched.add(Req(request_id, list(prompt["prompt_token_ids"]), params.max_tokens,
                            None if wire is None else WireRequest.from_wire(wire), arrive=self.sched.step_no))

@@ -225,6 +225,17 @@ def test_activations_dataset_shuffles_across_shards_and_keeps_every_row(tmp_path
     assert len(owners) > 1 and ds.config["activation_dim"] == 16
 
 
+def test_a_prompt_vllm_refuses_is_listed_and_the_others_written(tmp_path):
+    from vllm import SamplingParams
+
+    llm, _ = toy_vllm(TAPS)
+    ps = [[1, 2, 3], [4, 99, 5], [6, 7]]   # token 99 is past the toy's vocabulary
+    m = harvest(llm, ps, tmp_path / "acts", shard_tokens=100, positions="prompt",
+                sampling_params=SamplingParams(max_tokens=1), progress=False)
+    assert m.failed == [{"request": 1, "error": "vLLM refused it: Token id 99 is out of vocabulary"}]
+    assert m.rows == 5 and Shards(tmp_path / "acts").load("request", 0).tolist() == [0, 0, 0, 2, 2]
+
+
 def test_a_nan_is_counted_on_the_device_and_its_request_listed_never_written(tmp_path):
     from vllm import SamplingParams
 
