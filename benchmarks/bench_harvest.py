@@ -1,7 +1,7 @@
 """`tapc.harvest.harvest` to local disk beside vanilla `LLM.generate` on the same prompts.
 
     python3 benchmarks/bench_harvest.py --out bench_harvest.md          # 8192x128 and 1024x1024
-    python3 benchmarks/bench_harvest.py --quick                         # 1024x128 and 128x1024, ~2 min
+    python3 benchmarks/bench_harvest.py --quick                         # 1024x128 and 128x1024, 1 layer
 
 One process, one GPU, three engines side by side: vanilla vLLM, a tapc engine capturing one
 layer's residual stream (layer 16) and one capturing four (layers 4, 12, 20, 28). Llama-3.1-8B
@@ -68,15 +68,17 @@ def harvest_run(llm, ps, root: str) -> tuple[float, float]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help=f"smaller workloads ({', '.join(QUICK)}), one round")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"smaller workloads ({', '.join(QUICK)}), one round, the 1-layer engine only (2 engines to start)")
     ap.add_argument("--workloads", nargs="*", default=None, help=f"NxLEN prompt sets (default {' '.join(FULL)})")
-    ap.add_argument("--layers", nargs="*", type=int, default=[1, 4], choices=[1, 4])
+    ap.add_argument("--layers", nargs="*", type=int, default=None, choices=[1, 4], help="default: 1 and 4")
     ap.add_argument("--repeats", type=int, default=2, help="measured rounds after the warmup (default 2)")
     ap.add_argument("--dir", default="/tmp/tapc-bench-harvest", help="where shards are written (local disk)")
     ap.add_argument("--out", default=None, help="also write the table to this markdown file")
     args = ap.parse_args()
     workloads = args.workloads or (QUICK if args.quick else FULL)
     repeats = 1 if args.quick else args.repeats
+    args.layers = args.layers or ([1] if args.quick else [1, 4])
 
     from vllm import LLM
 

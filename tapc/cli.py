@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     hv.add_argument("--rank", type=int, default=None, help="run part RANK of --ranks (the --gpus launcher's)")
     hv.add_argument("--ranks", type=int, default=1, help="parts in all, over every node")
     hv.add_argument("--window-tokens", type=int, default=None,
-                    help="tokens in flight (submitted, not yet written); bounds /dev/shm use (default: 4 steps)")
+                    help="tokens in flight (submitted, not yet written); bounds /dev/shm use (default: 8 steps)")
     hv.add_argument("--max-tokens", type=int, default=1, help="tokens generated per prompt (default 1)")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)   # what --gpus runs again per GPU

@@ -83,8 +83,8 @@ def feed(llm, prompts: Iterator[tuple[int, list[int]]], sampling_params, ask: Ta
          submitted: Callable[[int], None] | None = None, first_seq: int = 0) -> int:
     """Run `prompts` ((index, token ids) pairs) through `llm` (a `tapc.VLLM`), calling `hand`
     with each group of finished requests in completion order. A group is collected from the
-    engine when `collect_every` requests have finished, when the window is full or when the
-    engine has nothing else to run; one `tapc_collect` per group keeps the engine's calls few.
+    engine when `collect_every` requests have finished, when the window is full and a quarter
+    of it has finished, or when the engine has nothing else to run; one `tapc_collect` per group keeps the engine's calls few.
     `first_seq`: the `seq` of the first prompt (a restart numbers on from where it stopped).
     Returns the `seq` after the last prompt. On an error, requests still running are aborted."""
     from vllm.sampling_params import RequestOutputKind
@@ -122,7 +122,10 @@ def feed(llm, prompts: Iterator[tuple[int, list[int]]], sampling_params, ask: Ta
             if engine.has_unfinished_requests():
                 finished += [o for o in engine.step() if o.finished]
                 idle = not engine.has_unfinished_requests()
-            full = nxt is not None and not window.room(len(nxt[1]) + params.max_tokens)
+            # A collect makes the engine core wait for the step in flight (the worker's copies):
+            # when the window is full, wait until a quarter of it is done before paying for one.
+            full = nxt is not None and not window.room(len(nxt[1]) + params.max_tokens) and \
+                sum(live[o.request_id][3] for o in finished) * 4 >= window.cap
             if finished and (idle or full or len(finished) >= collect_every):
                 hand(_collect(llm, finished, live))
                 finished = []

@@ -111,7 +111,7 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
     `dtype`: stored dtype of the captures (default: the capture dtype; float32 for arrow, which
     has no bfloat16). `sampling_params` default: one greedy token, so `positions="all"` is the
     prompt. `source`: what the prompts are (tapc.corpus), recorded in the manifest.
-    `window_tokens`: tokens submitted and not yet written (default 4 engine steps' worth): this
+    `window_tokens`: tokens submitted and not yet written (default 8 engine steps' worth): this
     bounds the captures held in /dev/shm. `split=(rank, n)`: this process takes the prompts
     whose index is rank modulo n (tapc/fleet.py). `progress`: a progress bar (default: when
     stderr is a terminal). A request whose taps fail, or whose captures hold a NaN or inf, is
@@ -141,7 +141,7 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
         log.warning("tapc harvest: %s already holds this harvest, complete: nothing to do", folder)
         return manifest
     start = manifest.shards[-1].end if manifest.shards else [0, 0]
-    window = Window(window_tokens or 4 * llm.plan.max_num_batched_tokens)
+    window = Window(window_tokens or 8 * llm.plan.max_num_batched_tokens)
     row_bytes = sum(t.width * getattr(torch, t.dtype).itemsize for t in taps.values())
     total = len(prompts) if hasattr(prompts, "__len__") else None   # a list: the bar shows the time left
     bar = HarvestProgress(progress, folder, None if total is None else len(range(split[0], total, split[1])))

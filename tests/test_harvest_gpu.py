@@ -21,7 +21,8 @@ def test_harvest_shards_equal_hf(tmp_path, checkpoints, tapped_engine):
     rng = np.random.default_rng(11)
     lens = [7, 130, 3, 41, 64, 9, 200, 15]   # 130 and 200 are split over steps (budget 128)
     prompts = [rng.integers(0, SMALL["vocab_size"], n).tolist() for n in lens]
-    m = harvest(llm, prompts, tmp_path / "acts", shard_tokens=100, positions="prompt", batch_size=3)
+    m = harvest(llm, prompts, tmp_path / "acts", shard_tokens=100, positions="prompt", window_tokens=256,
+                collect_every=2, progress=False)   # a small window: requests join while others run
     assert not m.failed and m.rows == sum(lens) and len(m.shards) == -(-sum(lens) // 100)
     acts = Shards(tmp_path / "acts")
     cols = {k: torch.cat([acts.load(k, s) for s in range(len(m.shards))]) for k in acts.keys}
