@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import sys
 
@@ -63,24 +64,50 @@ def _harvest(args) -> int:
     if spec.output is None:
         raise TapcError(f"{args.spec}: a harvest needs an `output:` section (dir, shard_tokens)")
     require_cuda()  # then, before prompts are read or vLLM is imported
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+    if args.gpus > 1 and args.rank is None:
+        return _harvest_gpus(args, spec)
+    from tapc import corpus, fleet
     from tapc.api import VLLM
-    from tapc.harvest import harvest, read_prompts
+    from tapc.harvest import harvest
 
-    prompts = list(read_prompts(args.prompts))[: args.limit]
     llm = VLLM.from_spec(spec)
+    source = None
+    if args.text_field or args.context_size:
+        tokenizer = llm.llm.get_tokenizer()
+        docs = corpus.read_texts(args.prompts, args.text_field or "text")
+        prompts = (corpus.pack(docs, tokenizer, args.context_size) if args.context_size
+                   else corpus.per_row(docs, tokenizer))
+        source = corpus.describe(args.prompts, args.text_field or "text", tokenizer, args.context_size)
+    else:
+        prompts = corpus.read_prompts(args.prompts)
+    if args.limit is not None:
+        prompts = itertools.islice(prompts, args.limit)
     sampling = None
     if args.max_tokens != 1:
         from vllm import SamplingParams
 
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    with Progress(TextColumn("harvest"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
-        task = bar.add_task("prompts", total=len(prompts))
-        m = harvest(llm, prompts, spec.output.dir, shard_tokens=spec.output.shard_tokens,
-                    positions=spec.capture.positions, sampling_params=sampling, batch_size=args.batch_size,
-                    progress=lambda n: bar.update(task, completed=n))
+    out = spec.output
+    split = (0, 1) if args.rank is None else (args.rank, args.ranks)
+    folder = out.dir if args.rank is None else str(fleet.part(out.dir, args.rank))
+    m = harvest(llm, prompts, folder, split=split, shard_tokens=out.shard_tokens, positions=spec.capture.positions,
+                sampling_params=sampling, format=out.format, dtype=out.dtype,
+                context_size=args.context_size or out.context_size, source=source,
+                window_tokens=args.window_tokens)
     print(f"{m.rows} rows of {len(m.keys)} keys from {m.prompts} prompts in {len(m.shards)} shards "
+          f"under {out.dir}" + (f"; {len(m.failed)} prompts failed (see manifest.json)" if m.failed else ""))
+    return 1 if m.failed else 0
+
+
+def _harvest_gpus(args, spec) -> int:
+    """One `tapc harvest --rank R --ranks N` process per GPU, then one manifest (tapc/fleet.py)."""
+    from tapc import fleet
+
+    n = args.gpus
+    cmd = [sys.executable, "-m", "tapc.cli", *args.argv, "--ranks", str(n)]
+    fleet.launch([[*cmd, "--rank", str(r)] for r in range(n)], [str(r) for r in range(n)])
+    m = fleet.merge(spec.output.dir, n)
+    print(f"{m.rows} rows of {len(m.keys)} keys from {m.prompts} prompts in {len(m.shards)} shards over {n} GPUs "
           f"under {spec.output.dir}" + (f"; {len(m.failed)} prompts failed (see manifest.json)" if m.failed else ""))
     return 1 if m.failed else 0
 
@@ -105,11 +132,22 @@ def main(argv: list[str] | None = None) -> int:
     hv = sub.add_parser("harvest", help="run prompts through the spec's engine, write captures to shards (CUDA GPU)",
                         epilog=f"Docs: {DOCS}.")
     hv.add_argument("spec", help="a spec .yaml with an `output:` section")
-    hv.add_argument("prompts", help=".jsonl (strings, token-id lists, or {prompt|prompt_token_ids}) or text, one per line")
-    hv.add_argument("--limit", type=int, default=None, help="only the first N prompts")
-    hv.add_argument("--batch-size", type=int, default=256, help="prompts per generate call (default 256)")
+    hv.add_argument("prompts", help=".jsonl (strings, token-id lists, or {prompt|prompt_token_ids}) or text, one per "
+                                    "line; with --text-field/--context-size: documents in .jsonl/.txt/.parquet "
+                                    "or a datasets folder")
+    hv.add_argument("--text-field", default=None, help="read documents' text from this field (default text)")
+    hv.add_argument("--context-size", type=int, default=None,
+                    help="pack documents into windows of N tokens, BOS first (as SAELens); without it, one "
+                         "prompt per document")
+    hv.add_argument("--limit", type=int, default=None, help="only the first N prompts (windows when packing)")
+    hv.add_argument("--gpus", type=int, default=1, help="one engine per GPU, each on its share of the prompts")
+    hv.add_argument("--rank", type=int, default=None, help="run part RANK of --ranks (the --gpus launcher's)")
+    hv.add_argument("--ranks", type=int, default=1, help="parts in all, over every node")
+    hv.add_argument("--window-tokens", type=int, default=None,
+                    help="tokens in flight (submitted, not yet written); bounds /dev/shm use (default: 8 steps)")
     hv.add_argument("--max-tokens", type=int, default=1, help="tokens generated per prompt (default 1)")
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)   # what --gpus runs again per GPU
     # vLLM logs to stdout at import; `--json` output must stay clean
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:

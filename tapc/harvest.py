@@ -1,54 +1,61 @@
-"""Harvest: prompts through a tapped engine, captures to safetensors shards on disk.
+"""Harvest: prompts through a tapped engine, captures to shard files on disk, resumable.
 
     tapc harvest spec.yaml prompts.jsonl            # the spec's `output:` says where
     harvest(llm, prompts, "./acts", shard_tokens=1_000_000, positions="prompt")
 
-A shard `shard-00000.safetensors` holds `shard_tokens` rows (the last one fewer): per captured
-key a `[rows, width]` tensor, and per row `token_ids` (the input token at that position),
-`request` (the prompt's index in the input) and `position`. Rows come request after request,
-each in position order; a request may continue into the next shard. `manifest.json` lists the
-plan, the keys, the shards and every request whose taps failed; it is rewritten after each
-shard, so a harvest cut short still describes what it wrote. `tapc.data.Shards` reads them.
+The engine is fed continuously (tapc/feed.py); a writer thread puts finished requests in input
+order and writes their rows through to shard files (tapc/writer.py, tapc/shardfiles.py). Rows
+come request after request, each in position order; a request may continue into the next
+shard. `manifest.json` is written first and after every shard: the settings, the plan, each
+hook's names elsewhere (tapc/hooknames.py), and every committed shard with where it starts and
+ends in the input, its per-key sums and the requests that failed. Started again on the same
+folder with the same settings, a harvest goes on from the last committed shard's end: the files
+come out as an uninterrupted run's. `tapc.data` reads them.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from tapc.engine.positions import select
 from tapc.engine.requests import ENGINE_POINTS, TapRequest
 from tapc.errors import TapcError
+from tapc.feed import Window, feed
+from tapc.hooknames import describe
+from tapc.writer import Layout, ShardRecord, Stats, Writer
 
 log = logging.getLogger("tapc")
 
 MANIFEST = "manifest.json"
 INDEX_COLUMNS = ("token_ids", "request", "position")
-
-
-@dataclasses.dataclass
-class Shard:
-    file: str
-    rows: int
+FORMATS = ("safetensors", "arrow")
+ARROW_SHARD_BYTES = 2 << 30   # HF datasets' writer has trouble past 2 GB a file (SAELens keeps under it)
 
 
 @dataclasses.dataclass
 class Manifest:
-    """What a harvest wrote: `shards` in order, and the requests it could not capture."""
+    """What a harvest wrote. `settings` must match for a restart to go on; `shards` in order;
+    `failed`: every prompt not written ({"request": i, "error": why}); `stats` per key once
+    `complete`."""
 
     plan_digest: str
     keys: list[str]
     positions: str | list[int]
-    shards: list[Shard] = dataclasses.field(default_factory=list)
+    settings: dict
+    hooks: dict[str, dict] = dataclasses.field(default_factory=dict)
+    shards: list[ShardRecord] = dataclasses.field(default_factory=list)
+    unwritten: ShardRecord | None = None   # failures after the last shard's rows
     prompts: int = 0
     rows: int = 0
-    failed: list[dict] = dataclasses.field(default_factory=list)   # {"request": i, "error": str}
+    failed: list[dict] = dataclasses.field(default_factory=list)
+    stats: dict[str, dict] = dataclasses.field(default_factory=dict)
+    complete: bool = False
     plan: dict = dataclasses.field(default_factory=dict)
 
     def write(self, folder: Path) -> None:
@@ -62,69 +69,59 @@ class Manifest:
         if not path.is_file():
             raise TapcError(f"{folder}: no {MANIFEST} (not a tapc harvest, or one that wrote nothing yet)")
         data = json.loads(path.read_text())
-        return cls(**{**data, "shards": [Shard(**s) for s in data["shards"]]})
+        if "settings" not in data:
+            raise TapcError(f"{path}: a manifest of an older tapc (no `settings`): harvest again into a new folder")
+        data["shards"] = [ShardRecord(**s) for s in data["shards"]]
+        data["unwritten"] = ShardRecord(**data["unwritten"]) if data.get("unwritten") else None
+        return cls(**data)
 
+    def add(self, record: ShardRecord) -> None:
+        if record.file is None:
+            self.unwritten = record
+        else:
+            self.shards.append(record)
+            self.rows += record.rows
+        self.failed += record.failed
+        self.prompts = record.end[0]
 
-class _ShardWriter:
-    """Rows into preallocated shard tensors; a full shard goes to disk at once."""
-
-    def __init__(self, folder: Path, shard_tokens: int, manifest: Manifest):
-        self.folder, self.cap, self.manifest = folder, shard_tokens, manifest
-        self.bufs: dict[str, torch.Tensor] = {}
-        self.filled = 0
-
-    def add(self, taps: dict[str, torch.Tensor], index: np.ndarray) -> None:
-        """One request's rows: `taps` per key `[n, width]`, `index` `[n, 3]` (token, request, position)."""
-        if not self.bufs:
-            self.bufs = {k: torch.empty((self.cap, *taps[k].shape[1:]), dtype=taps[k].dtype) for k in self.manifest.keys}
-            self.bufs.update({c: torch.empty(self.cap, dtype=torch.int64) for c in INDEX_COLUMNS})
-        short = [k for k in self.manifest.keys if taps[k].shape[0] != len(index)]
-        if short:
-            raise TapcError(f"request {int(index[0, 1]) if len(index) else '?'}: {short[0]} has "
-                            f"{taps[short[0]].shape[0]} rows for {len(index)} positions")
-        index = torch.from_numpy(index)
-        done, n = 0, len(index)
-        while done < n:
-            take = min(n - done, self.cap - self.filled)
-            rows = slice(self.filled, self.filled + take)
-            for k in self.manifest.keys:
-                self.bufs[k][rows] = taps[k][done: done + take]
-            for j, c in enumerate(INDEX_COLUMNS):
-                self.bufs[c][rows] = index[done: done + take, j]
-            self.filled += take
-            done += take
-            if self.filled == self.cap:
-                self.flush()
-
-    def flush(self) -> None:
-        if not self.filled:
-            return
-        from safetensors.torch import save_file
-
-        name = f"shard-{len(self.manifest.shards):05d}.safetensors"
-        save_file({k: v[: self.filled] for k, v in self.bufs.items()}, str(self.folder / name),
-                  metadata={"plan_digest": self.manifest.plan_digest})
-        self.manifest.shards.append(Shard(name, self.filled))
-        self.manifest.rows += self.filled
-        self.manifest.write(self.folder)
-        self.filled = 0
+    def finish(self, records: list[ShardRecord] | None = None) -> None:
+        """Per-key statistics over every shard (or `records`: a merge's); the harvest is complete."""
+        if records is None:
+            records = self.shards + ([self.unwritten] if self.unwritten else [])
+        for k in self.keys:
+            total = Stats()
+            for r in records:
+                total.merge(Stats(**r.stats[k]))
+            self.stats[k] = total.summary(self.hooks[k]["width"])
+        self.complete = True
 
 
 def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens: int = 1_000_000,
-            positions: str | list[int] = "all", sampling_params=None, batch_size: int = 256,
-            progress: Callable[[int], None] | None = None) -> Manifest:
-    """Run `prompts` (strings, token-id lists, or vLLM prompt dicts) through `llm` (a
-    `tapc.VLLM`), `batch_size` per `generate` call, and write every in-graph capture of its
-    plan at `positions` to shards in `out_dir`. `sampling_params` default: one greedy token,
-    so `positions="all"` is the prompt. `progress(n)` is called after each batch with the
-    prompts done. A request whose taps fail is logged and listed in the manifest's `failed`;
-    the harvest goes on."""
+            positions: str | list[int] = "all", sampling_params=None, format: str = "safetensors",
+            dtype: str | None = None, context_size: int | None = None, source: dict | None = None,
+            window_tokens: int | None = None, collect_every: int = 256, split: tuple[int, int] = (0, 1),
+            progress: bool | None = None) -> Manifest:
+    """Run `prompts` (token-id lists, strings, or vLLM prompt dicts; strings go through the
+    engine's tokenizer) through `llm` (a `tapc.VLLM`) and write every in-graph capture of its
+    plan at `positions` to shards in `out_dir`; a folder holding an unfinished harvest with the
+    same settings is continued (see the module doc).
+
+    `format`: "safetensors" (`shard_tokens` rows a shard) or "arrow" (the HF datasets layout
+    SAELens loads: one row per window of `context_size` tokens, files under 2 GB).
+    `dtype`: stored dtype of the captures (default: the capture dtype; float32 for arrow, which
+    has no bfloat16). `sampling_params` default: one greedy token, so `positions="all"` is the
+    prompt. `source`: what the prompts are (tapc.corpus), recorded in the manifest.
+    `window_tokens`: tokens submitted and not yet written (default 8 engine steps' worth): this
+    bounds the captures held in /dev/shm. `split=(rank, n)`: this process takes the prompts
+    whose index is rank modulo n (tapc/fleet.py). `progress`: a progress bar (default: when
+    stderr is a terminal). A request whose taps fail, or whose captures hold a NaN or inf, is
+    listed in the manifest's `failed` and not written; the harvest goes on."""
     from vllm import SamplingParams
 
-    folder = Path(out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    if any(folder.glob("shard-*.safetensors")):
-        raise TapcError(f"{folder} already holds shards: harvest into an empty folder")
+    from tapc.progress import HarvestProgress
+
+    if format not in FORMATS:
+        raise TapcError(f"format {format!r}: a harvest writes {' or '.join(FORMATS)}")
     keys = [k for k in llm.plan.capture_keys if k not in ENGINE_POINTS]
     if not keys:
         raise TapcError("the plan captures nothing in the graph: a harvest needs a capture tap "
@@ -132,71 +129,119 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
     skipped = [k for k in llm.plan.capture_keys if k in ENGINE_POINTS]
     if skipped:
         log.warning("tapc harvest: %s not written (one row per generated token, not per position)", ", ".join(skipped))
-    manifest = Manifest(llm.plan.digest, keys, positions, plan=json.loads(llm.plan.to_json()))
-    writer = _ShardWriter(folder, shard_tokens, manifest)
     params = sampling_params or SamplingParams(max_tokens=1, temperature=0.0)
+    taps = {t.key: t for t in llm.plan.taps if t.action == "capture"}
+    layout, settings = _layout(llm.plan, keys, taps, Path(out_dir), format=format, dtype=dtype,
+                               shard_tokens=shard_tokens, context_size=context_size, positions=positions)
+    settings.update(max_tokens=params.max_tokens, split=list(split), source=source or {"kind": "prompts"})
+    folder = Path(out_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = _start(folder, llm.plan, keys, positions, settings, {k: describe(taps[k]) for k in keys})
+    if manifest.complete:
+        log.warning("tapc harvest: %s already holds this harvest, complete: nothing to do", folder)
+        return manifest
+    start = manifest.shards[-1].end if manifest.shards else [0, 0]
+    window = Window(window_tokens or 8 * llm.plan.max_num_batched_tokens)
+    row_bytes = sum(t.width * getattr(torch, t.dtype).itemsize for t in taps.values())
+    total = len(prompts) if hasattr(prompts, "__len__") else None   # a list: the bar shows the time left
+    bar = HarvestProgress(progress, folder, None if total is None else len(range(split[0], total, split[1])))
+    bar.skipped = start[0]
+    bar.say(f"tapc harvest -> {folder} ({format}{', continuing at prompt ' + str(start[0]) if start[0] else ''}): "
+            f"at most {window.cap:,} tokens in flight, {window.cap * row_bytes / 2**30:.2f} GiB of captures in "
+            f"{os.environ.get('TAPC_SHM_DIR', '/dev/shm')}; rows are written through to the shard files")
+
+    def commit(record: ShardRecord) -> None:
+        manifest.add(record)
+        manifest.write(folder)
+
+    writer = Writer(layout, window, commit, start=tuple(start), first_shard=len(manifest.shards),
+                    progress=bar.written)
     ask = TapRequest(capture=keys, positions=positions)
-    for batch in _batches(prompts, batch_size):
-        outs = llm.generate(batch, params, taps=ask, use_tqdm=False)
-        for out in outs:
-            i = manifest.prompts
-            manifest.prompts += 1
-            if out.error is not None:
-                log.warning("tapc harvest: prompt %d not captured: %s", i, out.error)
-                manifest.failed.append({"request": i, "error": str(out.error)})
-                continue
-            writer.add(out.taps, _index(out, positions, i))
-        outs = out = None   # the captures are copied: their shared-memory blocks can go back
-        if progress is not None:
-            progress(manifest.prompts)
-    writer.flush()
+    todo = itertools.islice(_mine(llm, prompts, split), start[0], None)
+    try:
+        with bar:
+            feed(llm, todo, params, ask, window, writer.put, collect_every, submitted=bar.submitted,
+                 first_seq=start[0])
+            writer.close()
+    except BaseException:
+        writer.abandon()
+        raise
+    manifest.finish()
     manifest.write(folder)
+    if format == "arrow":
+        from tapc.shardfiles import write_dataset_files
+
+        write_dataset_files(folder, layout.columns(), [s.file for s in manifest.shards], manifest.plan_digest)
+    bar.summary(manifest)
     return manifest
 
 
-def read_prompts(path: str | os.PathLike) -> Iterator:
-    """Prompts from a file, lazily: `.jsonl`, one per line as a string, a list of token ids or
-    an object with `prompt` (text) or `prompt_token_ids`; any other file, one text per line.
-    Blank lines are skipped."""
-    path = Path(path)
-    if not path.is_file():
-        raise TapcError(f"{path}: no such prompts file")
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if path.suffix != ".jsonl":
-                yield line
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TapcError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if isinstance(item, dict) and set(item) & {"prompt", "prompt_token_ids"}:
-                item = item.get("prompt_token_ids", item.get("prompt"))
-            if isinstance(item, str) or (isinstance(item, list) and item and all(isinstance(t, int) for t in item)):
-                yield item
-            else:
-                raise TapcError(f"{path}:{n}: a prompt is a string, a list of token ids, or an object "
-                                f"with `prompt` or `prompt_token_ids`; got {line[:80]!r}")
+def _layout(plan, keys, taps, folder: Path, *, format, dtype, shard_tokens, context_size, positions):
+    capture = {taps[k].dtype for k in keys}
+    if len(capture) != 1:
+        raise TapcError(f"the captured keys have dtypes {sorted(capture)}: a harvest stores one dtype; pass dtype=")
+    stored = dtype or ("float32" if format == "arrow" else capture.pop())
+    if format == "arrow" and stored == "bfloat16":
+        raise TapcError("the arrow format has no bfloat16 (HF datasets cannot type it): store float16 or float32")
+    if not isinstance(getattr(torch, stored, None), torch.dtype):
+        raise TapcError(f"dtype {stored!r} is not a torch dtype")
+    widths = tuple(taps[k].width for k in keys)
+    settings = {"format": format, "dtype": stored, "positions": positions}
+    if format == "arrow":
+        if not context_size:
+            raise TapcError("the arrow format stores windows of context_size tokens: give context_size "
+                            "(or pack the prompts with tapc.corpus, which sets it)")
+        window_bytes = context_size * (sum(widths) * getattr(torch, stored).itemsize + 4) + 8
+        cap = max(1, ARROW_SHARD_BYTES // window_bytes)
+        # SAELens's column names (tapc/hooknames.py): the layout writes them, the manifest maps back.
+        names = tuple(describe(taps[k])["saelens_hook_name"] for k in keys)
+        settings.update(context_size=context_size, windows_per_shard=cap)
+    else:
+        if shard_tokens < 1:
+            raise TapcError(f"shard_tokens must be at least 1, got {shard_tokens}")
+        cap, names = shard_tokens, tuple(keys)
+        settings.update(shard_tokens=shard_tokens, context_size=context_size)
+    layout = Layout(folder, format, tuple(keys), names, widths, getattr(torch, stored), cap, positions, context_size,
+                    {"plan_digest": plan.digest})
+    return layout, settings
 
 
-def _batches(prompts: Iterable, n: int) -> Iterator[list]:
-    batch = []
-    for p in prompts:
-        batch.append({"prompt_token_ids": list(p)} if isinstance(p, (list, tuple)) else p)
-        if len(batch) == n:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+def _start(folder: Path, plan, keys, positions, settings, hooks) -> Manifest:
+    """The manifest to go on with: the folder's own when it holds this harvest, else a new one
+    (written now, so a restart knows the settings even before the first shard)."""
+    if (folder / MANIFEST).is_file():
+        m = Manifest.read(folder)
+        theirs = {"plan digest": m.plan_digest, **m.settings}
+        ours = {"plan digest": plan.digest, **json.loads(json.dumps(settings))}
+        diff = [k for k in ours if theirs.get(k) != ours[k]]
+        if diff:
+            raise TapcError(f"{folder} holds another harvest ({diff[0]}: {theirs.get(diff[0])!r} there, "
+                            f"{ours[diff[0]]!r} now): harvest into a new folder, or run the same command")
+        m.unwritten, m.complete = None, False
+        m.failed = [f for s in m.shards for f in s.failed]
+        return m
+    if any(folder.glob("shard-*.safetensors")) or any(folder.glob("data-*.arrow")):
+        raise TapcError(f"{folder} holds shards but no {MANIFEST}: harvest into an empty folder")
+    m = Manifest(plan.digest, keys, positions, json.loads(json.dumps(settings)), hooks,
+                 plan=json.loads(plan.to_json()))
+    m.write(folder)
+    return m
 
 
-def _index(out, positions, request: int) -> np.ndarray:
-    """`[rows, 3]`: token id, request, position of each captured row (positions that went
-    through the model: the prompt and every generated token but the last)."""
-    tokens = np.asarray(list(out.prompt_token_ids) + list(out.outputs[0].token_ids)[:-1], dtype=np.int64)
-    pos = np.arange(len(tokens))
-    pos = pos[select(positions, pos, len(out.prompt_token_ids))]
-    return np.stack([tokens[pos], np.full(len(pos), request), pos], axis=1)
+def _mine(llm, prompts: Iterable, split: tuple[int, int]) -> Iterator[tuple[int, list[int]]]:
+    """(index, token ids) of the prompts this process takes."""
+    rank, n = split
+    tokenizer = None
+    for i, p in enumerate(prompts):
+        if i % n != rank:
+            continue
+        if isinstance(p, dict):
+            p = p.get("prompt_token_ids", p.get("prompt"))
+        if isinstance(p, str):
+            if tokenizer is None:
+                tokenizer = llm.llm.get_tokenizer()
+            p = tokenizer.encode(p)
+        if not isinstance(p, (list, tuple)) or not p:
+            raise TapcError(f"prompt {i}: a prompt is a string, a non-empty list of token ids or a dict with "
+                            f"`prompt` / `prompt_token_ids`; got {str(p)[:80]!r}")
+        yield i, [int(t) for t in p]

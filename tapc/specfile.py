@@ -61,9 +61,13 @@ class OutputSink:
     dir: str
     "Folder the harvest writes shards to (created if missing)."
     format: str = "safetensors"
-    "Shard format; safetensors is the only one."
+    "Shard format: safetensors (rows of tokens) or arrow (HF datasets windows, what SAELens loads)."
     shard_tokens: int = 1_000_000
-    "Rows per shard file."
+    "Rows per safetensors shard file (arrow files are cut under 2 GB)."
+    dtype: str | None = None
+    "Stored dtype (default: the capture dtype; float32 for arrow, which has no bfloat16)."
+    context_size: int | None = None
+    "arrow: tokens per window (every prompt must have this many; --context-size packs text so)."
 
 
 @dataclass(frozen=True)
@@ -146,8 +150,8 @@ def spec_from_dict(data, base: Path = Path("."), name: str = "spec") -> Spec:
     output = None
     if data.get("output") is not None:
         output = _section(OutputSink, data["output"], f"{name}: output")
-        if output.format != "safetensors" or output.shard_tokens < 1:
-            raise SpecError(f"{name}: output needs format safetensors and shard_tokens >= 1")
+        if output.format not in ("safetensors", "arrow") or output.shard_tokens < 1:
+            raise SpecError(f"{name}: output needs format safetensors or arrow, and shard_tokens >= 1")
         output = dataclasses.replace(output, dir=str(base / output.dir))
     params = {k: _param(v, base, f"{name}: params.{k}") for k, v in _typed(data.get("params") or {}, dict,
                                                                            f"{name}: params").items()}

@@ -129,6 +129,7 @@ class ToyBuffers:
         self.logit_params = ParamTables(layout.logit_edits, slots, torch.device("cpu"))
         self.logit_rows = torch.full((len(layout.logit_edits), slots), -1, dtype=torch.int32)
         self._host = np.empty((layout.num_tables, rows), dtype=np.int32)
+        self.nonfinite_values = 0
 
     def host_table(self, padded):
         return self._host[:, :padded]
@@ -140,7 +141,12 @@ class ToyBuffers:
         self.table.fill_(-1)
 
     def copy_out(self, segments, used):
+        for pool, n in zip(self.pools, used):
+            self.nonfinite_values += int(torch.isfinite(pool[:n]).logical_not_().sum())
         copy_segments(segments, self.pools)
+
+    def nonfinite(self):
+        return self.nonfinite_values
 
     def wait_copies(self):
         pass
@@ -162,8 +168,10 @@ class ToyRunner:
         return self.model
 
     def execute_model(self, so, dummy_run: bool = False):
+        for rid in so.finished_req_ids:   # its slot goes to a later request, as in vLLM's runner
+            self.index.pop(rid, None)
         for r in so.scheduled_new_reqs:
-            i = self.index.setdefault(r.req_id, len(self.index))
+            i = self.index.setdefault(r.req_id, min(set(range(len(self.index) + 1)) - set(self.index.values())))
             self.req_states.prompt_len.np[i] = len(r.prompt_token_ids)
         if dummy_run:
             return None
@@ -207,49 +215,74 @@ def next_token(tokens: list[int]) -> int:
     return (7 * len(tokens) + 3 * tokens[-1]) % VOCAB
 
 
-def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
-    """Schedule `reqs` to completion like vLLM's scheduler would, one execute_model per step."""
-    for r in reqs:
+class Scheduler:
+    """Plays vLLM's scheduler, one `step` at a time: a token budget per step (chunked prefill),
+    decode one token per step, requests arriving late or added while others run, finishing at
+    max_tokens, and optionally one preemption (recompute from 0)."""
+
+    def __init__(self, runner: ToyRunner, budget: int):
+        self.runner, self.budget = runner, budget
+        self.live: list[Req] = []
+        self.added, self.finished, self.preempted = set(), set(), set()
+        self.step_no = 0
+
+    def add(self, r: Req) -> None:
         r.tokens = list(r.prompt)
-    added, finished, preempted, done = set(), set(), set(), set()
-    step = 0
-    while len(done) < len(reqs):
+        self.live.append(r)
+
+    def busy(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list[Req]:
+        """One scheduler step (one execute_model when anything is scheduled): the requests it finished."""
         new, sched, computed = [], {}, {}
-        left = budget
-        for r in reqs:
-            if r.rid in done or r.arrive > step:
+        left = self.budget
+        for r in self.live:
+            if r.arrive > self.step_no:
                 continue
-            if r.preempt_at == step and r.rid in added:
-                preempted.add(r.rid)
-                added.discard(r.rid)
+            if r.preempt_at == self.step_no and r.rid in self.added:
+                self.preempted.add(r.rid)
+                self.added.discard(r.rid)
                 r.computed = 0
                 continue
-            if r.rid not in added:
+            if r.rid not in self.added:
                 new.append(NS(req_id=r.rid, prompt_token_ids=list(r.prompt),
                               sampling_params=NS(extra_args=None if r.wire is None else
                                                  {"tapc": over_the_wire(r.wire.to_wire())},
                                                  max_tokens=r.max_tokens)))
-                added.add(r.rid)
+                self.added.add(r.rid)
             n = min(len(r.tokens) - r.computed, left)
             if n > 0:
                 sched[r.rid], computed[r.rid] = n, r.computed
                 left -= n
         if sched:  # like vLLM, the worker hears of finished and preempted requests with a step
-            runner.execute_model(NS(scheduled_new_reqs=new, finished_req_ids=set(finished),
-                                    preempted_req_ids=set(preempted), num_scheduled_tokens=sched,
-                                    num_computed=computed, tokens={r.rid: r.tokens for r in reqs}))
-            finished.clear()
-            preempted.clear()
-        for r in reqs:
+            self.runner.execute_model(NS(scheduled_new_reqs=new, finished_req_ids=set(self.finished),
+                                         preempted_req_ids=set(self.preempted), num_scheduled_tokens=sched,
+                                         num_computed=computed, tokens={r.rid: r.tokens for r in self.live}))
+            self.finished.clear()
+            self.preempted.clear()
+        done = []
+        for r in self.live:
             if r.rid in sched:
                 r.computed += sched[r.rid]
                 if r.computed == len(r.tokens):
                     r.tokens.append(next_token(r.tokens))
                     if len(r.tokens) - len(r.prompt) == r.max_tokens:
-                        done.add(r.rid)
-                        finished.add(r.rid)
-                        added.discard(r.rid)
-        step += 1
+                        done.append(r)
+                        self.finished.add(r.rid)
+                        self.added.discard(r.rid)
+        self.live = [r for r in self.live if r not in done]
+        self.step_no += 1
+        return done
+
+
+def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
+    """Schedule `reqs` to completion like vLLM's scheduler would, one execute_model per step."""
+    sched = Scheduler(runner, budget)
+    for r in reqs:
+        sched.add(r)
+    while sched.busy():
+        sched.step()
 
 
 def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank: int = 0, stage: int = 0,
@@ -299,18 +332,50 @@ def collect(hooks, reqs: list[Req], session: TapSession) -> dict[str, NS]:
 
 def output_of(req: Req):
     """What vLLM's RequestOutput carries that assembly reads."""
-    return NS(request_id=req.rid, prompt_token_ids=req.prompt,
+    return NS(request_id=req.rid, prompt_token_ids=req.prompt, finished=True,
               outputs=[NS(token_ids=req.tokens[len(req.prompt):])])
+
+
+class ToyEngine:
+    """Plays vLLM's `LLMEngine` as a harvest drives it: `add_request` while others run, `step`
+    returning the outputs of the requests that finished in it (`output_kind` FINAL_ONLY)."""
+
+    def __init__(self, runner: ToyRunner, budget: int):
+        self.sched = Scheduler(runner, budget)
+        self.steps = 0
+
+    def add_request(self, request_id, prompt, params):
+        bad = [t for t in prompt["prompt_token_ids"] if not 0 <= t < VOCAB]
+        if bad:   # as vLLM's input processor refuses it
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary")
+        wire = (params.extra_args or {}).get("tapc")
+        self.sched.add(Req(request_id, list(prompt["prompt_token_ids"]), params.max_tokens,
+                           None if wire is None else WireRequest.from_wire(wire), arrive=self.sched.step_no))
+        return request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.sched.busy()
+
+    def step(self) -> list:
+        self.steps += 1
+        return [output_of(r) for r in self.sched.step()]
+
+    def abort_request(self, request_ids) -> None:
+        gone = set(request_ids)
+        self.sched.live = [r for r in self.sched.live if r.rid not in gone]
 
 
 class ToyLLM:
     """Plays `vllm.LLM` behind `tapc.VLLM`: `generate` schedules the submitted requests on the
-    toy runner; `collective_rpc` reaches the hooks as the worker's methods do."""
+    toy runner; `collective_rpc` reaches the hooks as the worker's methods do; `llm_engine`
+    takes requests one at a time (a harvest's loop)."""
 
     def __init__(self, runner: ToyRunner, hooks, budget: int = 16):
         self.runner, self.hooks, self.budget = runner, hooks, budget
         self.served = 0
         self.submitted = None   # the sampling params of the last call
+        self.llm_engine = ToyEngine(runner, budget)
+        self.rpcs: list[str] = []
 
     def generate(self, prompts, params, **kwargs):
         self.submitted = params
@@ -322,6 +387,7 @@ class ToyLLM:
         return [output_of(r) for r in reqs]
 
     def collective_rpc(self, method, args=()):
+        self.rpcs.append(method)
         worker = {"tapc_collect": lambda ids: self.hooks.collect(ids).to_wire(), "tapc_release": self.hooks.release}
         return [over_the_wire(worker[method](*args))]
 

@@ -13,7 +13,8 @@ from test_engine_cpu import TAPS, reference
 from tapc.cli import main
 from tapc.data import Shards
 from tapc.errors import TapcError
-from tapc.harvest import harvest, read_prompts
+from tapc.corpus import read_prompts
+from tapc.harvest import harvest
 
 LENS = [5, 17, 3, 9, 30, 1, 12]
 
@@ -28,7 +29,7 @@ def harvested(tmp_path, positions="all", max_tokens=3, lens=LENS, shard_tokens=1
 
     llm, hooks = toy_vllm(TAPS + ["logits"])
     ps = prompts(lens=lens)
-    m = harvest(llm, ps, tmp_path / "acts", shard_tokens=shard_tokens, positions=positions, batch_size=3,
+    m = harvest(llm, ps, tmp_path / "acts", shard_tokens=shard_tokens, positions=positions, window_tokens=40, collect_every=2,
                 sampling_params=SamplingParams(max_tokens=max_tokens))
     return m, ps, hooks
 
@@ -55,6 +56,10 @@ def test_shards_hold_every_row_of_every_request_in_order(tmp_path):
             torch.testing.assert_close(cols[k][rows], ref[k], rtol=1e-5, atol=1e-5, msg=lambda s: f"prompt {i} {k}: {s}")
         start += n
     assert not hooks.by_id and not hooks.records
+    for k in keys:   # the manifest's statistics: rows, min and max over every row written
+        st = m.stats[k]
+        assert (st["rows"], st["min"], st["max"]) == (m.rows, cols[k].min().item(), cols[k].max().item())
+        assert st["nonfinite_values"] == 0 and 0 < st["sampled_rows"] <= m.rows
 
 
 def test_prompt_positions_and_a_shard_larger_than_the_run(tmp_path):
@@ -90,11 +95,17 @@ def test_shuffled_batches_are_a_permutation_of_the_rows(tmp_path):
         acts.load("model.layers.9.resid", 0)
 
 
-def test_harvest_refuses_a_folder_with_shards_and_a_plan_without_captures(tmp_path):
-    harvested(tmp_path)
+def test_harvest_goes_on_only_with_the_same_settings_and_refuses_a_plan_without_captures(tmp_path):
+    m, _, _ = harvested(tmp_path)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "acts").iterdir()}
+    again, _, _ = harvested(tmp_path)   # complete: nothing to do, nothing rewritten
+    assert again.complete and again.rows == m.rows
+    assert {p.name: p.read_bytes() for p in (tmp_path / "acts").iterdir()} == before
+    with pytest.raises(TapcError, match="holds another harvest \\(shard_tokens: 16 there, 17 now\\)"):
+        harvested(tmp_path, shard_tokens=17)
     llm, _ = toy_vllm(TAPS)
-    with pytest.raises(TapcError, match="already holds shards"):
-        harvest(llm, prompts(), tmp_path / "acts")
+    with pytest.raises(TapcError, match="holds another harvest \\(plan digest"):
+        harvest(llm, prompts(), tmp_path / "acts", shard_tokens=16)
     steer_only, _ = toy_vllm(["model.layers.1.resid | add(steer)"])
     with pytest.raises(TapcError, match="captures nothing in the graph"):
         harvest(steer_only, prompts(), tmp_path / "other")
@@ -133,3 +144,112 @@ def _generated(prompt, n):
 
 def _sorted_rows(x):
     return x[np.lexsort(x.T.numpy()[::-1])]
+
+
+@pytest.mark.parametrize("kill_at", [2, 7, 13])
+def test_a_harvest_killed_mid_shard_goes_on_to_the_same_files(tmp_path, kill_at):
+    """SIGKILL while a shard is half written; the same command again finishes the harvest:
+    every file (shards and manifest) equals an uninterrupted run's, byte for byte."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import harvest_child
+
+    child = [sys.executable, str(Path(__file__).parent / "harvest_child.py"), str(tmp_path / "cut")]
+    ref = harvest_child.run(tmp_path / "whole")
+    assert len(ref.shards) >= 3 and ref.complete
+    killed = subprocess.run(child + [str(kill_at)], capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    partial = json.loads((tmp_path / "cut" / "manifest.json").read_text())
+    assert not partial["complete"] and any((tmp_path / "cut").glob("*.partial"))
+    done = subprocess.run(child, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    whole = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert sorted(p.name for p in (tmp_path / "cut").iterdir()) == whole
+    for name in whole:
+        assert (tmp_path / "cut" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+    # and the rows are right, not merely the same: every request, in order, once
+    cols = {k: torch.cat(list(Shards(tmp_path / "cut").batches(k, 1000, shuffle=False))) for k in ("request", "position")}
+    lens = [n + 2 - 1 for n in harvest_child.LENS]
+    assert cols["request"].tolist() == [i for i, n in enumerate(lens) for _ in range(n)]
+    assert cols["position"].tolist() == [p for n in lens for p in range(n)]
+
+
+def test_two_worker_processes_harvest_one_split_input_into_one_manifest(tmp_path):
+    """tapc.fleet: two processes (as two GPUs would be), prompt i on rank i mod 2, merged: the
+    same rows per request as one process's harvest, the statistics over both."""
+    import sys
+    from pathlib import Path
+
+    import harvest_child
+
+    from tapc import fleet
+
+    child = str(Path(__file__).parent / "harvest_child.py")
+    fleet.launch([[sys.executable, child, str(fleet.part(tmp_path / "two", r)), "--rank", str(r), "2"] for r in (0, 1)])
+    m = fleet.merge(tmp_path / "two", 2)
+    one = harvest_child.run(tmp_path / "one")
+    assert m.complete and m.rows == one.rows and m.prompts == one.prompts == len(harvest_child.LENS)
+    assert all(s.file.startswith(("rank-0/", "rank-1/")) for s in m.shards)
+    assert json.loads((tmp_path / "two" / "manifest.json").read_text())["rows"] == one.rows
+    for k in m.keys:
+        # over every row: exact (the sums sample rows of each piece written, which the split moves)
+        for stat in ("rows", "min", "max"):
+            assert m.stats[k][stat] == one.stats[k][stat], (k, stat)
+    two, ref = Shards(tmp_path / "two"), Shards(tmp_path / "one")
+    cols = {k: torch.cat(list(two.batches(k, 1000, shuffle=False))) for k in two.keys}
+    refs = {k: torch.cat(list(ref.batches(k, 1000, shuffle=False))) for k in ref.keys}
+    for i in range(len(harvest_child.LENS)):
+        mine, theirs = cols["request"] == i, refs["request"] == i
+        assert mine.sum() == theirs.sum() > 0
+        for k in two.keys:
+            assert torch.equal(cols[k][mine], refs[k][theirs]), (i, k)
+
+
+def test_activations_dataset_shuffles_across_shards_and_keeps_every_row(tmp_path):
+    from tapc.data import Activations
+
+    m, _, _ = harvested(tmp_path)
+    key = "model.layers.1.resid"
+    plain = torch.cat(list(Shards(tmp_path / "acts").batches(key, 100, shuffle=False)))
+    ds = Activations(tmp_path / "acts", key, 5, seed=1, mix=3)
+    batches = list(torch.utils.data.DataLoader(ds, batch_size=None))
+    mixed = torch.cat(batches)
+    assert torch.equal(_sorted_rows(mixed), _sorted_rows(plain)) and not torch.equal(mixed, plain)
+    # a batch can hold rows of several shards: the first group's rows come from `mix` shards
+    first = torch.cat(batches[:9])
+    shard_of = torch.cat([torch.full((s.rows,), i) for i, s in enumerate(m.shards)])
+    owners = {int(shard_of[(plain == r).all(dim=1)][0]) for r in first}
+    assert len(owners) > 1 and ds.config["activation_dim"] == 16
+
+
+def test_a_prompt_vllm_refuses_is_listed_and_the_others_written(tmp_path):
+    from vllm import SamplingParams
+
+    llm, _ = toy_vllm(TAPS)
+    ps = [[1, 2, 3], [4, 99, 5], [6, 7]]   # token 99 is past the toy's vocabulary
+    m = harvest(llm, ps, tmp_path / "acts", shard_tokens=100, positions="prompt",
+                sampling_params=SamplingParams(max_tokens=1), progress=False)
+    assert m.failed == [{"request": 1, "error": "vLLM refused it: Token id 99 is out of vocabulary"}]
+    assert m.rows == 5 and Shards(tmp_path / "acts").load("request", 0).tolist() == [0, 0, 0, 2, 2]
+
+
+def test_a_nan_is_counted_on_the_device_and_its_request_listed_never_written(tmp_path):
+    from vllm import SamplingParams
+
+    llm, hooks = toy_vllm(TAPS)
+    with torch.no_grad():
+        llm.llm.runner.model.model.embed_tokens.weight[13] = float("nan")   # token 13: NaN from layer 0 on (the toy has no attention: only its own rows)
+    ps = [[1, 2, 3], [4, 13, 5, 13], [6, 7], [8, 9, 13]]
+    m = harvest(llm, ps, tmp_path / "acts", shard_tokens=4, positions="prompt", window_tokens=8, collect_every=1,
+                sampling_params=SamplingParams(max_tokens=1), progress=False)
+    assert [f["request"] for f in m.failed] == [1, 3]
+    assert "non-finite values (NaN or inf) in model.layers.0.resid at positions [1, 3]; not written" in m.failed[0]["error"]
+    assert "at positions [2]" in m.failed[1]["error"]
+    assert hooks.buffers.nonfinite() > 0   # counted as the captures left the (toy) device
+    assert m.rows == 5 and set(Shards(tmp_path / "acts").load("request", 0).tolist()) | set(
+        Shards(tmp_path / "acts").load("request", 1).tolist()) == {0, 2}
+    assert m.stats["model.layers.0.resid"]["nonfinite_values"] > 0
+    assert m.stats["model.layers.0.resid"]["rows"] == 5

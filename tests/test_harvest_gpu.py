@@ -21,7 +21,8 @@ def test_harvest_shards_equal_hf(tmp_path, checkpoints, tapped_engine):
     rng = np.random.default_rng(11)
     lens = [7, 130, 3, 41, 64, 9, 200, 15]   # 130 and 200 are split over steps (budget 128)
     prompts = [rng.integers(0, SMALL["vocab_size"], n).tolist() for n in lens]
-    m = harvest(llm, prompts, tmp_path / "acts", shard_tokens=100, positions="prompt", batch_size=3)
+    m = harvest(llm, prompts, tmp_path / "acts", shard_tokens=100, positions="prompt", window_tokens=256,
+                collect_every=2, progress=False)   # a small window: requests join while others run
     assert not m.failed and m.rows == sum(lens) and len(m.shards) == -(-sum(lens) // 100)
     acts = Shards(tmp_path / "acts")
     cols = {k: torch.cat([acts.load(k, s) for s in range(len(m.shards))]) for k in acts.keys}
@@ -75,3 +76,37 @@ def test_cli_harvest_writes_what_the_api_does(tmp_path, checkpoints, monkeypatch
         ref = hf_reference(path, p)["model.layers.1.resid"]
         assert_matches(got[start: start + len(p)], ref, f"prompt {i}")
         start += len(p)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_cli_harvest_over_two_gpus_equals_hf(tmp_path, checkpoints):
+    """`tapc harvest --gpus 2`: one engine per GPU, each on every other prompt, one manifest;
+    every row equals HF on the same weights, and a second run finds it complete."""
+    import json
+
+    import yaml
+
+    from tapc.cli import main
+    from tapc.data import Shards
+
+    path = checkpoints("llama")
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(0, SMALL["vocab_size"], n).tolist() for n in (12, 150, 5, 33, 70)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts))
+    engine = {k: v for k, v in engine_args().items() if v is not None}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({
+        "model": path, "engine": engine, "taps": ["model.layers.1.resid"],
+        "capture": {"positions": "prompt"}, "output": {"dir": "acts", "shard_tokens": 64}}))
+    argv = ["harvest", str(tmp_path / "spec.yaml"), str(tmp_path / "prompts.jsonl"), "--gpus", "2"]
+    assert main(argv) == 0
+    acts = Shards(tmp_path / "acts")
+    m = acts.manifest
+    assert m.complete and m.prompts == len(prompts) and len(acts) == sum(map(len, prompts))
+    assert {s.file.split("/")[0] for s in m.shards} == {"rank-0", "rank-1"}
+    got = {k: torch.cat([acts.load(k, s) for s in range(len(m.shards))]) for k in acts.keys}
+    for i, p in enumerate(prompts):
+        rows = got["request"] == i
+        assert got["token_ids"][rows].tolist() == p
+        assert_matches(got["model.layers.1.resid"][rows], hf_reference(path, p)["model.layers.1.resid"], f"prompt {i}")
+    before = (tmp_path / "acts" / "manifest.json").read_bytes()
+    assert main(argv) == 0 and (tmp_path / "acts" / "manifest.json").read_bytes() == before

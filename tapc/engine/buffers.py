@@ -12,7 +12,10 @@ Per step (all stream-ordered on the compute stream, so async scheduling is safe)
    forward may overwrite the pools right away), then a side stream copies each request's block
    from the snapshot into its pinned host storage while the next step computes (all of them
    in one driver call where the driver has it, memcpy.py). The snapshot is rewritten only
-   after the previous step's host copies are done (an event).
+   after the previous step's host copies are done (an event). The snapshot's non-finite
+   values are counted on the device as it is made (`nonfinite`, a running total that reaches
+   host memory with the step's copies), so a harvest checks rows on the host only once the
+   device has seen a NaN or inf.
 """
 from __future__ import annotations
 
@@ -45,6 +48,8 @@ class Buffers:
         self._copy_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._batch = BatchCopy.load() if device.type == "cuda" else None
         self._copied: torch.cuda.Event | None = None
+        self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
+        self._nonfinite_host = torch.zeros((), dtype=torch.int64, pin_memory=device.type == "cuda")
         self.params = ParamTables(layout.edits, self.slots, device, layout.localize)
         self.logit_params = ParamTables(layout.logit_edits, self.slots, device)
         self.logit_rows = torch.full((len(layout.logit_edits), seqs), -1, dtype=torch.int32, device=device)
@@ -78,11 +83,13 @@ class Buffers:
         for snap, pool, n in zip(self._snaps, self.pools, used):
             if n:
                 snap[:n].copy_(pool[:n])
+                self._nonfinite += torch.isfinite(snap[:n]).logical_not_().sum()
         ready = torch.cuda.Event()
         ready.record(compute)
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(ready)
             copy_segments(segments, self._snaps, self._batch)
+            self._nonfinite_host.copy_(self._nonfinite, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record(self._copy_stream)
 
@@ -90,6 +97,11 @@ class Buffers:
         """Block until every capture enqueued so far is in host memory."""
         if self._copied is not None:
             self._copied.synchronize()
+
+    def nonfinite(self) -> int:
+        """Non-finite values in every capture copied so far (after `wait_copies`: no sync here,
+        which would wait for the steps queued since)."""
+        return int(self._nonfinite_host)
 
 
 class _UvaTable:

@@ -344,14 +344,16 @@ class Result:
 @dataclass(frozen=True)
 class CollectReply:
     results: tuple[Result, ...]
+    nonfinite: int = 0   # NaN / inf values in every capture this worker has copied out so far
 
     def to_wire(self) -> dict:
-        return {"version": VERSION, "results": [r.to_wire() for r in self.results]}
+        return {"version": VERSION, "results": [r.to_wire() for r in self.results], "nonfinite": self.nonfinite}
 
     @classmethod
     def from_wire(cls, d) -> "CollectReply":
         _check_version(d, "tapc collect reply")
-        return cls(tuple(Result.from_wire(r) for r in _get(d, "results", (list, tuple), "tapc collect reply")))
+        return cls(tuple(Result.from_wire(r) for r in _get(d, "results", (list, tuple), "tapc collect reply")),
+                   _get(d, "nonfinite", int, "tapc collect reply"))
 
     def by_id(self) -> dict[str, Result]:
         return {r.id: r for r in self.results}

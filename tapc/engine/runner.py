@@ -167,7 +167,7 @@ class RunnerHooks:
             else:
                 engine, saved, block_error = self.points.take(tid)
                 out[tid] = Result(tid, stores=stores, engine=engine, saved=saved, block_error=block_error)
-        return CollectReply(tuple(out.values()))
+        return CollectReply(tuple(out.values()), nonfinite=self.buffers.nonfinite())
 
     def release(self, chunks: list[tuple[str, int]]) -> None:
         """The API no longer uses these chunks (file, byte offset): their space is free again.

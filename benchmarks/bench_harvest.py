@@ -1,0 +1,126 @@
+"""`tapc.harvest.harvest` to local disk beside vanilla `LLM.generate` on the same prompts.
+
+    python3 benchmarks/bench_harvest.py --out bench_harvest.md          # 8192x128 and 1024x1024
+    python3 benchmarks/bench_harvest.py --quick                         # 1024x128 and 128x1024, 1 layer
+
+One process, one GPU, three engines side by side: vanilla vLLM, a tapc engine capturing one
+layer's residual stream (layer 16) and one capturing four (layers 4, 12, 20, 28). Llama-3.1-8B
+shape with dummy weights (`load_format="dummy"`), token-id prompts, one greedy token each; the
+harvest writes every prompt row (positions="prompt") to safetensors shards under `--dir`
+(local disk, not /dev/shm), removed after each run. Runs are interleaved, `--repeats` rounds
+after one warmup round; the table shows medians, the ratio is harvest time / vanilla time.
+`--workloads 8192x128` picks some; `TAPC_ATTENTION_BACKEND` picks the attention backend.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_engine import ENGINE, LLAMA_31_8B  # noqa: E402
+
+LAYERS = {1: ["model.layers.16.resid"], 4: [f"model.layers.{i}.resid" for i in (4, 12, 20, 28)]}
+FULL = ["8192x128", "1024x1024"]
+QUICK = ["1024x128", "128x1024"]
+
+
+def prompts(workload: str, seed: int) -> list[list[int]]:
+    n, length = map(int, workload.split("x"))
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 128000, length).tolist() for _ in range(n)]
+
+
+def vanilla_run(llm, ps) -> float:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    assert len(outs) == len(ps)
+    return dt
+
+
+def harvest_run(llm, ps, root: str) -> tuple[float, float]:
+    """(seconds, GB written) of one harvest into a fresh folder under `root`."""
+    from vllm import SamplingParams
+
+    from tapc.harvest import harvest
+
+    out = tempfile.mkdtemp(prefix="harvest-", dir=root)
+    try:
+        t0 = time.perf_counter()
+        m = harvest(llm, ps, out, positions="prompt", shard_tokens=1_000_000, progress=False,
+                    sampling_params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        dt = time.perf_counter() - t0
+        assert not m.failed and m.rows == sum(map(len, ps)), (m.rows, m.failed[:3])
+        gb = sum(os.path.getsize(os.path.join(out, s.file)) for s in m.shards) / 1e9
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return dt, gb
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help=f"smaller workloads ({', '.join(QUICK)}), one round, the 1-layer engine only (2 engines to start)")
+    ap.add_argument("--workloads", nargs="*", default=None, help=f"NxLEN prompt sets (default {' '.join(FULL)})")
+    ap.add_argument("--layers", nargs="*", type=int, default=None, choices=[1, 4], help="default: 1 and 4")
+    ap.add_argument("--repeats", type=int, default=2, help="measured rounds after the warmup (default 2)")
+    ap.add_argument("--dir", default="/tmp/tapc-bench-harvest", help="where shards are written (local disk)")
+    ap.add_argument("--out", default=None, help="also write the table to this markdown file")
+    args = ap.parse_args()
+    workloads = args.workloads or (QUICK if args.quick else FULL)
+    repeats = 1 if args.quick else args.repeats
+    args.layers = args.layers or ([1] if args.quick else [1, 4])
+
+    from vllm import LLM
+
+    from tapc.api import VLLM
+
+    os.makedirs(args.dir, exist_ok=True)
+    model = tempfile.mkdtemp(prefix="llama-3.1-8b-shape-")
+    with open(os.path.join(model, "config.json"), "w") as f:
+        json.dump(LLAMA_31_8B, f)
+    common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"), gpu_memory_utilization=0.28)
+    engines = {"vanilla": LLM(model, **common)}
+    for n in args.layers:
+        engines[n] = VLLM(model, taps=LAYERS[n], **common)
+
+    times: dict = {}
+    for rnd in range(repeats + 1):   # round 0 warms every engine up on every workload
+        for w in workloads:
+            ps = prompts(w, seed=rnd)
+            dt = vanilla_run(engines["vanilla"], ps)
+            if rnd:
+                times.setdefault((w, "vanilla"), []).append(dt)
+            for n in args.layers:
+                dt, gb = harvest_run(engines[n], ps, args.dir)
+                if rnd:
+                    times.setdefault((w, n), []).append((dt, gb))
+            print(f"round {rnd} {w} done", file=sys.stderr)
+
+    lines = ["| workload | layers | vanilla s | harvest s | ratio | GB written | GB/s |",
+             "|---|---|---|---|---|---|---|"]
+    for w in workloads:
+        van = statistics.median(times[(w, "vanilla")])
+        for n in args.layers:
+            dt = statistics.median(t for t, _ in times[(w, n)])
+            gb = times[(w, n)][0][1]
+            lines.append(f"| {w} | {n} | {van:.2f} | {dt:.2f} | {dt / van:.3f} | {gb:.2f} | {gb / dt:.2f} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"bench_harvest: {', '.join(workloads)}; medians of {repeats} round(s)\n\n{table}\n")
+    shutil.rmtree(model, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
