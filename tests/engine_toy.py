@@ -6,7 +6,9 @@ It has no attention, so a row depends only on its own token and position: the re
 request is the model run on that request's tokens alone.
 
 `ToyRunner` plays vLLM's V2 runner (execute_model calls self.prepare_inputs; the worker's V2
-adapter, runner_v2.py, wraps both), `ToyBuffers` plays `tapc.engine.buffers.Buffers` on the CPU, and `run` plays the
+adapter, runner_v2.py, wraps both), `ToyRunnerV1` its V1 runner (a persistent batch in slot
+order, condensed when requests leave; execute_model calls self._model_forward; runner_v1.py),
+`ToyBuffers` plays `tapc.engine.buffers.Buffers` on the CPU, and `run` plays the
 scheduler: a token budget per step (chunked prefill), decode one token per step, requests
 arriving late, finishing at max_tokens, and optionally one preemption (recompute from 0).
 """
@@ -24,6 +26,7 @@ from tapc.engine.requests import TapRequest, check
 from tapc.engine.buffers import ParamTables
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.memcpy import copy_segments
+from tapc.engine.runner_v1 import V1Adapter
 from tapc.engine.runner_v2 import V2Adapter
 from tapc.planner import build_plan
 from tapc.session import TapSession
@@ -191,6 +194,74 @@ class ToyRunner:
                   idx_mapping_np=np.array([self.index[r] for r in req_ids], dtype=np.int64))
 
 
+class ToyRunnerV1:
+    """The parts of vLLM's V1 runner the V1 adapter uses. Like V1's `InputBatch`, requests keep
+    their slot while they run; a request that leaves (finished, preempted) leaves a hole that the
+    batch's last request moves into (`condense`), new and resumed requests go to the end; a
+    resumed request comes in `scheduled_cached_reqs.resumed_req_ids`, not among the new ones."""
+
+    resumes_as_cached = True
+
+    def __init__(self, model, pad: int = 8, max_reqs: int = 16):
+        self.model = model
+        self.pad = pad
+        self.prompt_len: dict[str, int] = {}
+        self.input_batch = NS(req_ids=[], num_reqs=0, num_computed_tokens_cpu=np.zeros(max_reqs, dtype=np.int32),
+                              num_prompt_tokens=np.zeros(max_reqs, dtype=np.int32))
+        self.query_start_loc = NS(np=np.zeros(max_reqs + 1, dtype=np.int32))
+        self.sampler = None
+        self.last = None
+        self.dummy_runs = 0
+
+    def get_model(self):
+        return self.model
+
+    def _update_states(self, so) -> None:
+        batch = self.input_batch
+        for rid in (*so.finished_req_ids, *(so.preempted_req_ids or ())):
+            if rid in batch.req_ids:
+                batch.req_ids[batch.req_ids.index(rid)] = None
+        while None in batch.req_ids:   # condense: the last request fills the first hole
+            hole = batch.req_ids.index(None)
+            last = batch.req_ids.pop()
+            if hole < len(batch.req_ids):
+                batch.req_ids[hole] = last
+        for r in so.scheduled_new_reqs:
+            self.prompt_len[r.req_id] = len(r.prompt_token_ids)
+        for rid in [r.req_id for r in so.scheduled_new_reqs] + sorted(so.scheduled_cached_reqs.resumed_req_ids):
+            batch.req_ids.append(rid)
+        batch.num_reqs = len(batch.req_ids)
+        for i, rid in enumerate(batch.req_ids):
+            batch.num_prompt_tokens[i] = self.prompt_len[rid]
+            batch.num_computed_tokens_cpu[i] = so.num_computed.get(rid, 0)
+
+    def execute_model(self, so):
+        self._update_states(so)
+        batch = self.input_batch
+        n = [so.num_scheduled_tokens.get(rid, 0) for rid in batch.req_ids]
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(n, out=qsl[1:batch.num_reqs + 1])
+        total = int(qsl[batch.num_reqs])
+        padded = -(-total // self.pad) * self.pad
+        ids = torch.zeros(padded, dtype=torch.long)
+        pos = torch.zeros(padded, dtype=torch.long)
+        for i, rid in enumerate(batch.req_ids):
+            a, b = qsl[i], qsl[i + 1]
+            c = batch.num_computed_tokens_cpu[i]
+            ids[a:b] = torch.tensor(so.tokens[rid][c:c + b - a])
+            pos[a:b] = torch.arange(c, c + b - a)
+        self.last = self._model_forward(input_ids=ids, positions=pos)
+        return None
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None):
+        return self.model(input_ids, positions)
+
+    def _dummy_run(self, num_tokens: int):
+        self.dummy_runs += 1
+        return self.model(torch.zeros(num_tokens, dtype=torch.long), torch.zeros(num_tokens, dtype=torch.long))
+
+
 @dataclass
 class Req:
     rid: str
@@ -212,9 +283,11 @@ def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
     for r in reqs:
         r.tokens = list(r.prompt)
     added, finished, preempted, done = set(), set(), set(), set()
+    seen: set[str] = set()    # requests the worker has heard of (a V1 runner resumes them as cached)
+    as_cached = getattr(runner, "resumes_as_cached", False)
     step = 0
     while len(done) < len(reqs):
-        new, sched, computed = [], {}, {}
+        new, sched, computed, resumed = [], {}, {}, set()
         left = budget
         for r in reqs:
             if r.rid in done or r.arrive > step:
@@ -224,7 +297,11 @@ def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
                 added.discard(r.rid)
                 r.computed = 0
                 continue
-            if r.rid not in added:
+            if r.rid not in added and as_cached and r.rid in seen:
+                resumed.add(r.rid)
+                added.add(r.rid)
+            elif r.rid not in added:
+                seen.add(r.rid)
                 new.append(NS(req_id=r.rid, prompt_token_ids=list(r.prompt),
                               sampling_params=NS(extra_args=None if r.wire is None else
                                                  {"tapc": over_the_wire(r.wire.to_wire())},
@@ -235,7 +312,8 @@ def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
                 sched[r.rid], computed[r.rid] = n, r.computed
                 left -= n
         if sched:  # like vLLM, the worker hears of finished and preempted requests with a step
-            runner.execute_model(NS(scheduled_new_reqs=new, finished_req_ids=set(finished),
+            runner.execute_model(NS(scheduled_new_reqs=new, scheduled_cached_reqs=NS(resumed_req_ids=resumed),
+                                    finished_req_ids=set(finished),
                                     preempted_req_ids=set(preempted), num_scheduled_tokens=sched,
                                     num_computed=computed, tokens={r.rid: r.tokens for r in reqs}))
             finished.clear()
@@ -252,7 +330,10 @@ def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
         step += 1
 
 
-def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank: int = 0, stage: int = 0):
+def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank: int = 0, stage: int = 0,
+              runner: str = "v2"):
+    """The toy runner of vLLM's `runner` ("v2" or "v1") with `plan` installed in `model`, as the
+    worker installs it; and its hooks."""
     from tapc.engine.install import install
     from tapc.engine.layout import Layout
 
@@ -262,12 +343,13 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank
     layout = Layout(plan, tp_rank, stage)   # on several GPUs: this one's part of the plan
     buffers = ToyBuffers(layout, rows, slots)
     install(model, layout, buffers)
-    runner = ToyRunner(model, pad)
+    toy, adapter = {"v2": (ToyRunner, V2Adapter), "v1": (ToyRunnerV1, V1Adapter)}[runner]
+    runner = toy(model, pad)
     # as the worker does
     points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
     # Small arena segments, so a run spans several files and reuses freed space.
     hooks = RunnerHooks(layout, buffers, Arena(segment_bytes=4096), points)
-    patches.apply(runner, V2Adapter(runner, hooks), points)
+    patches.apply(runner, adapter(runner, hooks), points)
     return runner, hooks
 
 

@@ -82,13 +82,18 @@ def make_requests(plan):
     return reqs
 
 
+RUNNERS = pytest.mark.parametrize("runner_kind", ["v2", "v1"])   # vLLM's model runners (runner_v*.py)
+
+
+@RUNNERS
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_captures_equal_reference_under_continuous_batching(compiled):
+def test_captures_equal_reference_under_continuous_batching(compiled, runner_kind):
     """Chunked prefill (budget 16 < a 25-token prompt), late arrivals, decode, padding to 8,
-    a preemption with recompute, and five position options."""
+    a preemption with recompute, and five position options; on V1, requests in the persistent
+    batch's slot order, which changes as requests leave."""
     plan = toy_plan(TAPS)
     model = ToyModel()
-    runner, hooks = hooks_for(plan, model)
+    runner, hooks = hooks_for(plan, model, runner=runner_kind)
     if compiled:  # Dynamo must inline the patched forwards and keep the ops, without breaks
         runner.model = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
     reqs = make_requests(plan)
@@ -103,14 +108,15 @@ def test_captures_equal_reference_under_continuous_batching(compiled):
     assert not hooks.by_id and not hooks.records
 
 
-def test_steering_per_request_and_untouched_others():
+@RUNNERS
+def test_steering_per_request_and_untouched_others(runner_kind):
     """Two requests with different vectors in one batch, one steered only while generating
     (a second tap on the same layer), one unsteered: each equals its own reference."""
     # Taps at one module run in plan order: the edits first, so layer 1's capture sees them.
     plan = toy_plan(["model.layers.1.resid | add(steer, alpha=2.0)",
                      "model.layers.1.resid | add(late, alpha=-1.5, at=generated)", "model.layers.*.resid"])
     model = ToyModel()
-    runner, hooks = hooks_for(plan, model)
+    runner, hooks = hooks_for(plan, model, runner=runner_kind)
     rng = np.random.default_rng(1)
     v1, v2, v3 = (rng.standard_normal(HIDDEN) for _ in range(3))
     asks = {"s1": {"steer": v1}, "s2": {"steer": v2}, "plain": {}, "gen": {"late": v3}}
@@ -315,3 +321,41 @@ def test_an_element_of_a_one_tensor_output_is_refused_when_it_runs():
     hooks_for(plan, model)
     with pytest.raises(EngineError, match=r"`model.layers.1.mlp.output\[1\]`: `model.layers.1.mlp` returned one tensor"):
         model(torch.tensor([1, 2, 3]), torch.arange(3))
+
+
+@RUNNERS
+def test_a_steered_request_keeps_its_edit_across_a_preemption(runner_kind):
+    """Preempted mid-generation and recomputed from 0: it gives back its parameter slot, takes
+    one again when it resumes (V2: among the new requests; V1: among the cached ones) and its
+    captures, edited, equal the reference; the other steered request keeps its own vector."""
+    plan = toy_plan(["model.layers.1.resid | add(steer, alpha=2.0)", "model.layers.*.resid"])
+    runner, hooks = hooks_for(plan, ToyModel(), runner=runner_kind)
+    rng = np.random.default_rng(5)
+    vs = {rid: rng.standard_normal(HIDDEN) for rid in ("p", "q")}
+    reqs = [Req("p", rng.integers(0, 50, 9).tolist(), 6, wire_for(plan, TapRequest(capture="*", params={"steer": vs["p"]}), "p"),
+                preempt_at=4),
+            Req("q", rng.integers(0, 50, 5).tolist(), 8, wire_for(plan, TapRequest(capture="*", params={"steer": vs["q"]}), "q"),
+                arrive=5)]
+    run(runner, reqs, budget=64)
+    outs = collect(hooks, reqs, TapSession(plan))
+    for r in reqs:
+        check(r, dict(outs[r.rid].taps), "all", [(1, vs[r.rid], 2.0, "all")])
+    assert sorted(hooks.slots.free) == list(range(8))
+
+
+def test_v1_step_batch_is_the_persistent_batchs_first_requests():
+    """V1's input batch holds more slots than requests; the step is its first num_reqs, in its
+    order, with its host query_start_loc, computed tokens and prompt lengths."""
+    from types import SimpleNamespace as NS
+
+    from tapc.engine.runner_v1 import step_batch
+
+    batch = NS(num_reqs=3, req_ids=["c", "a", "b"], num_computed_tokens_cpu=np.array([7, 0, 12, 99], dtype=np.int32),
+               num_prompt_tokens=np.array([5, 20, 12, 99], dtype=np.int32))
+    qsl = np.array([0, 1, 17, 18, 18, 18], dtype=np.int32)
+    step = step_batch(batch, qsl, 24)
+    assert list(step.req_ids) == ["c", "a", "b"] and step.padded == 24
+    assert step.query_start_loc.tolist() == [0, 1, 17, 18]
+    assert step.num_computed.tolist() == [7, 0, 12] and step.prompt_lens.tolist() == [5, 20, 12]
+    with pytest.raises(Exception, match="empty slot"):
+        step_batch(NS(**{**vars(batch), "req_ids": ["c", None, "b"]}), qsl, 24)
