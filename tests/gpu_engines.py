@@ -21,6 +21,7 @@ and Triton's caches, keyed by the graphs' and kernels' contents, stay on and are
 every engine of the run (their default folders; set TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR
 to move them), so what one engine compiled another can reuse.
 """
+import contextlib
 import functools
 import gc
 import os
@@ -51,6 +52,24 @@ def engine_env() -> None:
 def engine_args() -> dict:
     engine_env()
     return dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"))
+
+
+@contextlib.contextmanager
+def model_runner(kind: str):
+    """Engines started inside run vLLM's `kind` model runner: "v2", vLLM 0.26's choice for dense
+    models, or "v1" (VLLM_USE_V2_MODEL_RUNNER=0), the runner vLLM gives MoE models. The engine
+    core reads the variable as it starts (it inherits this process's environment), so it is set
+    only while one starts."""
+    before = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if kind == "v1":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = before
 
 
 def write_checkpoint(path, arch: str) -> str:
@@ -138,12 +157,16 @@ def engines():
 
 @pytest.fixture(scope="session")
 def tapped_engine(engines, checkpoints):
-    """arch -> the engine with CAPTURES and STEER on that arch's checkpoint."""
-    def get(arch: str):
+    """(arch, runner) -> the engine with CAPTURES and STEER on that arch's checkpoint, on vLLM's
+    `runner` ("v2" or "v1", `model_runner`)."""
+    def get(arch: str, runner: str = "v2"):
         from tapc import VLLM
 
-        return engines.get(f"tapped {arch}", lambda: VLLM(checkpoints(arch), taps=CAPTURES + [STEER],
-                                                          **engine_args()))
+        def start():
+            with model_runner(runner):
+                return VLLM(checkpoints(arch), taps=CAPTURES + [STEER], **engine_args())
+
+        return engines.get(f"tapped {arch} {runner}", start)
 
     return get
 
