@@ -220,6 +220,11 @@ def _dtype(node: Node, point: Point, tree: ModuleTree) -> str:
 
 
 def _output_point(where: str, node: Node, el: int | None, tree: ModuleTree) -> tuple[Point, int]:
+    if node.output == "none" and node.path.endswith(".base_layer") and node.layer is not None:
+        wrapper = node.path.removesuffix(".base_layer")
+        raise ResolveError(f"{where}: it is the base of vLLM's LoRA wrapper `{wrapper}`, which runs its matmul "
+                           f"itself and never calls its forward; tap `{wrapper}.output`, the output with the "
+                           "adapter's delta")
     if node.output == "none" or node.out_width is None and node.output != "tuple":
         raise ResolveError(f"{where}: this module's output is not tappable (token ids, or a module vLLM does not "
                            "call in the forward); for logits use the engine point `logits`")
@@ -265,6 +270,9 @@ def _source_point(spec: TapSpec, where: str, node: Node) -> tuple[Point, int]:
     if spec.op not in ops:
         near = difflib.get_close_matches(spec.op, list(ops), n=3, cutoff=0.5)
         hint = f" did you mean {_listing(near)}?" if near else ""
+        if node.cls.endswith("WithLoRA"):
+            hint += (f" With enable_lora this is vLLM's LoRA wrapper {node.cls}, whose forward replaces the layer's "
+                     "own (the layer's ops are not called); `.output` is the output with the adapter's delta.")
         raise ResolveError(f"{where}: no `.source` op {spec.op!r} that runs in {node.cls}.forward here.{hint} "
                            f"Its ops are: {', '.join(ops) or 'none'}")
     op = ops[spec.op]

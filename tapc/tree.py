@@ -265,6 +265,7 @@ def build_tree(model_dir: str, engine_args: dict | None = None) -> ModuleTree:
     hidden = int(getattr(hf, "hidden_size"))
     widths = _Widths(hidden)
     in_op, unused = _moe_op_modules(model)
+    unused |= _lora_base_layers(model)
     nodes = []
     for path, mod in model.named_modules(remove_duplicate=False):
         if not path:
@@ -276,7 +277,8 @@ def build_tree(model_dir: str, engine_args: dict | None = None) -> ModuleTree:
             w_in = None if output == "heads" else w_in
         if id(mod) in unused:
             output, w_in, w_out = "none", None, None
-        ops = _source_ops(mod, model, path, widths, layer_of.get(id(mod)))
+        # a forward vLLM never calls has no ops to tap either
+        ops = () if id(mod) in unused else _source_ops(mod, model, path, widths, layer_of.get(id(mod)))
         nodes.append(Node(path=path, cls=type(mod).__name__, output=output, in_width=w_in, out_width=w_out,
                           layer=layer, source_ops=ops, in_moe_op=id(mod) in in_op))
         router = _router(mod)
@@ -424,8 +426,33 @@ def _meta_model(model_dir: str, engine_args: dict):
         initialize_model_parallel(1, 1)
         with torch.device("meta"):
             model = initialize_model(vllm_config=config)
+            if config.lora_config is not None:
+                _wrap_lora(model, config)
     model.config = config.model_config.hf_config
     return model
+
+
+def _wrap_lora(model, config) -> None:
+    """Wrap the layers vLLM wraps for LoRA, as the engine's runner does when it loads a model
+    with `enable_lora` (its LoRA manager replaces `qkv_proj` by `MergedQKVParallelLinearWithLoRA`
+    around the original, now `qkv_proj.base_layer`, and so on): on meta, the adapters' weight
+    slots cost nothing."""
+    import torch
+    from vllm.lora.model_manager import create_lora_manager
+
+    sched = config.scheduler_config
+    create_lora_manager(model, max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
+                        vocab_size=config.model_config.get_vocab_size(), lora_config=config.lora_config,
+                        vllm_config=config, device=torch.device("meta"))
+
+
+def _lora_base_layers(model) -> set[int]:
+    """ids of the modules inside a LoRA-wrapped linear layer's `base_layer`: the wrapper runs
+    the base layer's matmul itself (its quant method), not its forward, so nothing there is
+    called; the wrapper's `.output` is the adapted output."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    return {id(m) for w in model.modules() if isinstance(w, BaseLinearLayerWithLoRA) for m in w.base_layer.modules()}
 
 
 def _find_layers(model):
@@ -455,12 +482,15 @@ class _Widths:
         self.hidden = hidden
 
     def of(self, mod, path: str, model, is_layer: bool) -> tuple[str, int | None, int | None]:
+        import torch
         from vllm.model_executor.layers.linear import LinearBase
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
         name = type(mod).__name__
         if is_layer:
             return "pair", self.hidden, self.hidden
+        if name.endswith("WithLoRA") and isinstance(getattr(mod, "base_layer", None), torch.nn.Module):
+            return self.of(mod.base_layer, path, model, False)   # a LoRA wrapper returns what its base returns
         if isinstance(mod, LinearBase):
             # ReplicatedLinear (MoE gates) has no per-partition sizes: it is not sharded
             w_in = getattr(mod, "input_size_per_partition", mod.input_size)

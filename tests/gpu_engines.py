@@ -32,6 +32,8 @@ import pytest
 SMALL = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=4,
              num_hidden_layers=4, vocab_size=1024, max_position_embeddings=2048, rms_norm_eps=1e-5,
              initializer_range=0.02, tie_word_embeddings=False)
+# The MoE checkpoints (tests/test_moe_gpu.py): SMALL's attention, experts 128 (Qwen3) / 256 wide.
+MOE = dict(SMALL, intermediate_size=256)
 # max_num_seqs=3 and a 128-token budget force continuous batching. vLLM captures decode
 # graphs for batch sizes up to twice max_num_seqs: [1, 2, 4] here, already a short list.
 ENGINE = dict(max_num_seqs=3, max_num_batched_tokens=128, gpu_memory_utilization=0.1, skip_tokenizer_init=True,
@@ -80,9 +82,19 @@ def write_checkpoint(path, arch: str) -> str:
     if arch == "llama":
         config = transformers.LlamaConfig(**SMALL)
         model = transformers.LlamaForCausalLM(config)
-    else:
+    elif arch == "qwen3":
         config = transformers.Qwen3Config(**SMALL, head_dim=32)
         model = transformers.Qwen3ForCausalLM(config)
+    elif arch == "qwen3_moe":   # Qwen3-30B-A3B's routing (softmax top-k, renormalized), 8 experts, top 2
+        config = transformers.Qwen3MoeConfig(**MOE, head_dim=32, moe_intermediate_size=128, num_experts=8,
+                                             num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                                             mlp_only_layers=[])
+        model = transformers.Qwen3MoeForCausalLM(config)
+    elif arch == "mixtral":
+        config = transformers.MixtralConfig(**MOE, num_local_experts=8, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(config)
+    else:
+        raise ValueError(f"no test checkpoint for {arch!r}")
     model.to(torch.bfloat16).save_pretrained(path)
     return str(path)
 
@@ -137,7 +149,8 @@ class Engines:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """arch ("llama" | "qwen3") -> the path of its random checkpoint, written on first use."""
+    """arch ("llama" | "qwen3" | "qwen3_moe" | "mixtral") -> the path of its random checkpoint,
+    written on first use."""
     paths: dict[str, str] = {}
 
     def get(arch: str) -> str:

@@ -1,0 +1,230 @@
+"""Mixture-of-experts models on a GPU, against HF transformers on the same weights (bf16).
+
+Needs the GPU bundle with vLLM's MoE kernels (`TAPC_GPU_MOE=1 bash ../shared/gpu/make-bundle
+.gpu`). Small random checkpoints with realistic init (std 0.02) written with HF transformers:
+Qwen3-MoE (Qwen3-30B-A3B's routing: softmax top-2 of 8, renormalized; the gate runs inside
+vLLM's fused-MoE op) and Mixtral (top-2 of 8; the gate runs in the compiled graph). vLLM runs
+them on its V1 model runner with its defaults otherwise: compile, FULL_AND_PIECEWISE graphs,
+chunked prefill, async scheduling; max_num_seqs=3 and a 128-token budget force continuous
+batching.
+
+Captured: the residual stream, the router logits (the gate's output), the router's choice
+(top-k weights and expert ids) and the MoE block's output at every layer. Values are compared
+with bf16 tolerance. Expert ids must be exactly HF's wherever HF's router is not near a tie
+between its k-th and (k+1)-th expert (bf16 noise can swap those, and a swap changes that
+token's MoE output downstream, so value comparisons allow a few rows off). Edits: a steering
+vector on the residual stream and a per-request router edit that bans an expert; the greedy
+tokens equal HF's under the same edit wherever HF's top token is not near a tie.
+"""
+import numpy as np
+import pytest
+import torch
+from gpu_engines import MOE, engine_args, hf_forward, shutdown
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ARCHS = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}   # vLLM's name of the MoE block
+LAYERS, EXPERTS, TOP_K, HIDDEN = MOE["num_hidden_layers"], 8, 2, MOE["hidden_size"]
+STEER_LAYER, ALPHA, BANNED = 1, 8.0, 3
+PROMPT_LENS = [5, 37, 150, 12]
+MAX_TOKENS = [6, 9, 4, 8]
+# Router ties: HF's k-th and (k+1)-th logits closer than this may swap under bf16 noise
+# (the logits' spread is ~0.3 at this init; bf16 noise in them is ~0.002).
+ROUTER_TIE = 0.02
+# Greedy ties: HF's top two vocabulary logits closer than this.
+TOKEN_TIE = 0.02
+
+
+def taps(moe: str) -> list[str]:
+    # Edits first: taps at one module run in plan order, so the captures see the edited values.
+    return [f"model.layers.{STEER_LAYER}.resid | add(steer, alpha={ALPHA})",
+            f"model.layers.*.{moe}.gate.output | add(ban, alpha=1.0)",
+            "model.layers.*.resid", f"model.layers.*.{moe}.gate.output",
+            f"model.layers.*.{moe}.experts.router.output", f"model.layers.*.{moe}.output"]
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def moe_engine(request, checkpoints):
+    from tapc import VLLM
+
+    arch = request.param
+    path = checkpoints(arch)
+    llm = VLLM(path, taps=taps(ARCHS[arch]), **engine_args())
+    yield arch, path, llm
+    shutdown(llm)
+
+
+def prompts(seed: int, lens=PROMPT_LENS):
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(0, MOE["vocab_size"], n).tolist()} for n in lens]
+
+
+def sampling(max_tokens=MAX_TOKENS):
+    from vllm import SamplingParams
+
+    return [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens]
+
+
+def ban_vector(expert: int) -> np.ndarray:
+    v = np.zeros(EXPERTS, dtype=np.float32)
+    v[expert] = -1e4
+    return v
+
+
+class _Swap:
+    """`obj.name = value` until `remove()` (the handle `hf_forward` removes after its run)."""
+
+    def __init__(self, obj, name, value):
+        self.obj, self.name = obj, name
+        setattr(obj, name, value)
+
+    def remove(self):
+        delattr(self.obj, self.name)
+
+
+def hf_reference(path: str, moe: str, tokens: list[int], steer=None, ban=None):
+    """HF's activations on `tokens`, keyed like tapc's points, and its logits. steer: a vector
+    added (times ALPHA) to layer STEER_LAYER's output; ban: a vector added to every layer's
+    router logits before the softmax (HF's router math, as transformers writes it)."""
+    import torch.nn.functional as F
+
+    seen: dict[str, torch.Tensor] = {}
+
+    def router(gate, i):
+        renorm = getattr(gate, "norm_topk_prob", True)   # Mixtral always renormalizes
+
+        def forward(hidden_states):
+            x = hidden_states.reshape(-1, gate.hidden_dim)
+            logits = F.linear(x, gate.weight)
+            if ban is not None:
+                logits = logits + torch.as_tensor(ban, device=logits.device).to(logits.dtype)
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+            top, ids = torch.topk(probs, gate.top_k, dim=-1)
+            if renorm:
+                top = top / top.sum(dim=-1, keepdim=True)
+            seen[f"model.layers.{i}.{moe}.gate.output"] = logits.float()
+            seen[f"model.layers.{i}.{moe}.experts.router.output[0]"] = top.float()
+            seen[f"model.layers.{i}.{moe}.experts.router.output[1]"] = ids.to(torch.int32)
+            return logits, top.to(logits.dtype) if moe == "mlp" else top, ids
+        return forward
+
+    def layer_hook(i):
+        def hook(mod, args, out):
+            h = out[0] if isinstance(out, tuple) else out
+            if steer is not None and i == STEER_LAYER:
+                h = h + ALPHA * torch.as_tensor(steer, device=h.device, dtype=h.dtype)
+            seen[f"model.layers.{i}.resid"] = h[0].float()
+            return (h, *out[1:]) if isinstance(out, tuple) else h
+        return hook
+
+    def hooks(model):
+        handles = []
+        for i, layer in enumerate(model.model.layers):
+            handles.append(_Swap(layer.mlp.gate, "forward", router(layer.mlp.gate, i)))
+            handles.append(layer.register_forward_hook(layer_hook(i)))
+            handles.append(layer.mlp.register_forward_hook(
+                lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.{moe}.output", o[0].float())))
+        return handles
+
+    out = hf_forward(path, tokens, hooks)
+    return {k: v.cpu() for k, v in seen.items()}, out.logits[0].float().cpu()
+
+
+def assert_rows_match(got: torch.Tensor, ref: torch.Tensor, what: str, rows_ok: float = 0.97) -> None:
+    """bf16 through a few layers, where a token whose router swapped near-tied experts may be off:
+    whole-tensor relative error under 5%, and at least `rows_ok` of the rows pointing the same
+    way (cosine > 0.995)."""
+    got = got.float()
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} vs reference {tuple(ref.shape)}"
+    rel = ((got - ref).norm() / ref.norm()).item()
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=1)
+    good = (cos > 0.995).float().mean().item()
+    assert rel < 5e-2 and good >= rows_ok, f"{what}: relative error {rel:.4f}, rows within cosine 0.995: {good:.3f}"
+
+
+def untied(logits: torch.Tensor, k: int, tie: float) -> torch.Tensor:
+    """Rows whose k-th and (k+1)-th largest logits are at least `tie` apart."""
+    top = logits.topk(k + 1, dim=-1).values
+    return (top[:, k - 1] - top[:, k]) >= tie
+
+
+def assert_routing_matches(taps: dict, ref: dict, moe: str, what: str) -> None:
+    """Expert ids exactly HF's (as sets) on every row whose router is not near a tie, and those
+    rows' weights HF's (matched by expert id); at least 80% of the rows are checked."""
+    for i in range(LAYERS):
+        key = f"model.layers.{i}.{moe}.experts.router.output"
+        ids, w = taps[f"{key}[1]"], taps[f"{key}[0]"]
+        assert ids.dtype == torch.int32 and w.dtype == torch.float32
+        ref_ids, ref_w = ref[f"{key}[1]"], ref[f"{key}[0]"]
+        rows = untied(ref[f"model.layers.{i}.{moe}.gate.output"], TOP_K, ROUTER_TIE)
+        assert rows.float().mean() >= 0.8, f"{what} layer {i}: only {rows.float().mean():.2f} of rows away from a tie"
+        order, ref_order = ids.long().argsort(dim=1), ref_ids.long().argsort(dim=1)
+        got_ids, want_ids = ids.gather(1, order)[rows], ref_ids.gather(1, ref_order)[rows]
+        bad = (got_ids != want_ids).any(dim=1).nonzero().flatten().tolist()
+        assert not bad, f"{what} layer {i}: expert ids differ from HF's on untied rows {bad[:10]}"
+        torch.testing.assert_close(w.gather(1, order)[rows], ref_w.gather(1, ref_order)[rows], rtol=0, atol=2e-2,
+                                   msg=lambda m: f"{what} layer {i} routing weights: {m}")
+
+
+def test_moe_engine_runs_on_v1(moe_engine):
+    arch, _, llm = moe_engine
+    assert not llm.llm.llm_engine.vllm_config.use_v2_model_runner, f"{arch}: vLLM runs MoE models on V1"
+
+
+def test_moe_captures_equal_hf_under_continuous_batching(moe_engine):
+    from tapc.api import TapRequest
+
+    arch, path, llm = moe_engine
+    moe = ARCHS[arch]
+    outs = llm.generate(prompts(1), sampling(), taps=TapRequest(capture="*"))
+    for n, out in enumerate(outs):
+        tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        ref, _ = hf_reference(path, moe, tokens[:-1])
+        assert set(out.taps) == set(ref), f"{arch} request {n}: keys {sorted(set(out.taps) ^ set(ref))}"
+        what = f"{arch} request {n}"
+        for key, value in out.taps.items():
+            assert value.shape[0] == len(tokens) - 1, f"{what} {key}: {value.shape[0]} rows"
+            if ".router." not in key:
+                assert_rows_match(value, ref[key], f"{what} {key}")
+        assert_routing_matches(out.taps, ref, moe, what)
+
+
+def assert_greedy_matches_hf(tokens: list[int], prompt_len: int, hf_logits: torch.Tensor, what: str) -> None:
+    """vLLM's generated tokens are HF's argmax on the same prefix (teacher forcing), wherever
+    HF's top two logits are not near a tie; at least half the steps are checked."""
+    pred = hf_logits[prompt_len - 1: len(tokens) - 1]
+    gen = torch.tensor(tokens[prompt_len:])
+    rows = untied(pred, 1, TOKEN_TIE)
+    assert rows.float().mean() >= 0.5, f"{what}: only {rows.float().mean():.2f} of steps away from a tie"
+    bad = ((pred.argmax(-1) != gen) & rows).nonzero().flatten().tolist()
+    assert not bad, f"{what}: generated tokens differ from HF's greedy choice at steps {bad}"
+
+
+def test_steering_and_an_expert_ban_equal_hf_greedy(moe_engine):
+    """One batch: a steered request, a request banning expert BANNED at every layer through its
+    router logits, and the same prompts unedited. The banned expert is never chosen for its
+    request (the unedited one does choose it); the edited tokens differ from the unedited ones
+    and equal HF's greedy tokens under the same edit."""
+    from tapc.api import TapRequest
+
+    arch, path, llm = moe_engine
+    moe = ARCHS[arch]
+    steer = np.random.default_rng(5).standard_normal(HIDDEN).astype(np.float32)
+    ps = prompts(2, [24, 31])
+    outs = llm.generate(ps + ps, sampling([12, 12, 12, 12]),
+                        taps=[TapRequest(capture="*", params={"steer": steer}),
+                              TapRequest(capture="*", params={"ban": ban_vector(BANNED)}),
+                              TapRequest(capture="*"), TapRequest(capture="*")])
+    steered, banned, plain_s, plain_b = outs
+    ids = lambda out: torch.cat([out.taps[f"model.layers.{i}.{moe}.experts.router.output[1]"] for i in range(LAYERS)])
+    assert not (ids(banned) == BANNED).any(), f"{arch}: the banned expert was chosen"
+    assert (ids(plain_b) == BANNED).any(), f"{arch}: the unedited request never uses expert {BANNED}"
+    for edited, plain, edit in ((steered, plain_s, {"steer": steer}), (banned, plain_b, {"ban": ban_vector(BANNED)})):
+        name = f"{arch} {next(iter(edit))}"
+        tokens = list(edited.prompt_token_ids) + list(edited.outputs[0].token_ids)
+        assert list(edited.outputs[0].token_ids) != list(plain.outputs[0].token_ids), f"{name}: the edit changed nothing"
+        ref, hf_logits = hf_reference(path, moe, tokens[:-1], **edit)
+        assert_greedy_matches_hf(tokens, len(edited.prompt_token_ids), hf_logits, name)
+        assert_rows_match(edited.taps[f"model.layers.{LAYERS - 1}.resid"], ref[f"model.layers.{LAYERS - 1}.resid"],
+                          f"{name} last residual stream")
+        assert_routing_matches(edited.taps, ref, moe, name)
