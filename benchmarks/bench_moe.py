@@ -26,9 +26,9 @@ import json
 import os
 import platform
 import tempfile
-import time
 
-from bench_engine import LLAMA_31_8B, prompts, write_table
+from bench_engine import LLAMA_31_8B, started, write_table
+from bench_parallel import rounds
 
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
@@ -52,55 +52,11 @@ def workloads(quick: bool) -> dict[str, tuple[int, int, int]]:
     return {"decode bs1": (1, 512, 128), "decode bs64": (64, 512, 128)}
 
 
-def timed(generate, shape: tuple[int, int, int], seed: int) -> float:
-    """Output tokens/s of one run; every request must come back whole and without error."""
-    from vllm import SamplingParams
-
-    n, plen, gen = shape
-    sp = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
-    ps = prompts(n, plen, seed)
-    t0 = time.perf_counter()
-    outs = generate(ps, sp)
-    dt = time.perf_counter() - t0
-    assert sum(len(o.outputs[0].token_ids) for o in outs) == n * gen
-    failed = [o.error for o in outs if getattr(o, "error", None) is not None]
-    assert not failed, f"{len(failed)} of {n} requests failed: {failed[0]}"
-    return n * gen / dt
-
-
-def rounds(shapes: dict, variants: dict, repeats: int, results: dict, report, phase: int, label: str = "") -> None:
-    """`repeats` rounds over `shapes`, every variant ({name: generate}) in turn; round 0 is warmup
-    unless it is the only one. New prompts every round (vanilla keeps prefix caching on)."""
-    for rnd in range(repeats):
-        for i, (w, shape) in enumerate(shapes.items()):
-            for name, gen in variants.items():
-                value = timed(gen, shape, seed=1000 * phase + 10 * rnd + i)
-                print(f"round {rnd} {label}{w:12s} {name:40s} {value:10.2f}", flush=True)
-                if rnd > 0 or repeats == 1:
-                    results.setdefault((f"{label}{w}", name), []).append(value)
-        report()
-
-
 def model_dir(config: dict, layers: int | None = None) -> str:
     path = tempfile.mkdtemp(prefix=f"{config['model_type']}-")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(dict(config, num_hidden_layers=layers or config["num_hidden_layers"]), f)
     return path
-
-
-def started(what: str, start):
-    t0 = time.perf_counter()
-    engine = start()
-    print(f"engine start: {what} {time.perf_counter() - t0:.0f} s", flush=True)
-    return engine
-
-
-def stop(*engines) -> None:
-    import gc
-
-    for e in engines:
-        getattr(e, "llm", e).llm_engine.engine_core.shutdown()
-    gc.collect()
 
 
 def main():
@@ -121,7 +77,7 @@ def main():
     from vllm import LLM
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-    from gpu_engines import model_runner
+    from gpu_engines import model_runner, shutdown   # the tests' runner switch and engine stop
 
     from tapc import VLLM
     from tapc.api import TapRequest
@@ -155,8 +111,9 @@ def main():
                     f"tapc, residual {layers} layers": generating(tapped, TapRequest(capture=RESID)),
                     f"tapc, router {layers} layers": generating(tapped, TapRequest(capture=ROUTER)),
                     f"tapc, residual + router {layers} layers": generating(tapped, TapRequest(capture="*"))}
-        rounds(shapes, variants, repeats, results, report, phase=1, label="moe ")
-        stop(vanilla, tapped)
+        rounds({f"moe {w}": v for w, v in shapes.items()}, variants, repeats, results, report, phase=1)
+        for engine in (vanilla, tapped):
+            shutdown(engine)
         torch.cuda.empty_cache()
 
     if "runners" in args.phases:
@@ -175,8 +132,9 @@ def main():
         for runner in ("v2", "v1"):
             variants[f"tapc {runner.upper()}, residual {layers} layers"] = generating(
                 engines[f"tapc {runner}"], TapRequest(capture=RESID))
-        rounds(shapes, variants, repeats, results, report, phase=2, label="llama ")
-        stop(*engines.values())
+        rounds({f"llama {w}": v for w, v in shapes.items()}, variants, repeats, results, report, phase=2)
+        for engine in engines.values():
+            shutdown(engine)
     report()
 
 

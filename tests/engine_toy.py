@@ -68,9 +68,9 @@ class MLP(torch.nn.Module):
 
 
 class Layer(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, mlp=MLP):
         super().__init__()
-        self.mlp = MLP()
+        self.mlp = mlp()
 
     def forward(self, positions, hidden_states, residual):
         residual = hidden_states if residual is None else hidden_states + residual
@@ -78,10 +78,10 @@ class Layer(torch.nn.Module):
 
 
 class Inner(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, mlp=MLP, layers: int = LAYERS):
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.layers = torch.nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.layers = torch.nn.ModuleList(Layer(mlp) for _ in range(layers))
 
     def forward(self, input_ids, positions):
         h = self.embed_tokens(input_ids) + 0.01 * positions[:, None].float()
@@ -92,26 +92,33 @@ class Inner(torch.nn.Module):
 
 
 class ToyModel(torch.nn.Module):
-    def __init__(self, seed: int = 0):
+    """`layers` decoder layers whose MLP is a `mlp()` (tests/test_moe_cpu.py: a toy MoE)."""
+
+    def __init__(self, seed: int = 0, mlp=MLP, layers: int = LAYERS):
         super().__init__()
         torch.manual_seed(seed)
-        self.model = Inner()
+        self.model = Inner(mlp, layers)
 
     def forward(self, input_ids, positions):
         return self.model(input_ids, positions)
 
 
-def toy_tree() -> ModuleTree:
+def mlp_nodes(p: str, i: int) -> list[Node]:
+    """The nodes of layer i's MLP (`p` its path)."""
+    return [Node(p, "MLP", "tensor", HIDDEN, HIDDEN, layer=i, source_ops=MLP_SOURCE),
+            Node(f"{p}.up_proj", "Linear", "linear", HIDDEN, INTER, layer=i),
+            Node(f"{p}.down_proj", "Linear", "linear", INTER, HIDDEN, layer=i)]
+
+
+def toy_tree(mlp=mlp_nodes, layers: int = LAYERS, arch: str = "ToyForCausalLM") -> ModuleTree:
+    """The tree of `ToyModel(mlp=..., layers=...)`: `mlp(path, i)` gives layer i's MLP nodes."""
     nodes = [Node("model", "Inner", "tensor", HIDDEN, HIDDEN),
              Node("model.embed_tokens", "VocabParallelEmbedding", "tensor", None, HIDDEN),
              Node("model.layers", "ModuleList", "none", None, None)]
-    for i in range(LAYERS):
+    for i in range(layers):
         p = f"model.layers.{i}"
-        nodes += [Node(p, "Layer", "pair", HIDDEN, HIDDEN, layer=i),
-                  Node(f"{p}.mlp", "MLP", "tensor", HIDDEN, HIDDEN, layer=i, source_ops=MLP_SOURCE),
-                  Node(f"{p}.mlp.up_proj", "Linear", "linear", HIDDEN, INTER, layer=i),
-                  Node(f"{p}.mlp.down_proj", "Linear", "linear", INTER, HIDDEN, layer=i)]
-    return ModuleTree(model="toy", architecture="ToyForCausalLM", hidden_size=HIDDEN, num_layers=LAYERS,
+        nodes += [Node(p, "Layer", "pair", HIDDEN, HIDDEN, layer=i), *mlp(f"{p}.mlp", i)]
+    return ModuleTree(model="toy", architecture=arch, hidden_size=HIDDEN, num_layers=layers,
                       vocab_size=VOCAB, dtype="float32", layers_path="model.layers", vllm_version="0.26.0",
                       nodes=tuple(nodes))
 

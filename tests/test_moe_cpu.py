@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import CONFIGS
-from engine_toy import HIDDEN, VOCAB, Linear, Req, collect, hooks_for, run, wire_for
+from engine_toy import HIDDEN, VOCAB, Linear, Req, ToyModel, collect, hooks_for, run, toy_tree, wire_for
 
 from tapc.engine.requests import TapRequest
 from tapc.errors import ResolveError
 from tapc.planner import build_plan
 from tapc.session import TapSession
-from tapc.tree import ModuleTree, Node
+from tapc.tree import Node
 
 EXPERTS, TOP_K, LAYERS = 6, 2, 2
 
@@ -126,54 +126,16 @@ class MoE(torch.nn.Module):
         return self.experts(x, logits)
 
 
-class Layer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.mlp = MoE()
-
-    def forward(self, positions, hidden_states, residual):
-        residual = hidden_states if residual is None else hidden_states + residual
-        return self.mlp(residual * 0.5), residual
+def toy_moe() -> ToyModel:
+    """engine_toy's decoder stack with an MoE for its MLP."""
+    return ToyModel(seed=3, mlp=MoE, layers=LAYERS)
 
 
-class Inner(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed_tokens = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.layers = torch.nn.ModuleList(Layer() for _ in range(LAYERS))
-
-    def forward(self, input_ids, positions):
-        h = self.embed_tokens(input_ids) + 0.01 * positions[:, None].float()
-        residual = None
-        for layer in self.layers:
-            h, residual = layer(positions, h, residual)
-        return h + residual
-
-
-class ToyMoE(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(3)
-        self.model = Inner()
-
-    def forward(self, input_ids, positions):
-        return self.model(input_ids, positions)
-
-
-def moe_tree() -> ModuleTree:
-    nodes = [Node("model", "Inner", "tensor", HIDDEN, HIDDEN),
-             Node("model.embed_tokens", "VocabParallelEmbedding", "tensor", None, HIDDEN),
-             Node("model.layers", "ModuleList", "none", None, None)]
-    for i in range(LAYERS):
-        p = f"model.layers.{i}"
-        nodes += [Node(p, "Layer", "pair", HIDDEN, HIDDEN, layer=i),
-                  Node(f"{p}.mlp", "MoE", "tensor", HIDDEN, HIDDEN, layer=i),
-                  Node(f"{p}.mlp.gate", "ReplicatedLinear", "linear", HIDDEN, EXPERTS, layer=i),
-                  Node(f"{p}.mlp.experts", "MoERunner", "tensor", HIDDEN, HIDDEN, layer=i),
-                  Node(f"{p}.mlp.experts.router", "Router", "routing", None, TOP_K, layer=i, in_moe_op=True)]
-    return ModuleTree(model="toy-moe", architecture="ToyMoeForCausalLM", hidden_size=HIDDEN, num_layers=LAYERS,
-                      vocab_size=VOCAB, dtype="float32", layers_path="model.layers", vllm_version="0.26.0",
-                      nodes=tuple(nodes))
+def moe_nodes(p: str, i: int) -> list[Node]:
+    return [Node(p, "MoE", "tensor", HIDDEN, HIDDEN, layer=i),
+            Node(f"{p}.gate", "ReplicatedLinear", "linear", HIDDEN, EXPERTS, layer=i),
+            Node(f"{p}.experts", "MoERunner", "tensor", HIDDEN, HIDDEN, layer=i),
+            Node(f"{p}.experts.router", "Router", "routing", None, TOP_K, layer=i, in_moe_op=True)]
 
 
 TAPS = ["model.layers.*.mlp.gate.output | add(ban, alpha=1.0)", "model.layers.*.mlp.gate.output",
@@ -182,7 +144,7 @@ TAPS = ["model.layers.*.mlp.gate.output | add(ban, alpha=1.0)", "model.layers.*.
 
 def reference(req: Req, ban: np.ndarray | None) -> dict[str, torch.Tensor]:
     """The toy alone on the request's tokens, `ban` added to every layer's router logits."""
-    model = ToyMoE()
+    model = toy_moe()
     seen: dict[str, torch.Tensor] = {}
     handles = []
     for i, layer in enumerate(model.model.layers):
@@ -215,8 +177,9 @@ def test_toy_moe_router_captures_and_a_per_request_expert_ban(runner_kind):
     expert 2 through its router logits, one bans expert 4, one edits nothing. Each request's
     gate logits, chosen experts and weights, MoE output and residual stream equal the toy run
     alone with its own ban, and a banned expert is never chosen for that request."""
-    plan = build_plan("toy-moe", TAPS, max_num_batched_tokens=64, max_num_seqs=8, tree=moe_tree())
-    runner, hooks = hooks_for(plan, ToyMoE(), runner=runner_kind)
+    plan = build_plan("toy", TAPS, max_num_batched_tokens=64, max_num_seqs=8,
+                      tree=toy_tree(moe_nodes, LAYERS, "ToyMoeForCausalLM"))
+    runner, hooks = hooks_for(plan, toy_moe(), runner=runner_kind)
     rng = np.random.default_rng(4)
     bans = {"b2": 2, "b4": 4, "plain": None}
     vectors = {}
