@@ -11,10 +11,11 @@ batching.
 Captured: the residual stream, the router logits (the gate's output), the router's choice
 (top-k weights and expert ids) and the MoE block's output at every layer. Values are compared
 with bf16 tolerance. Expert ids must be exactly HF's wherever HF's router is not near a tie
-between its k-th and (k+1)-th expert (bf16 noise can swap those, and a swap changes that
-token's MoE output downstream, so value comparisons allow a few rows off). Edits: a steering
-vector on the residual stream and a per-request router edit that bans an expert; the greedy
-tokens equal HF's under the same edit wherever HF's top token is not near a tie.
+between its k-th and (k+1)-th expert; bf16 noise can swap those, and a swap changes that
+token's MoE output and everything after it, so a token whose routing swapped at a near tie
+leaves the comparison from that layer on (`assert_matches_hf`; most tokens must stay). Edits:
+a steering vector on the residual stream and a per-request router edit that bans an expert;
+the greedy tokens equal HF's under the same edit wherever HF's top token is not near a tie.
 """
 import numpy as np
 import pytest
@@ -28,10 +29,12 @@ LAYERS, EXPERTS, TOP_K, HIDDEN = MOE["num_hidden_layers"], 8, 2, MOE["hidden_siz
 STEER_LAYER, ALPHA, BANNED = 1, 8.0, 3
 PROMPT_LENS = [5, 37, 150, 12]
 MAX_TOKENS = [6, 9, 4, 8]
-# Router ties: HF's k-th and (k+1)-th logits closer than this may swap under bf16 noise
-# (the logits' spread is ~0.3 at this init; bf16 noise in them is ~0.002).
+# Router ties: HF's k-th and (k+1)-th logits closer than this may swap under bf16 noise (the
+# logits' spread is ~0.3 at this init; bf16 noise in them ~0.002, and a few times that on
+# tokens that attend to one whose routing swapped).
 ROUTER_TIE = 0.02
-# Greedy ties: HF's top two vocabulary logits closer than this.
+# Greedy ties: HF's top two vocabulary logits closer than this (spread ~0.3 over 1024 tokens,
+# HF's bf16 logits step by 0.0078 near 1: bf16 against fp32 swapped tops only at gaps of 0 or 1 step).
 TOKEN_TIE = 0.02
 
 
@@ -130,40 +133,59 @@ def hf_reference(path: str, moe: str, tokens: list[int], steer=None, ban=None):
     return {k: v.cpu() for k, v in seen.items()}, out.logits[0].float().cpu()
 
 
-def assert_rows_match(got: torch.Tensor, ref: torch.Tensor, what: str, rows_ok: float = 0.97) -> None:
-    """bf16 through a few layers, where a token whose router swapped near-tied experts may be off:
-    whole-tensor relative error under 5%, and at least `rows_ok` of the rows pointing the same
-    way (cosine > 0.995)."""
-    got = got.float()
-    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} vs reference {tuple(ref.shape)}"
-    rel = ((got - ref).norm() / ref.norm()).item()
-    cos = torch.nn.functional.cosine_similarity(got, ref, dim=1)
-    good = (cos > 0.995).float().mean().item()
-    assert rel < 5e-2 and good >= rows_ok, f"{what}: relative error {rel:.4f}, rows within cosine 0.995: {good:.3f}"
-
-
 def untied(logits: torch.Tensor, k: int, tie: float) -> torch.Tensor:
     """Rows whose k-th and (k+1)-th largest logits are at least `tie` apart."""
     top = logits.topk(k + 1, dim=-1).values
     return (top[:, k - 1] - top[:, k]) >= tie
 
 
-def assert_routing_matches(taps: dict, ref: dict, moe: str, what: str) -> None:
-    """Expert ids exactly HF's (as sets) on every row whose router is not near a tie, and those
-    rows' weights HF's (matched by expert id); at least 80% of the rows are checked."""
+def assert_matches_hf(taps: dict, ref: dict, moe: str, what: str) -> torch.Tensor:
+    """One request's captures against HF's, layer by layer; returns the rows (tokens) whose
+    routing never left HF's.
+
+    At each layer, on the tokens whose routing matched HF's at every earlier layer: the expert
+    ids are exactly HF's (as sets) wherever HF's router is not near a tie, and their weights
+    HF's (matched by id); a token whose router picks differently at a near tie leaves the
+    comparison from there on (its MoE output, and so its residual stream and later routing,
+    are then legitimately different). On the tokens still in: the residual stream, the router
+    logits and the MoE output match in bf16 (relative error under 3%, every row's cosine over
+    0.99: a token that left changes what the others attend to, a little). Most tokens must
+    stay in and most rows be untied, or the test proves nothing."""
+    n = ref["model.layers.0.resid"].shape[0]
+    clean = torch.ones(n, dtype=torch.bool)
+    checked = 0
     for i in range(LAYERS):
         key = f"model.layers.{i}.{moe}.experts.router.output"
         ids, w = taps[f"{key}[1]"], taps[f"{key}[0]"]
-        assert ids.dtype == torch.int32 and w.dtype == torch.float32
-        ref_ids, ref_w = ref[f"{key}[1]"], ref[f"{key}[0]"]
-        rows = untied(ref[f"model.layers.{i}.{moe}.gate.output"], TOP_K, ROUTER_TIE)
-        assert rows.float().mean() >= 0.8, f"{what} layer {i}: only {rows.float().mean():.2f} of rows away from a tie"
-        order, ref_order = ids.long().argsort(dim=1), ref_ids.long().argsort(dim=1)
-        got_ids, want_ids = ids.gather(1, order)[rows], ref_ids.gather(1, ref_order)[rows]
-        bad = (got_ids != want_ids).any(dim=1).nonzero().flatten().tolist()
-        assert not bad, f"{what} layer {i}: expert ids differ from HF's on untied rows {bad[:10]}"
-        torch.testing.assert_close(w.gather(1, order)[rows], ref_w.gather(1, ref_order)[rows], rtol=0, atol=2e-2,
-                                   msg=lambda m: f"{what} layer {i} routing weights: {m}")
+        assert ids.dtype == torch.int32 and w.dtype == torch.float32, f"{what} layer {i}: {ids.dtype}, {w.dtype}"
+        order, ref_order = ids.long().argsort(dim=1), ref[f"{key}[1]"].long().argsort(dim=1)
+        got_ids, want_ids = ids.gather(1, order), ref[f"{key}[1]"].gather(1, ref_order)
+        same = (got_ids == want_ids).all(dim=1)
+        firm = untied(ref[f"model.layers.{i}.{moe}.gate.output"], TOP_K, ROUTER_TIE)
+        bad = (clean & firm & ~same).nonzero().flatten().tolist()
+        assert not bad, (f"{what} layer {i}: experts {got_ids[bad[:5]].tolist()} where HF chose "
+                         f"{want_ids[bad[:5]].tolist()} (rows {bad[:5]}), away from any tie")
+        both = clean & same
+        torch.testing.assert_close(w.gather(1, order)[both], ref[f"{key}[0]"].gather(1, ref_order)[both], rtol=0,
+                                   atol=2e-2, msg=lambda m: f"{what} layer {i} routing weights: {m}")
+        checked += int((clean & firm).sum())
+        for point in (f"{moe}.gate.output", f"{moe}.output", "resid"):
+            k = f"model.layers.{i}.{point}"
+            # the gate's logits come before this layer's choice; the MoE output and the residual after it
+            rows = clean if point.endswith("gate.output") else both
+            assert_rows(taps[k][rows], ref[k][rows], f"{what} {k}")
+        clean = both
+    assert clean.float().mean() >= 0.7, f"{what}: only {clean.float().mean():.2f} of tokens kept HF's routing"
+    assert checked >= 0.6 * n * LAYERS, f"{what}: only {checked} of {n * LAYERS} routing rows were away from a tie"
+    return clean
+
+
+def assert_rows(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    got = got.float()
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} vs reference {tuple(ref.shape)}"
+    rel = ((got - ref).norm() / ref.norm()).item()
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=1).min().item()
+    assert rel < 3e-2 and cos > 0.99, f"{what}: relative error {rel:.4f}, worst row cosine {cos:.5f}"
 
 
 def test_moe_engine_runs_on_v1(moe_engine):
@@ -181,21 +203,20 @@ def test_moe_captures_equal_hf_under_continuous_batching(moe_engine):
         tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
         ref, _ = hf_reference(path, moe, tokens[:-1])
         assert set(out.taps) == set(ref), f"{arch} request {n}: keys {sorted(set(out.taps) ^ set(ref))}"
-        what = f"{arch} request {n}"
         for key, value in out.taps.items():
-            assert value.shape[0] == len(tokens) - 1, f"{what} {key}: {value.shape[0]} rows"
-            if ".router." not in key:
-                assert_rows_match(value, ref[key], f"{what} {key}")
-        assert_routing_matches(out.taps, ref, moe, what)
+            assert value.shape[0] == len(tokens) - 1, f"{arch} request {n} {key}: {value.shape[0]} rows"
+        assert_matches_hf(out.taps, ref, moe, f"{arch} request {n}")
 
 
-def assert_greedy_matches_hf(tokens: list[int], prompt_len: int, hf_logits: torch.Tensor, what: str) -> None:
+def assert_greedy_matches_hf(tokens: list[int], prompt_len: int, hf_logits: torch.Tensor, clean: torch.Tensor,
+                             what: str) -> None:
     """vLLM's generated tokens are HF's argmax on the same prefix (teacher forcing), wherever
-    HF's top two logits are not near a tie; at least half the steps are checked."""
+    HF's top two logits are not near a tie and the predicting token kept HF's routing (`clean`);
+    at least 40% of the steps are checked."""
     pred = hf_logits[prompt_len - 1: len(tokens) - 1]
     gen = torch.tensor(tokens[prompt_len:])
-    rows = untied(pred, 1, TOKEN_TIE)
-    assert rows.float().mean() >= 0.5, f"{what}: only {rows.float().mean():.2f} of steps away from a tie"
+    rows = untied(pred, 1, TOKEN_TIE) & clean[prompt_len - 1: len(tokens) - 1]
+    assert rows.float().mean() >= 0.4, f"{what}: only {rows.float().mean():.2f} of steps checked"
     bad = ((pred.argmax(-1) != gen) & rows).nonzero().flatten().tolist()
     assert not bad, f"{what}: generated tokens differ from HF's greedy choice at steps {bad}"
 
@@ -204,7 +225,7 @@ def test_steering_and_an_expert_ban_equal_hf_greedy(moe_engine):
     """One batch: a steered request, a request banning expert BANNED at every layer through its
     router logits, and the same prompts unedited. The banned expert is never chosen for its
     request (the unedited one does choose it); the edited tokens differ from the unedited ones
-    and equal HF's greedy tokens under the same edit."""
+    and equal HF's greedy tokens under the same edit, and so do all their captures."""
     from tapc.api import TapRequest
 
     arch, path, llm = moe_engine
@@ -224,7 +245,5 @@ def test_steering_and_an_expert_ban_equal_hf_greedy(moe_engine):
         tokens = list(edited.prompt_token_ids) + list(edited.outputs[0].token_ids)
         assert list(edited.outputs[0].token_ids) != list(plain.outputs[0].token_ids), f"{name}: the edit changed nothing"
         ref, hf_logits = hf_reference(path, moe, tokens[:-1], **edit)
-        assert_greedy_matches_hf(tokens, len(edited.prompt_token_ids), hf_logits, name)
-        assert_rows_match(edited.taps[f"model.layers.{LAYERS - 1}.resid"], ref[f"model.layers.{LAYERS - 1}.resid"],
-                          f"{name} last residual stream")
-        assert_routing_matches(edited.taps, ref, moe, name)
+        clean = assert_matches_hf(edited.taps, ref, moe, name)
+        assert_greedy_matches_hf(tokens, len(edited.prompt_token_ids), hf_logits, clean, name)
