@@ -90,6 +90,11 @@ def write_checkpoint(path, arch: str) -> str:
                                              num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
                                              mlp_only_layers=[])
         model = transformers.Qwen3MoeForCausalLM(config)
+    elif arch == "qwen2_moe":   # a shared expert beside the routed ones (its sigmoid gate too)
+        config = transformers.Qwen2MoeConfig(**MOE, moe_intermediate_size=128, shared_expert_intermediate_size=256,
+                                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                             decoder_sparse_step=1, mlp_only_layers=[])
+        model = transformers.Qwen2MoeForCausalLM(config)
     elif arch == "mixtral":
         config = transformers.MixtralConfig(**MOE, num_local_experts=8, num_experts_per_tok=2)
         model = transformers.MixtralForCausalLM(config)
@@ -149,7 +154,7 @@ class Engines:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """arch ("llama" | "qwen3" | "qwen3_moe" | "mixtral") -> the path of its random checkpoint,
+    """arch ("llama" | "qwen3" | "qwen3_moe" | "qwen2_moe" | "mixtral") -> the path of its random checkpoint,
     written on first use."""
     paths: dict[str, str] = {}
 

@@ -120,10 +120,18 @@ def hf_reference(path: str, moe: str, tokens: list[int], steer=None, ban=None):
             return (h, *out[1:]) if isinstance(out, tuple) else h
         return hook
 
+    def shared(mlp, i):   # vLLM's shared expert output is already times its sigmoid gate
+        def hook(mod, args, out):
+            gate = torch.sigmoid(mlp.shared_expert_gate(args[0]))
+            seen[f"model.layers.{i}.{moe}.shared_expert.output"] = (gate * out).float()
+        return hook
+
     def hooks(model):
         handles = []
         for i, layer in enumerate(model.model.layers):
             handles.append(_Swap(layer.mlp.gate, "forward", router(layer.mlp.gate, i)))
+            if hasattr(layer.mlp, "shared_expert"):
+                handles.append(layer.mlp.shared_expert.register_forward_hook(shared(layer.mlp, i)))
             handles.append(layer.register_forward_hook(layer_hook(i)))
             handles.append(layer.mlp.register_forward_hook(
                 lambda m, a, o, i=i: seen.__setitem__(f"model.layers.{i}.{moe}.output", o[0].float())))
@@ -139,7 +147,7 @@ def untied(logits: torch.Tensor, k: int, tie: float) -> torch.Tensor:
     return (top[:, k - 1] - top[:, k]) >= tie
 
 
-def assert_matches_hf(taps: dict, ref: dict, moe: str, what: str) -> torch.Tensor:
+def assert_matches_hf(taps: dict, ref: dict, moe: str, what: str, before=("gate.output",)) -> torch.Tensor:
     """One request's captures against HF's, layer by layer; returns the rows (tokens) whose
     routing never left HF's.
 
@@ -169,10 +177,10 @@ def assert_matches_hf(taps: dict, ref: dict, moe: str, what: str) -> torch.Tenso
         torch.testing.assert_close(w.gather(1, order)[both], ref[f"{key}[0]"].gather(1, ref_order)[both], rtol=0,
                                    atol=2e-2, msg=lambda m: f"{what} layer {i} routing weights: {m}")
         checked += int((clean & firm).sum())
-        for point in (f"{moe}.gate.output", f"{moe}.output", "resid"):
+        # `before` (the gate's logits, a shared expert) depend on this layer's input only; the
+        # MoE output and the residual stream on this layer's choice too
+        for point, rows in [(f"{moe}.{p}", clean) for p in before] + [(f"{moe}.output", both), ("resid", both)]:
             k = f"model.layers.{i}.{point}"
-            # the gate's logits come before this layer's choice; the MoE output and the residual after it
-            rows = clean if point.endswith("gate.output") else both
             assert_rows(taps[k][rows], ref[k][rows], f"{what} {k}")
         clean = both
     assert clean.float().mean() >= 0.7, f"{what}: only {clean.float().mean():.2f} of tokens kept HF's routing"
