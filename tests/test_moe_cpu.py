@@ -209,3 +209,25 @@ def test_toy_moe_router_captures_and_a_per_request_expert_ban(runner_kind):
             assert not (ids == bans[r.rid]).any(), f"{r.rid} chose its banned expert"
     plain = torch.cat([dict(outs["plain"].taps)[f"model.layers.{i}.mlp.experts.router.output[1]"] for i in range(LAYERS)])
     assert (plain == 2).any() and (plain == 4).any(), "the unedited request uses both experts (the bans changed something)"
+
+
+def test_a_monolithic_expert_kernel_refuses_the_routing_tap_at_install():
+    """Kernels that route inside themselves never call `select_experts`: a routing capture
+    would stay empty, so the engine refuses it when it installs (the gate's logits still work)."""
+    from types import SimpleNamespace as NS
+
+    from tapc.engine.install import install
+    from tapc.engine.layout import Layout
+    from tapc.errors import EngineError
+    from engine_toy import ToyBuffers
+
+    tree = toy_tree(moe_nodes, LAYERS, "ToyMoeForCausalLM")
+    model = toy_moe()
+    for layer in model.model.layers:
+        layer.mlp.experts.routed_experts = NS(quant_method=NS(is_monolithic=True))
+    ok = build_plan("toy", ["model.layers.0.mlp.gate.output"], max_num_batched_tokens=64, max_num_seqs=8, tree=tree)
+    install(model, Layout(ok), ToyBuffers(Layout(ok), 64, 8))
+    routing = build_plan("toy", ["model.layers.1.mlp.experts.router.output"], max_num_batched_tokens=64,
+                         max_num_seqs=8, tree=tree)
+    with pytest.raises(EngineError, match="monolithic: it routes inside itself .* tap the gate's logits"):
+        install(model, Layout(routing), ToyBuffers(Layout(routing), 64, 8))

@@ -76,6 +76,12 @@ def _target(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, object,
             owner = None
         router = getattr(owner, name, None) if owner is not None else None
         if name == "router" and hasattr(router, "select_experts"):
+            kernel = getattr(getattr(owner, "routed_experts", None), "quant_method", None)
+            if getattr(kernel, "is_monolithic", False):
+                # such kernels take the router logits and route inside themselves
+                raise EngineError(f"`{path}`: this MoE layer's expert kernel ({type(kernel).__name__}) is "
+                                  "monolithic: it routes inside itself and never calls the router, so there is "
+                                  "no choice to capture; tap the gate's logits (`.gate.output`) instead")
             return owner, router, "select_experts"
     raise EngineError(f"the plan taps `{path}`, which this engine's model does not have: "
                       "was the plan built for another model?")
