@@ -231,3 +231,24 @@ def test_a_monolithic_expert_kernel_refuses_the_routing_tap_at_install():
                          max_num_seqs=8, tree=tree)
     with pytest.raises(EngineError, match="monolithic: it routes inside itself .* tap the gate's logits"):
         install(model, Layout(routing), ToyBuffers(Layout(routing), 64, 8))
+
+
+def test_one_module_under_two_paths_gets_the_taps_of_both():
+    """Qwen3-MoE's layer holds its gate as `mlp.gate` and, through the MoE runner, as
+    `mlp.experts.gate`: taps under both names land on the one module, in plan order."""
+    tree = toy_tree(lambda p, i: [*moe_nodes(p, i), Node(f"{p}.experts.gate", "ReplicatedLinear", "linear", HIDDEN,
+                                                         EXPERTS, layer=i)], LAYERS, "ToyMoeForCausalLM")
+    model = toy_moe()
+    for layer in model.model.layers:
+        layer.mlp.experts.gate = layer.mlp.gate
+    plan = build_plan("toy", ["model.layers.0.mlp.experts.gate.output | add(ban, alpha=1.0)",
+                              "model.layers.0.mlp.gate.output"], max_num_batched_tokens=64, max_num_seqs=8, tree=tree)
+    runner, hooks = hooks_for(plan, model)
+    ban = np.zeros(EXPERTS, dtype=np.float32)
+    ban[1] = -1e4
+    rng = np.random.default_rng(9)
+    reqs = [Req("r", rng.integers(0, VOCAB, 11).tolist(), 3, wire_for(plan, TapRequest(capture="*", params={"ban": ban}), "r"))]
+    run(runner, reqs, budget=64)
+    got = dict(collect(hooks, reqs, TapSession(plan))["r"].taps)["model.layers.0.mlp.gate.output"]
+    ref = reference(reqs[0], ban)["model.layers.0.mlp.gate.output"]   # the edit ran first: the capture sees it
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)

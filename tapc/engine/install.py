@@ -47,15 +47,20 @@ def install(model: torch.nn.Module, layout: Layout, buffers) -> None:
     (capture pools) and `params.tables` (per-edit parameter tables); see `buffers.Buffers`."""
     import tapc.kernels  # noqa: F401  registers torch.ops.tapc.*
 
-    by_module: dict[str, list] = defaultdict(list)
+    by_path: dict[str, list] = defaultdict(list)
     for c, tap in enumerate(layout.captures):
-        by_module[tap.point.module].append((tap, ("capture", c)))
+        by_path[tap.point.module].append((tap, ("capture", c)))
     for e, tap in enumerate(layout.edits):
-        by_module[tap.point.module].append((tap, ("edit", e)))
+        by_path[tap.point.module].append((tap, ("edit", e)))
     for k, tap in enumerate(layout.blocks):
-        by_module[tap.point.module].append((tap, ("block", k)))
-    for path, taps in by_module.items():
+        by_path[tap.point.module].append((tap, ("block", k)))
+    # One patch per object: a module the model holds under two paths (Qwen3-MoE's `mlp.gate`,
+    # also `mlp.experts.gate`) gets the taps of both, in plan order.
+    by_target: dict[int, tuple] = {}
+    for path, taps in by_path.items():
         owner, target, method = _target(model, path)
+        by_target.setdefault(id(target), (path, owner, target, method, []))[4].extend(taps)
+    for path, owner, target, method, taps in by_target.values():
         taps.sort(key=lambda te: layout.plan_order[id(te[0])])
         prefix = "" if target is owner else f"{path.rpartition('.')[2]}_"
         _patch(target, method, path,
@@ -121,9 +126,7 @@ def _bind(module: torch.nn.Module, i: str, tap, what: tuple[str, int], layout: L
 
 def _patch(target, method: str, path: str, taps: list) -> None:
     if method in target.__dict__:
-        raise EngineError(f"`{path}` already has a patched {method}: taps were installed twice on this model "
-                          "(or the plan names one module under two paths, e.g. Qwen3-MoE's `mlp.gate` and "
-                          "`mlp.experts.gate`)")
+        raise EngineError(f"`{path}` already has a patched {method}: taps were installed twice on this model")
     source = [(tap, op) for tap, op in taps if tap.point.site == "source"]
     rest = [(tap, op) for tap, op in taps if tap.point.site != "source"]
     original = rewrite_forward(target, path, source) if source else getattr(target, method)
