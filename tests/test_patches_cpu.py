@@ -14,7 +14,9 @@ from tapc.kernels import ops
 
 
 class Sampler:
-    def __call__(self, logits, input_batch):
+    """V2 calls it as sampler(logits, input_batch), V1 as sampler(logits=..., sampling_metadata=...)."""
+
+    def __call__(self, logits, input_batch=None, sampling_metadata=None):
         return type("Out", (), {"sampled_token_ids": logits.argmax(dim=-1, keepdim=True)})()
 
 
@@ -43,6 +45,9 @@ def test_undo_restores_every_original(runner_cls, adapter_cls):
     applied = patches.apply(runner, adapter, points, breaks=True)
     assert all(getattr(runner, name) == getattr(adapter, name) for name in adapter_cls.METHODS)
     assert type(sampler) is not Sampler and isinstance(sampler, Sampler)
+    logits = torch.randn(3, 7)
+    for call in (lambda: sampler(logits, None), lambda: sampler(logits=logits, sampling_metadata=None)):
+        assert torch.equal(call().sampled_token_ids, logits.argmax(dim=-1, keepdim=True)), "either runner's call"
     assert ops._boundary_handler is not None
     from tapc.engine.graphs import SegmentedGraph
 
