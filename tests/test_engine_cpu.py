@@ -359,3 +359,17 @@ def test_v1_step_batch_is_the_persistent_batchs_first_requests():
     assert step.num_computed.tolist() == [7, 0, 12] and step.prompt_lens.tolist() == [5, 20, 12]
     with pytest.raises(Exception, match="empty slot"):
         step_batch(NS(**{**vars(batch), "req_ids": ["c", None, "b"]}), qsl, 24)
+
+
+def test_v1_dummy_runs_see_tables_that_own_no_rows():
+    """V1 profiles, warms up and captures graphs through `_dummy_run`: the tables the last real
+    step filled must not send a dummy forward's rows into anyone's captures."""
+    plan = toy_plan(["model.layers.1.resid"])
+    runner, hooks = hooks_for(plan, ToyModel(), runner="v1")
+    rng = np.random.default_rng(6)
+    reqs = [Req("a", rng.integers(0, 50, 9).tolist(), 3, wire_for(plan, TapRequest(capture="*"), "a"), arrive=0),
+            Req("b", rng.integers(0, 50, 30).tolist(), 2, wire_for(plan, TapRequest(capture="*"), "b"), arrive=0)]
+    run(runner, reqs, budget=16)
+    assert (hooks.buffers.table >= 0).any(), "the last step's rows are still in the table"
+    runner._dummy_run(8)
+    assert runner.dummy_runs == 1 and not (hooks.buffers.table >= 0).any()
