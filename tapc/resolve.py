@@ -66,10 +66,15 @@ def notes(plan: TapPlan, tree: ModuleTree) -> list[str]:
         taps, skipped = resolve_glob(spec, tree)
         if skipped:
             out.append(_skip_note(spec, skipped))
-        if spec.site == "output" and spec.element is None and any(t.point.element == 1 for t in taps):
+        both = {tree.by_path[t.point.module].output for t in taps if spec.site == "output" and spec.element is None
+                and t.point.element == 1}
+        if "pair" in both:
             out.append(f"`{source}`: a decoder layer returns (hidden_states, residual), so its `.output` is "
                        "both tensors, captured as `.output[0]` and `.output[1]` (as nnsight reads it); "
                        "`.resid` is their sum, the residual stream")
+        if "routing" in both:
+            out.append(f"`{source}`: an MoE router returns (topk_weights, topk_ids), so its `.output` is both, "
+                       "captured as `.output[0]` (the weights, float32) and `.output[1]` (the expert ids, int32)")
     return out
 
 

@@ -252,3 +252,16 @@ def test_one_module_under_two_paths_gets_the_taps_of_both():
     got = dict(collect(hooks, reqs, TapSession(plan))["r"].taps)["model.layers.0.mlp.gate.output"]
     ref = reference(reqs[0], ban)["model.layers.0.mlp.gate.output"]   # the edit ran first: the capture sees it
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_explain_notes_say_what_a_routers_output_is(trees):
+    from tapc.resolve import notes
+
+    tree = trees("qwen3_moe")
+    p = build_plan(str(CONFIGS / "qwen3_moe"), ["model.layers.*.mlp.experts.router.output", "model.layers.*.output"],
+                   tree=tree)
+    said = notes(p, tree)
+    router = [n for n in said if n.startswith("`model.layers.*.mlp.experts.router.output`")]
+    layer = [n for n in said if n.startswith("`model.layers.*.output`")]
+    assert len(router) == 1 and "(topk_weights, topk_ids)" in router[0] and "decoder layer" not in router[0]
+    assert len(layer) == 1 and "(hidden_states, residual)" in layer[0]
