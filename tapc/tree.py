@@ -441,9 +441,15 @@ def _wrap_lora(model, config) -> None:
     from vllm.lora.model_manager import create_lora_manager
 
     sched = config.scheduler_config
-    create_lora_manager(model, max_num_seqs=sched.max_num_seqs, max_num_batched_tokens=sched.max_num_batched_tokens,
-                        vocab_size=config.model_config.get_vocab_size(), lora_config=config.lora_config,
-                        vllm_config=config, device=torch.device("meta"))
+    try:
+        create_lora_manager(model, max_num_seqs=sched.max_num_seqs,
+                            max_num_batched_tokens=sched.max_num_batched_tokens,
+                            vocab_size=config.model_config.get_vocab_size(), lora_config=config.lora_config,
+                            vllm_config=config, device=torch.device("meta"))
+    except AssertionError as e:
+        # vLLM's MoE LoRA wrapper refuses the CPU platform's (monolithic) MoE kernel
+        raise ResolveError(f"tapc cannot build the LoRA tree of this model on the CPU: vLLM's LoRA wrapping "
+                           f"refused it ({e}); LoRA on MoE models is not supported yet") from None
 
 
 def _lora_base_layers(model) -> set[int]:

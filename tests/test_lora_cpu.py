@@ -48,3 +48,8 @@ def test_points_inside_a_wrapped_layer_say_why_they_are_gone(tap, words, trees):
     assert "self_quant_method_apply_0" in {o.name for o in plain.source_ops}   # the plain layer's op
     with pytest.raises(ResolveError, match=words):
         build_plan(LLAMA, [tap], engine_args=LORA)
+
+
+def test_lora_on_an_moe_model_is_refused_with_the_reason():
+    with pytest.raises(ResolveError, match="LoRA on MoE models is not supported yet"):
+        load_tree(str(CONFIGS / "qwen3_moe"), LORA)
