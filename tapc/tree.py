@@ -168,11 +168,11 @@ def _check_architecture(cfg: Path, archs: list[str]) -> None:
                            f"for {'it' if len(archs) == 1 else 'them'}{hint}")
 
 
-# Engine arguments that change the module tree (LoRA-wrapped layers), with the values a tree is
-# built for when the caller does not give them. Not the parallel sizes: the tree is always the
-# single-GPU one (results come back in its layout); the plan keeps the sizes and
-# tapc/sharding.py says what each GPU holds.
-TREE_ENGINE_ARGS = {"enable_lora": False}
+# Engine arguments that change the module tree (LoRA-wrapped layers, and which layers vLLM wraps),
+# with the values a tree is built for when the caller does not give them. Not the parallel
+# sizes: the tree is always the single-GPU one (results come back in its layout); the plan keeps
+# the sizes and tapc/sharding.py says what each GPU holds.
+TREE_ENGINE_ARGS = {"enable_lora": False, "lora_target_modules": None}
 
 
 def tree_args(engine_args: dict | None) -> dict:
@@ -434,7 +434,7 @@ def _meta_model(model_dir: str, engine_args: dict):
 
 def _wrap_lora(model, config) -> None:
     """Wrap the layers vLLM wraps for LoRA, as the engine's runner does when it loads a model
-    with `enable_lora` (its LoRA manager replaces `qkv_proj` by `MergedQKVParallelLinearWithLoRA`
+    with `enable_lora` (and `lora_target_modules`; its LoRA manager replaces `qkv_proj` by `MergedQKVParallelLinearWithLoRA`
     around the original, now `qkv_proj.base_layer`, and so on): on meta, the adapters' weight
     slots cost nothing."""
     import torch

@@ -53,3 +53,11 @@ def test_points_inside_a_wrapped_layer_say_why_they_are_gone(tap, words, trees):
 def test_lora_on_an_moe_model_is_refused_with_the_reason():
     with pytest.raises(ResolveError, match="LoRA on MoE models is not supported yet"):
         load_tree(str(CONFIGS / "qwen3_moe"), LORA)
+
+
+def test_lora_target_modules_choose_the_wrapped_layers(lora_tree):
+    """vLLM wraps only the layers `lora_target_modules` names; the plan's tree is the same."""
+    only = load_tree(LLAMA, {**LORA, "lora_target_modules": ["o_proj"]}).by_path
+    assert only["model.layers.0.self_attn.o_proj"].cls.endswith("WithLoRA")
+    assert not only["model.layers.0.mlp.down_proj"].cls.endswith("WithLoRA")
+    assert lora_tree.by_path["model.layers.0.mlp.down_proj"].cls.endswith("WithLoRA")

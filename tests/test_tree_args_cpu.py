@@ -7,7 +7,8 @@ LLAMA = str(CONFIGS / "llama")
 
 
 def test_tree_args_pick_the_ones_that_change_the_tree():
-    assert tree_args({"tensor_parallel_size": 2, "max_num_seqs": 8, "enable_lora": True}) == {"enable_lora": True}
+    assert tree_args({"tensor_parallel_size": 2, "max_num_seqs": 8, "enable_lora": True}) == \
+        {"enable_lora": True, "lora_target_modules": None}
     assert tree_args(None) == tree_args({"max_model_len": 99})
 
 
