@@ -433,10 +433,10 @@ def _meta_model(model_dir: str, engine_args: dict):
 
 
 def _wrap_lora(model, config) -> None:
-    """Wrap the layers vLLM wraps for LoRA, as the engine's runner does when it loads a model
-    with `enable_lora` (and `lora_target_modules`; its LoRA manager replaces `qkv_proj` by `MergedQKVParallelLinearWithLoRA`
-    around the original, now `qkv_proj.base_layer`, and so on): on meta, the adapters' weight
-    slots cost nothing."""
+    """Wrap the layers vLLM wraps for LoRA (those `lora_target_modules` names, default all), as
+    the engine's runner does when it loads a model with `enable_lora`: its LoRA manager replaces
+    `qkv_proj` by `MergedQKVParallelLinearWithLoRA` around the original, now
+    `qkv_proj.base_layer`, and so on. On meta, the adapters' weight slots cost nothing."""
     import torch
     from vllm.lora.model_manager import create_lora_manager
 
