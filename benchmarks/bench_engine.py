@@ -154,12 +154,6 @@ def main():
             return out
         return runs
 
-    def started(what: str, start):
-        t0 = time.perf_counter()
-        engine = start()
-        print(f"engine start: {what} {time.perf_counter() - t0:.0f} s", flush=True)
-        return engine
-
     if "taps" in args.phases or "ablation" in args.phases:
         vanilla = started("vanilla", lambda: LLM(model, gpu_memory_utilization=0.42, **common))
     if "taps" in args.phases:
@@ -186,6 +180,14 @@ def main():
         results[(w, "vanilla enforce_eager")] = [timed(lambda ps, sp: eager.generate(ps, sp, use_tqdm=False), w,
                                                        seed=3100 + i)]
     report()
+
+
+def started(what: str, start):
+    """`start()`, its time printed."""
+    t0 = time.perf_counter()
+    engine = start()
+    print(f"engine start: {what} {time.perf_counter() - t0:.0f} s", flush=True)
+    return engine
 
 
 def write_table(head: list[str], results: dict, workloads, out: str) -> None:

@@ -32,7 +32,7 @@ import tempfile
 import time
 
 import numpy as np
-from bench_engine import LLAMA_31_8B, prompts, write_table
+from bench_engine import LLAMA_31_8B, prompts, started, write_table
 
 LLAMA_31_70B = {**LLAMA_31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
                 "num_hidden_layers": 80, "num_key_value_heads": 8}
@@ -78,13 +78,14 @@ def timed(generate, workload: tuple[int, int, int], seed: int) -> float:
     return n * gen / dt
 
 
-def rounds(workloads: dict, runs: dict, repeats: int, results: dict, report) -> None:
+def rounds(workloads: dict, runs: dict, repeats: int, results: dict, report, phase: int = 0) -> None:
     """`repeats` rounds, every run of `runs` ({name: generate}) on every workload in turn;
-    round 0 is warmup unless it is the only one."""
+    round 0 is warmup unless it is the only one. New prompts for every (phase, round, workload):
+    vanilla keeps vLLM's prefix caching on, so a prompt it saw before would skip its prefill."""
     for rnd in range(repeats):
-        for w, shape in workloads.items():
+        for i, (w, shape) in enumerate(workloads.items()):
             for name, gen in runs.items():
-                value = timed(gen, shape, seed=rnd)
+                value = timed(gen, shape, seed=1000 * phase + 10 * rnd + i)
                 print(f"round {rnd} {w:14s} {name:40s} {value:10.2f}", flush=True)
                 if rnd > 0 or repeats == 1:
                     results.setdefault((w, name), []).append(value)
@@ -121,12 +122,6 @@ def main():
                  f"rounds; engines {'side by side, runs interleaved' if side_by_side else 'one after the other'}. "
                  "Decode: output tok/s (higher is better); ratios to vanilla TP=2.", ""]
         write_table(lines, results, workloads, args.out)
-
-    def started(what: str, start):
-        t0 = time.perf_counter()
-        engine = start()
-        print(f"engine start: {what} {time.perf_counter() - t0:.0f} s", flush=True)
-        return engine
 
     def tapped_runs(engine) -> dict:
         return {name: (lambda ps, sp, ask=ask: engine.generate(ps, sp, taps=ask, use_tqdm=False))

@@ -117,8 +117,11 @@ _OUTPUTS = {
     "norm": "`.output[0]` normed, `.output[1]` residual",
     "heads": "per head: not tappable (tap the caller's `.source`)",
     "tuple": "several tensors: tap the caller's `.source`",
+    "routing": "MoE router: `.output[0]` top-k weights (float32), `.output[1]` expert ids (int32)",
     "none": "-",
 }
+# Added to a module's output column where it runs inside vLLM's fused-MoE op (tree.Node.in_moe_op).
+_IN_MOE_OP = " (inside the fused-MoE op: no Python blocks)"
 
 
 def _layer_pattern(node: Node) -> str:
@@ -144,6 +147,8 @@ def points_table(tree: ModuleTree) -> Table:
         else:  # e.g. layer 0's input norm returns one tensor, the others (normed, residual)
             output = "; ".join(f"layer{'s' if len(ls) > 1 else ''} {_span(ls)}: {_OUTPUTS[k]}" for k, ls in kinds.items())
         n = nodes[0]
+        if n.in_moe_op and n.output != "none":
+            output += _IN_MOE_OP
         width = "-" if n.out_width is None or n.output in ("none", "tuple", "heads") else str(n.out_width)
         table.add_row(path, n.cls, output, width, "-" if n.in_width is None else str(n.in_width))
     table.add_row("logits", "(engine point)", "logits of each request's last token", f"{tree.vocab_size}", "-")

@@ -48,7 +48,7 @@ def resolve_glob(spec: TapSpec, tree: ModuleTree) -> tuple[list[PlannedTap], lis
             first = first or e
             skipped.append((path, str(e).removeprefix(f"{where}: ")))
             continue
-        taps.extend(_planned(spec, point, width, tree.dtype, node.layer) for point, width in points)
+        taps.extend(_planned(spec, point, width, _dtype(node, point, tree), node.layer) for point, width in points)
     if not taps:
         assert first is not None  # expand matched something, so each match raised
         raise first
@@ -66,10 +66,15 @@ def notes(plan: TapPlan, tree: ModuleTree) -> list[str]:
         taps, skipped = resolve_glob(spec, tree)
         if skipped:
             out.append(_skip_note(spec, skipped))
-        if spec.site == "output" and spec.element is None and any(t.point.element == 1 for t in taps):
+        both = {tree.by_path[t.point.module].output for t in taps if spec.site == "output" and spec.element is None
+                and t.point.element == 1}
+        if "pair" in both:
             out.append(f"`{source}`: a decoder layer returns (hidden_states, residual), so its `.output` is "
                        "both tensors, captured as `.output[0]` and `.output[1]` (as nnsight reads it); "
                        "`.resid` is their sum, the residual stream")
+        if "routing" in both:
+            out.append(f"`{source}`: an MoE router returns (topk_weights, topk_ids), so its `.output` is both, "
+                       "captured as `.output[0]` (the weights, float32) and `.output[1]` (the expert ids, int32)")
     return out
 
 
@@ -161,6 +166,12 @@ def _point(spec: TapSpec, where: str, node: Node, tree: ModuleTree) -> list[tupl
     """The point(s) a tap names at one module, with their widths (two only for a decoder layer's
     bare `.output` captured in nnsight's sense)."""
     el = spec.element
+    if spec.action.op == "block" and node.in_moe_op:
+        raise ResolveError(f"{where}: it runs inside vLLM's fused-MoE op (vllm::moe_forward), which the compiled "
+                           "graph calls as one opaque op: the graph cannot be split there for a Python block. "
+                           "Capture or edit it in-graph, or run the block at the MoE block's `.output`")
+    if node.output == "routing" and spec.site == "output":
+        return _routing_points(spec, where, node, el)
     if node.output == "heads" and spec.site in ("input", "output"):
         raise ResolveError(f"{where}: its caller applies it per head, to a [tokens, heads, head_dim] view, so "
                            "it has no [tokens, width] rows to tap; tap the tensor before the view instead (the "
@@ -189,9 +200,39 @@ def _point(spec: TapSpec, where: str, node: Node, tree: ModuleTree) -> list[tupl
     return [_source_point(spec, where, node)]
 
 
+def _routing_points(spec: TapSpec, where: str, node: Node, el: int | None) -> list[tuple[Point, int]]:
+    """An MoE router's choice: `.output[0]` the top-k weights, `.output[1]` the expert ids,
+    `.output` both (a capture)."""
+    if spec.action.op != "capture":
+        gate = node.path.rsplit(".", 2)[0] + ".gate"
+        raise ResolveError(f"{where}: the router's choice is made inside vLLM's fused-MoE op from the router "
+                           f"logits; edit those instead: `{gate}.output | set([e], -1e4)` bans expert e, "
+                           f"`{gate}.output | set([e], 1e4)` forces it")
+    if el is None:
+        return [(Point(node.path, "output", element=k), node.out_width) for k in (0, 1)]
+    if el not in (0, 1):
+        raise ResolveError(f"{where}: an MoE router returns (topk_weights, topk_ids): `.output[0]` the weights, "
+                           "`.output[1]` the expert ids, `.output` both")
+    return [(Point(node.path, "output", element=el), node.out_width)]
+
+
+def _dtype(node: Node, point: Point, tree: ModuleTree) -> str:
+    """The dtype a capture at `point` is kept in: the model's, except an MoE router's weights
+    (float32, as vLLM computes them) and expert ids (int32)."""
+    if node.output == "routing":
+        return ("float32", "int32")[point.element]
+    return tree.dtype
+
+
 def _output_point(where: str, node: Node, el: int | None, tree: ModuleTree) -> tuple[Point, int]:
+    if node.output == "none" and node.path.endswith(".base_layer") and node.layer is not None:
+        wrapper = node.path.removesuffix(".base_layer")
+        raise ResolveError(f"{where}: it is the base of vLLM's LoRA wrapper `{wrapper}`, which runs its matmul "
+                           f"itself and never calls its forward; tap `{wrapper}.output`, the output with the "
+                           "adapter's delta")
     if node.output == "none" or node.out_width is None and node.output != "tuple":
-        raise ResolveError(f"{where}: this module's output is not tappable; for logits use the engine point `logits`")
+        raise ResolveError(f"{where}: this module's output is not tappable (token ids, or a module vLLM does not "
+                           "call in the forward); for logits use the engine point `logits`")
     if node.output == "tuple":
         raise ResolveError(f"{where}: this module returns several tensors of sizes tapc cannot know ahead; "
                            "tap its caller's `.source` op or the module that consumes them")
@@ -234,6 +275,9 @@ def _source_point(spec: TapSpec, where: str, node: Node) -> tuple[Point, int]:
     if spec.op not in ops:
         near = difflib.get_close_matches(spec.op, list(ops), n=3, cutoff=0.5)
         hint = f" did you mean {_listing(near)}?" if near else ""
+        if node.cls.endswith("WithLoRA"):
+            hint += (f" With enable_lora this is vLLM's LoRA wrapper {node.cls}, whose forward replaces the layer's "
+                     "own (the layer's ops are not called); `.output` is the output with the adapter's delta.")
         raise ResolveError(f"{where}: no `.source` op {spec.op!r} that runs in {node.cls}.forward here.{hint} "
                            f"Its ops are: {', '.join(ops) or 'none'}")
     op = ops[spec.op]

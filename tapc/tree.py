@@ -48,9 +48,16 @@ class Node:
     layer's (hidden_states, residual)) | "norm" (a norm its caller gives a residual: returns
     (normed, residual); a norm called without one is a "tensor") | "heads" (called on a per-head
     view [tokens, heads, head_dim], e.g. Qwen3's q_norm: no [tokens, width] rows to tap) |
-    "tuple" (several tensors, e.g. rotary (q, k)) | "none" (not tappable: token ids in, or not
+    "tuple" (several tensors, e.g. rotary (q, k)) | "routing" (an MoE router's choice, not a
+    module: `select_experts` returns (topk_weights, topk_ids), each [tokens, top_k]; `out_width`
+    is top_k) | "none" (not tappable: token ids in, or not
     called in the forward). The kind is per call site: vLLM calls layer 0's input_layernorm
     without a residual and the others' with one, so the two nodes differ.
+
+    in_moe_op: the module runs inside vLLM's fused-MoE op (`vllm::moe_forward`: the router, the
+    experts, the shared expert, and the gate where the MoE layer holds it), which the compiled
+    graph calls as one opaque op: in-graph taps run there (their kernels are captured with the
+    op's), a Python block cannot (the graph cannot be split inside the op).
     """
 
     path: str
@@ -60,6 +67,7 @@ class Node:
     out_width: int | None
     layer: int | None = None
     source_ops: tuple[SourceOp, ...] = ()
+    in_moe_op: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,11 +168,11 @@ def _check_architecture(cfg: Path, archs: list[str]) -> None:
                            f"for {'it' if len(archs) == 1 else 'them'}{hint}")
 
 
-# Engine arguments that change the module tree (LoRA-wrapped layers), with the values a tree is
-# built for when the caller does not give them. Not the parallel sizes: the tree is always the
-# single-GPU one (results come back in its layout); the plan keeps the sizes and
-# tapc/sharding.py says what each GPU holds.
-TREE_ENGINE_ARGS = {"enable_lora": False}
+# Engine arguments that change the module tree (LoRA-wrapped layers, and which layers vLLM wraps),
+# with the values a tree is built for when the caller does not give them. Not the parallel
+# sizes: the tree is always the single-GPU one (results come back in its layout); the plan keeps
+# the sizes and tapc/sharding.py says what each GPU holds.
+TREE_ENGINE_ARGS = {"enable_lora": False, "lora_target_modules": None}
 
 
 def tree_args(engine_args: dict | None) -> dict:
@@ -256,6 +264,8 @@ def build_tree(model_dir: str, engine_args: dict | None = None) -> ModuleTree:
     layer_of = {id(m): i for i, m in enumerate(layers)}
     hidden = int(getattr(hf, "hidden_size"))
     widths = _Widths(hidden)
+    in_op, unused = _moe_op_modules(model)
+    unused |= _lora_base_layers(model)
     nodes = []
     for path, mod in model.named_modules(remove_duplicate=False):
         if not path:
@@ -265,14 +275,62 @@ def build_tree(model_dir: str, engine_args: dict | None = None) -> ModuleTree:
         if output == "norm":
             output = _norm_kind(model, path, layer)
             w_in = None if output == "heads" else w_in
-        ops = _source_ops(mod, model, path, widths, layer_of.get(id(mod)))
+        if id(mod) in unused:
+            output, w_in, w_out = "none", None, None
+        # a forward vLLM never calls has no ops to tap either
+        ops = () if id(mod) in unused else _source_ops(mod, model, path, widths, layer_of.get(id(mod)))
         nodes.append(Node(path=path, cls=type(mod).__name__, output=output, in_width=w_in, out_width=w_out,
-                          layer=layer, source_ops=ops))
+                          layer=layer, source_ops=ops, in_moe_op=id(mod) in in_op))
+        router = _router(mod)
+        if router is not None:
+            nodes.append(Node(path=f"{path}.router", cls=type(router).__name__, output="routing",
+                              in_width=None, out_width=int(router.top_k), layer=layer,
+                              in_moe_op=True))
     arch = (getattr(hf, "architectures", None) or [type(model).__name__])[0]
     dtype = str(getattr(hf, "torch_dtype", None) or getattr(hf, "dtype", None) or torch.bfloat16)
     return ModuleTree(model=model_dir, architecture=arch, hidden_size=hidden, num_layers=len(layers),
                       vocab_size=int(getattr(hf, "vocab_size", 0)), dtype=dtype.replace("torch.", ""),
                       layers_path=layers_path, vllm_version=_vllm_version(), nodes=tuple(nodes))
+
+
+def _moe_op_modules(model) -> tuple[set[int], set[int]]:
+    """ids of the modules that run inside a fused-MoE op (every module under an MoE runner: vLLM
+    calls them from the op's `_forward_impl`; a module the model also holds under another name,
+    Qwen3-MoE's `mlp.gate` = `mlp.experts.gate`, is the same object), and of those whose
+    `forward` vLLM never calls: the runner's routed experts and their quant method (run through
+    `forward_modular` / `apply`), the shared-experts wrapper (it stores its output instead of
+    returning it; its `_layer`, the shared expert itself, is called), and gates whose weights
+    the runner fuses with the shared-expert gate into one matmul."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
+
+    in_op: set[int] = set()
+    unused: set[int] = set()
+    for runner in (m for m in model.modules() if isinstance(m, MoERunnerInterface)):
+        inside = {id(m) for m in runner.modules() if m is not runner}
+        in_op |= inside
+        called: set[int] = set()
+        fused = getattr(runner, "_fse_fuse_gate", False)
+        shared = getattr(getattr(runner, "shared_experts", None), "_layer", None)
+        for part in (None if fused else getattr(runner, "gate", None), shared):
+            if isinstance(part, torch.nn.Module):
+                called.update(id(m) for m in part.modules())
+        unused |= inside - called
+        if fused:
+            unused.update(id(g) for g in (runner.gate, runner.shared_expert_gate))
+    return in_op, unused
+
+
+def _router(mod):
+    """The router of an MoE runner (`select_experts`: top-k experts per token), a plain object
+    tapc names `<runner>.router`; None for other modules."""
+    import torch
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import MoERunnerInterface
+
+    router = getattr(mod, "router", None) if isinstance(mod, MoERunnerInterface) else None
+    if router is None or isinstance(router, torch.nn.Module) or not hasattr(router, "top_k"):
+        return None
+    return router
 
 
 def _norm_kind(model, path: str, layer: int | None) -> str:
@@ -368,8 +426,39 @@ def _meta_model(model_dir: str, engine_args: dict):
         initialize_model_parallel(1, 1)
         with torch.device("meta"):
             model = initialize_model(vllm_config=config)
+            if config.lora_config is not None:
+                _wrap_lora(model, config)
     model.config = config.model_config.hf_config
     return model
+
+
+def _wrap_lora(model, config) -> None:
+    """Wrap the layers vLLM wraps for LoRA (those `lora_target_modules` names, default all), as
+    the engine's runner does when it loads a model with `enable_lora`: its LoRA manager replaces
+    `qkv_proj` by `MergedQKVParallelLinearWithLoRA` around the original, now
+    `qkv_proj.base_layer`, and so on. On meta, the adapters' weight slots cost nothing."""
+    import torch
+    from vllm.lora.model_manager import create_lora_manager
+
+    sched = config.scheduler_config
+    try:
+        create_lora_manager(model, max_num_seqs=sched.max_num_seqs,
+                            max_num_batched_tokens=sched.max_num_batched_tokens,
+                            vocab_size=config.model_config.get_vocab_size(), lora_config=config.lora_config,
+                            vllm_config=config, device=torch.device("meta"))
+    except AssertionError as e:
+        # vLLM's MoE LoRA wrapper refuses the CPU platform's (monolithic) MoE kernel
+        raise ResolveError(f"tapc cannot build the LoRA tree of this model on the CPU: vLLM's LoRA wrapping "
+                           f"refused it ({e}); LoRA on MoE models is not supported yet") from None
+
+
+def _lora_base_layers(model) -> set[int]:
+    """ids of the modules inside a LoRA-wrapped linear layer's `base_layer`: the wrapper runs
+    the base layer's matmul itself (its quant method), not its forward, so nothing there is
+    called; the wrapper's `.output` is the adapted output."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
+    return {id(m) for w in model.modules() if isinstance(w, BaseLinearLayerWithLoRA) for m in w.base_layer.modules()}
 
 
 def _find_layers(model):
@@ -399,12 +488,15 @@ class _Widths:
         self.hidden = hidden
 
     def of(self, mod, path: str, model, is_layer: bool) -> tuple[str, int | None, int | None]:
+        import torch
         from vllm.model_executor.layers.linear import LinearBase
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
         name = type(mod).__name__
         if is_layer:
             return "pair", self.hidden, self.hidden
+        if name.endswith("WithLoRA") and isinstance(getattr(mod, "base_layer", None), torch.nn.Module):
+            return self.of(mod.base_layer, path, model, False)   # a LoRA wrapper returns what its base returns
         if isinstance(mod, LinearBase):
             # ReplicatedLinear (MoE gates) has no per-partition sizes: it is not sharded
             w_in = getattr(mod, "input_size_per_partition", mod.input_size)

@@ -6,7 +6,9 @@ It has no attention, so a row depends only on its own token and position: the re
 request is the model run on that request's tokens alone.
 
 `ToyRunner` plays vLLM's V2 runner (execute_model calls self.prepare_inputs; the worker's V2
-adapter, runner_v2.py, wraps both), `ToyBuffers` plays `tapc.engine.buffers.Buffers` on the CPU, and `run` plays the
+adapter, runner_v2.py, wraps both), `ToyRunnerV1` its V1 runner (a persistent batch in slot
+order, condensed when requests leave; execute_model calls self._model_forward; runner_v1.py),
+`ToyBuffers` plays `tapc.engine.buffers.Buffers` on the CPU, and `run` plays the
 scheduler: a token budget per step (chunked prefill), decode one token per step, requests
 arriving late, finishing at max_tokens, and optionally one preemption (recompute from 0).
 """
@@ -24,6 +26,7 @@ from tapc.engine.requests import TapRequest, check
 from tapc.engine.buffers import ParamTables
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.memcpy import copy_segments
+from tapc.engine.runner_v1 import V1Adapter
 from tapc.engine.runner_v2 import V2Adapter
 from tapc.planner import build_plan
 from tapc.session import TapSession
@@ -65,9 +68,9 @@ class MLP(torch.nn.Module):
 
 
 class Layer(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, mlp=MLP):
         super().__init__()
-        self.mlp = MLP()
+        self.mlp = mlp()
 
     def forward(self, positions, hidden_states, residual):
         residual = hidden_states if residual is None else hidden_states + residual
@@ -75,10 +78,10 @@ class Layer(torch.nn.Module):
 
 
 class Inner(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, mlp=MLP, layers: int = LAYERS):
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(VOCAB, HIDDEN)
-        self.layers = torch.nn.ModuleList(Layer() for _ in range(LAYERS))
+        self.layers = torch.nn.ModuleList(Layer(mlp) for _ in range(layers))
 
     def forward(self, input_ids, positions):
         h = self.embed_tokens(input_ids) + 0.01 * positions[:, None].float()
@@ -89,26 +92,33 @@ class Inner(torch.nn.Module):
 
 
 class ToyModel(torch.nn.Module):
-    def __init__(self, seed: int = 0):
+    """`layers` decoder layers whose MLP is a `mlp()` (tests/test_moe_cpu.py: a toy MoE)."""
+
+    def __init__(self, seed: int = 0, mlp=MLP, layers: int = LAYERS):
         super().__init__()
         torch.manual_seed(seed)
-        self.model = Inner()
+        self.model = Inner(mlp, layers)
 
     def forward(self, input_ids, positions):
         return self.model(input_ids, positions)
 
 
-def toy_tree() -> ModuleTree:
+def mlp_nodes(p: str, i: int) -> list[Node]:
+    """The nodes of layer i's MLP (`p` its path)."""
+    return [Node(p, "MLP", "tensor", HIDDEN, HIDDEN, layer=i, source_ops=MLP_SOURCE),
+            Node(f"{p}.up_proj", "Linear", "linear", HIDDEN, INTER, layer=i),
+            Node(f"{p}.down_proj", "Linear", "linear", INTER, HIDDEN, layer=i)]
+
+
+def toy_tree(mlp=mlp_nodes, layers: int = LAYERS, arch: str = "ToyForCausalLM") -> ModuleTree:
+    """The tree of `ToyModel(mlp=..., layers=...)`: `mlp(path, i)` gives layer i's MLP nodes."""
     nodes = [Node("model", "Inner", "tensor", HIDDEN, HIDDEN),
              Node("model.embed_tokens", "VocabParallelEmbedding", "tensor", None, HIDDEN),
              Node("model.layers", "ModuleList", "none", None, None)]
-    for i in range(LAYERS):
+    for i in range(layers):
         p = f"model.layers.{i}"
-        nodes += [Node(p, "Layer", "pair", HIDDEN, HIDDEN, layer=i),
-                  Node(f"{p}.mlp", "MLP", "tensor", HIDDEN, HIDDEN, layer=i, source_ops=MLP_SOURCE),
-                  Node(f"{p}.mlp.up_proj", "Linear", "linear", HIDDEN, INTER, layer=i),
-                  Node(f"{p}.mlp.down_proj", "Linear", "linear", INTER, HIDDEN, layer=i)]
-    return ModuleTree(model="toy", architecture="ToyForCausalLM", hidden_size=HIDDEN, num_layers=LAYERS,
+        nodes += [Node(p, "Layer", "pair", HIDDEN, HIDDEN, layer=i), *mlp(f"{p}.mlp", i)]
+    return ModuleTree(model="toy", architecture=arch, hidden_size=HIDDEN, num_layers=layers,
                       vocab_size=VOCAB, dtype="float32", layers_path="model.layers", vllm_version="0.26.0",
                       nodes=tuple(nodes))
 
@@ -199,6 +209,74 @@ class ToyRunner:
                   idx_mapping_np=np.array([self.index[r] for r in req_ids], dtype=np.int64))
 
 
+class ToyRunnerV1:
+    """The parts of vLLM's V1 runner the V1 adapter uses. Like V1's `InputBatch`, requests keep
+    their slot while they run; a request that leaves (finished, preempted) leaves a hole that the
+    batch's last request moves into (`condense`), new and resumed requests go to the end; a
+    resumed request comes in `scheduled_cached_reqs.resumed_req_ids`, not among the new ones."""
+
+    resumes_as_cached = True
+
+    def __init__(self, model, pad: int = 8, max_reqs: int = 16):
+        self.model = model
+        self.pad = pad
+        self.prompt_len: dict[str, int] = {}
+        self.input_batch = NS(req_ids=[], num_reqs=0, num_computed_tokens_cpu=np.zeros(max_reqs, dtype=np.int32),
+                              num_prompt_tokens=np.zeros(max_reqs, dtype=np.int32))
+        self.query_start_loc = NS(np=np.zeros(max_reqs + 1, dtype=np.int32))
+        self.sampler = None
+        self.last = None
+        self.dummy_runs = 0
+
+    def get_model(self):
+        return self.model
+
+    def _update_states(self, so) -> None:
+        batch = self.input_batch
+        for rid in (*so.finished_req_ids, *(so.preempted_req_ids or ())):
+            if rid in batch.req_ids:
+                batch.req_ids[batch.req_ids.index(rid)] = None
+        while None in batch.req_ids:   # condense: the last request fills the first hole
+            hole = batch.req_ids.index(None)
+            last = batch.req_ids.pop()
+            if hole < len(batch.req_ids):
+                batch.req_ids[hole] = last
+        for r in so.scheduled_new_reqs:
+            self.prompt_len[r.req_id] = len(r.prompt_token_ids)
+        for rid in [r.req_id for r in so.scheduled_new_reqs] + sorted(so.scheduled_cached_reqs.resumed_req_ids):
+            batch.req_ids.append(rid)
+        batch.num_reqs = len(batch.req_ids)
+        for i, rid in enumerate(batch.req_ids):
+            batch.num_prompt_tokens[i] = self.prompt_len[rid]
+            batch.num_computed_tokens_cpu[i] = so.num_computed.get(rid, 0)
+
+    def execute_model(self, so):
+        self._update_states(so)
+        batch = self.input_batch
+        n = [so.num_scheduled_tokens.get(rid, 0) for rid in batch.req_ids]
+        qsl = self.query_start_loc.np
+        qsl[0] = 0
+        np.cumsum(n, out=qsl[1:batch.num_reqs + 1])
+        total = int(qsl[batch.num_reqs])
+        padded = -(-total // self.pad) * self.pad
+        ids = torch.zeros(padded, dtype=torch.long)
+        pos = torch.zeros(padded, dtype=torch.long)
+        for i, rid in enumerate(batch.req_ids):
+            a, b = qsl[i], qsl[i + 1]
+            c = batch.num_computed_tokens_cpu[i]
+            ids[a:b] = torch.tensor(so.tokens[rid][c:c + b - a])
+            pos[a:b] = torch.arange(c, c + b - a)
+        self.last = self._model_forward(input_ids=ids, positions=pos)
+        return None
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None):
+        return self.model(input_ids, positions)
+
+    def _dummy_run(self, num_tokens: int):
+        self.dummy_runs += 1
+        return self.model(torch.zeros(num_tokens, dtype=torch.long), torch.zeros(num_tokens, dtype=torch.long))
+
+
 @dataclass
 class Req:
     rid: str
@@ -220,10 +298,12 @@ class Scheduler:
     decode one token per step, requests arriving late or added while others run, finishing at
     max_tokens, and optionally one preemption (recompute from 0)."""
 
-    def __init__(self, runner: ToyRunner, budget: int):
+    def __init__(self, runner, budget: int):
         self.runner, self.budget = runner, budget
         self.live: list[Req] = []
         self.added, self.finished, self.preempted = set(), set(), set()
+        self.seen: set[str] = set()    # requests the worker has heard of (a V1 runner resumes them as cached)
+        self.as_cached = getattr(runner, "resumes_as_cached", False)
         self.step_no = 0
 
     def add(self, r: Req) -> None:
@@ -235,7 +315,7 @@ class Scheduler:
 
     def step(self) -> list[Req]:
         """One scheduler step (one execute_model when anything is scheduled): the requests it finished."""
-        new, sched, computed = [], {}, {}
+        new, sched, computed, resumed = [], {}, {}, set()
         left = self.budget
         for r in self.live:
             if r.arrive > self.step_no:
@@ -245,7 +325,11 @@ class Scheduler:
                 self.added.discard(r.rid)
                 r.computed = 0
                 continue
-            if r.rid not in self.added:
+            if r.rid not in self.added and self.as_cached and r.rid in self.seen:
+                resumed.add(r.rid)
+                self.added.add(r.rid)
+            elif r.rid not in self.added:
+                self.seen.add(r.rid)
                 new.append(NS(req_id=r.rid, prompt_token_ids=list(r.prompt),
                               sampling_params=NS(extra_args=None if r.wire is None else
                                                  {"tapc": over_the_wire(r.wire.to_wire())},
@@ -256,7 +340,8 @@ class Scheduler:
                 sched[r.rid], computed[r.rid] = n, r.computed
                 left -= n
         if sched:  # like vLLM, the worker hears of finished and preempted requests with a step
-            self.runner.execute_model(NS(scheduled_new_reqs=new, finished_req_ids=set(self.finished),
+            self.runner.execute_model(NS(scheduled_new_reqs=new, scheduled_cached_reqs=NS(resumed_req_ids=resumed),
+                                         finished_req_ids=set(self.finished),
                                          preempted_req_ids=set(self.preempted), num_scheduled_tokens=sched,
                                          num_computed=computed, tokens={r.rid: r.tokens for r in self.live}))
             self.finished.clear()
@@ -276,7 +361,7 @@ class Scheduler:
         return done
 
 
-def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
+def run(runner, reqs: list[Req], budget: int) -> None:
     """Schedule `reqs` to completion like vLLM's scheduler would, one execute_model per step."""
     sched = Scheduler(runner, budget)
     for r in reqs:
@@ -286,7 +371,9 @@ def run(runner: ToyRunner, reqs: list[Req], budget: int) -> None:
 
 
 def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank: int = 0, stage: int = 0,
-              inline: bool = False):
+              runner: str = "v2", inline: bool = False):
+    """The toy runner of vLLM's `runner` ("v2" or "v1") with `plan` installed in `model`, as the
+    worker installs it; and its hooks (`inline`: a worker on another node than the API)."""
     from tapc.engine.install import install
     from tapc.engine.layout import Layout
 
@@ -296,12 +383,13 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank
     layout = Layout(plan, tp_rank, stage)   # on several GPUs: this one's part of the plan
     buffers = ToyBuffers(layout, rows, slots)
     install(model, layout, buffers)
-    runner = ToyRunner(model, pad)
+    toy, adapter = {"v2": (ToyRunner, V2Adapter), "v1": (ToyRunnerV1, V1Adapter)}[runner]
+    runner = toy(model, pad)
     # as the worker does
     points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
     # Small arena segments, so a run spans several files and reuses freed space.
     hooks = RunnerHooks(layout, buffers, Arena(segment_bytes=4096), points, inline=inline)
-    patches.apply(runner, V2Adapter(runner, hooks), points)
+    patches.apply(runner, adapter(runner, hooks), points)
     return runner, hooks
 
 

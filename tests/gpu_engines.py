@@ -21,6 +21,7 @@ and Triton's caches, keyed by the graphs' and kernels' contents, stay on and are
 every engine of the run (their default folders; set TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR
 to move them), so what one engine compiled another can reuse.
 """
+import contextlib
 import functools
 import gc
 import os
@@ -31,6 +32,8 @@ import pytest
 SMALL = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=4,
              num_hidden_layers=4, vocab_size=1024, max_position_embeddings=2048, rms_norm_eps=1e-5,
              initializer_range=0.02, tie_word_embeddings=False)
+# The MoE checkpoints (tests/test_moe_gpu.py): SMALL's attention, experts 128 (Qwen3) / 256 wide.
+MOE = dict(SMALL, intermediate_size=256)
 # max_num_seqs=3 and a 128-token budget force continuous batching. vLLM captures decode
 # graphs for batch sizes up to twice max_num_seqs: [1, 2, 4] here, already a short list.
 ENGINE = dict(max_num_seqs=3, max_num_batched_tokens=128, gpu_memory_utilization=0.1, skip_tokenizer_init=True,
@@ -53,6 +56,24 @@ def engine_args() -> dict:
     return dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"))
 
 
+@contextlib.contextmanager
+def model_runner(kind: str):
+    """Engines started inside run vLLM's `kind` model runner: "v2", vLLM 0.26's choice for dense
+    models, or "v1" (VLLM_USE_V2_MODEL_RUNNER=0), the runner vLLM gives MoE models. The engine
+    core reads the variable as it starts (it inherits this process's environment), so it is set
+    only while one starts."""
+    before = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if kind == "v1":
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = before
+
+
 def write_checkpoint(path, arch: str) -> str:
     import torch
     import transformers
@@ -61,9 +82,24 @@ def write_checkpoint(path, arch: str) -> str:
     if arch == "llama":
         config = transformers.LlamaConfig(**SMALL)
         model = transformers.LlamaForCausalLM(config)
-    else:
+    elif arch == "qwen3":
         config = transformers.Qwen3Config(**SMALL, head_dim=32)
         model = transformers.Qwen3ForCausalLM(config)
+    elif arch == "qwen3_moe":   # Qwen3-30B-A3B's routing (softmax top-k, renormalized), 8 experts, top 2
+        config = transformers.Qwen3MoeConfig(**MOE, head_dim=32, moe_intermediate_size=128, num_experts=8,
+                                             num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                                             mlp_only_layers=[])
+        model = transformers.Qwen3MoeForCausalLM(config)
+    elif arch == "qwen2_moe":   # a shared expert beside the routed ones (its sigmoid gate too)
+        config = transformers.Qwen2MoeConfig(**MOE, moe_intermediate_size=128, shared_expert_intermediate_size=256,
+                                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                             decoder_sparse_step=1, mlp_only_layers=[])
+        model = transformers.Qwen2MoeForCausalLM(config)
+    elif arch == "mixtral":
+        config = transformers.MixtralConfig(**MOE, num_local_experts=8, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(config)
+    else:
+        raise ValueError(f"no test checkpoint for {arch!r}")
     model.to(torch.bfloat16).save_pretrained(path)
     return str(path)
 
@@ -118,7 +154,8 @@ class Engines:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """arch ("llama" | "qwen3") -> the path of its random checkpoint, written on first use."""
+    """arch ("llama" | "qwen3" | "qwen3_moe" | "qwen2_moe" | "mixtral") -> the path of its random checkpoint,
+    written on first use."""
     paths: dict[str, str] = {}
 
     def get(arch: str) -> str:
@@ -138,12 +175,16 @@ def engines():
 
 @pytest.fixture(scope="session")
 def tapped_engine(engines, checkpoints):
-    """arch -> the engine with CAPTURES and STEER on that arch's checkpoint."""
-    def get(arch: str):
+    """(arch, runner) -> the engine with CAPTURES and STEER on that arch's checkpoint, on vLLM's
+    `runner` ("v2" or "v1", `model_runner`)."""
+    def get(arch: str, runner: str = "v2"):
         from tapc import VLLM
 
-        return engines.get(f"tapped {arch}", lambda: VLLM(checkpoints(arch), taps=CAPTURES + [STEER],
-                                                          **engine_args()))
+        def start():
+            with model_runner(runner):
+                return VLLM(checkpoints(arch), taps=CAPTURES + [STEER], **engine_args())
+
+        return engines.get(f"tapped {arch} {runner}", start)
 
     return get
 

@@ -5,11 +5,13 @@ multi-process engine core, torch.compile, async scheduling, FULL_AND_PIECEWISE g
 steps replay FULL graphs broken at each `tapc::boundary`, mixed steps PIECEWISE graphs split
 there. Blocks are compared with the in-graph taps of the same
 points, logits with HF transformers on the same weights, samples with the generated tokens.
+Every test runs on vLLM's V2 runner and on its V1 runner (VLLM_USE_V2_MODEL_RUNNER=0: FULL
+graphs there are one `CUDAGraphWrapper` around the model, broken the same way).
 """
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL, engine_args, hf_forward, shutdown
+from gpu_engines import SMALL, engine_args, hf_forward, model_runner, shutdown
 from test_engine_gpu import assert_matches, prompts, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -45,16 +47,17 @@ def path(checkpoints):
     return checkpoints("llama")
 
 
-@pytest.fixture(scope="module")
-def engine(path):
-    """This module's alone: stopped when its tests are done."""
+@pytest.fixture(scope="module", params=["v2", "v1"])
+def engine(path, request):
+    """This module's alone, one per model runner: stopped when its tests are done."""
     from tapc import VLLM
 
-    llm = VLLM(path, taps=["model.layers.1.resid", "model.layers.1.resid -> rec",
-                           "model.layers.2.output[0] | add(steer, alpha=8.0)", "model.layers.2.output[0] -> edit",
-                           "model.layers.3.resid", "logits", "samples", "samples -> pick"],
-               blocks={"rec": recorder, "edit": lambda ctx, x: None, "pick": lambda ctx, ids: None},
-               **engine_args())
+    with model_runner(request.param):
+        llm = VLLM(path, taps=["model.layers.1.resid", "model.layers.1.resid -> rec",
+                               "model.layers.2.output[0] | add(steer, alpha=8.0)", "model.layers.2.output[0] -> edit",
+                               "model.layers.3.resid", "logits", "samples", "samples -> pick"],
+                   blocks={"rec": recorder, "edit": lambda ctx, x: None, "pick": lambda ctx, ids: None},
+                   **engine_args())
     yield llm
     shutdown(llm)
 

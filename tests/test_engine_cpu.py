@@ -82,13 +82,18 @@ def make_requests(plan):
     return reqs
 
 
+RUNNERS = pytest.mark.parametrize("runner_kind", ["v2", "v1"])   # vLLM's model runners (runner_v*.py)
+
+
+@RUNNERS
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_captures_equal_reference_under_continuous_batching(compiled):
+def test_captures_equal_reference_under_continuous_batching(compiled, runner_kind):
     """Chunked prefill (budget 16 < a 25-token prompt), late arrivals, decode, padding to 8,
-    a preemption with recompute, and five position options."""
+    a preemption with recompute, and five position options; on V1, requests in the persistent
+    batch's slot order, which changes as requests leave."""
     plan = toy_plan(TAPS)
     model = ToyModel()
-    runner, hooks = hooks_for(plan, model)
+    runner, hooks = hooks_for(plan, model, runner=runner_kind)
     if compiled:  # Dynamo must inline the patched forwards and keep the ops, without breaks
         runner.model = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
     reqs = make_requests(plan)
@@ -129,14 +134,15 @@ def test_a_worker_on_another_node_sends_rows_not_places_and_frees_its_arena():
             assert torch.equal(got[True][rid][k], v), (rid, k)
 
 
-def test_steering_per_request_and_untouched_others():
+@RUNNERS
+def test_steering_per_request_and_untouched_others(runner_kind):
     """Two requests with different vectors in one batch, one steered only while generating
     (a second tap on the same layer), one unsteered: each equals its own reference."""
     # Taps at one module run in plan order: the edits first, so layer 1's capture sees them.
     plan = toy_plan(["model.layers.1.resid | add(steer, alpha=2.0)",
                      "model.layers.1.resid | add(late, alpha=-1.5, at=generated)", "model.layers.*.resid"])
     model = ToyModel()
-    runner, hooks = hooks_for(plan, model)
+    runner, hooks = hooks_for(plan, model, runner=runner_kind)
     rng = np.random.default_rng(1)
     v1, v2, v3 = (rng.standard_normal(HIDDEN) for _ in range(3))
     asks = {"s1": {"steer": v1}, "s2": {"steer": v2}, "plain": {}, "gen": {"late": v3}}
@@ -341,3 +347,55 @@ def test_an_element_of_a_one_tensor_output_is_refused_when_it_runs():
     hooks_for(plan, model)
     with pytest.raises(EngineError, match=r"`model.layers.1.mlp.output\[1\]`: `model.layers.1.mlp` returned one tensor"):
         model(torch.tensor([1, 2, 3]), torch.arange(3))
+
+
+@RUNNERS
+def test_a_steered_request_keeps_its_edit_across_a_preemption(runner_kind):
+    """Preempted mid-generation and recomputed from 0: it gives back its parameter slot, takes
+    one again when it resumes (V2: among the new requests; V1: among the cached ones) and its
+    captures, edited, equal the reference; the other steered request keeps its own vector."""
+    plan = toy_plan(["model.layers.1.resid | add(steer, alpha=2.0)", "model.layers.*.resid"])
+    runner, hooks = hooks_for(plan, ToyModel(), runner=runner_kind)
+    rng = np.random.default_rng(5)
+    vs = {rid: rng.standard_normal(HIDDEN) for rid in ("p", "q")}
+    reqs = [Req("p", rng.integers(0, 50, 9).tolist(), 6, wire_for(plan, TapRequest(capture="*", params={"steer": vs["p"]}), "p"),
+                preempt_at=4),
+            Req("q", rng.integers(0, 50, 5).tolist(), 8, wire_for(plan, TapRequest(capture="*", params={"steer": vs["q"]}), "q"),
+                arrive=5)]
+    run(runner, reqs, budget=64)
+    outs = collect(hooks, reqs, TapSession(plan))
+    for r in reqs:
+        check(r, dict(outs[r.rid].taps), "all", [(1, vs[r.rid], 2.0, "all")])
+    assert sorted(hooks.slots.free) == list(range(8))
+
+
+def test_v1_step_batch_is_the_persistent_batchs_first_requests():
+    """V1's input batch holds more slots than requests; the step is its first num_reqs, in its
+    order, with its host query_start_loc, computed tokens and prompt lengths."""
+    from types import SimpleNamespace as NS
+
+    from tapc.engine.runner_v1 import step_batch
+
+    batch = NS(num_reqs=3, req_ids=["c", "a", "b"], num_computed_tokens_cpu=np.array([7, 0, 12, 99], dtype=np.int32),
+               num_prompt_tokens=np.array([5, 20, 12, 99], dtype=np.int32))
+    qsl = np.array([0, 1, 17, 18, 18, 18], dtype=np.int32)
+    step = step_batch(batch, qsl, 24)
+    assert list(step.req_ids) == ["c", "a", "b"] and step.padded == 24
+    assert step.query_start_loc.tolist() == [0, 1, 17, 18]
+    assert step.num_computed.tolist() == [7, 0, 12] and step.prompt_lens.tolist() == [5, 20, 12]
+    with pytest.raises(Exception, match="empty slot"):
+        step_batch(NS(**{**vars(batch), "req_ids": ["c", None, "b"]}), qsl, 24)
+
+
+def test_v1_dummy_runs_see_tables_that_own_no_rows():
+    """V1 profiles, warms up and captures graphs through `_dummy_run`: the tables the last real
+    step filled must not send a dummy forward's rows into anyone's captures."""
+    plan = toy_plan(["model.layers.1.resid"])
+    runner, hooks = hooks_for(plan, ToyModel(), runner="v1")
+    rng = np.random.default_rng(6)
+    reqs = [Req("a", rng.integers(0, 50, 9).tolist(), 3, wire_for(plan, TapRequest(capture="*"), "a"), arrive=0),
+            Req("b", rng.integers(0, 50, 30).tolist(), 2, wire_for(plan, TapRequest(capture="*"), "b"), arrive=0)]
+    run(runner, reqs, budget=16)
+    assert (hooks.buffers.table >= 0).any(), "the last step's rows are still in the table"
+    runner._dummy_run(8)
+    assert runner.dummy_runs == 1 and not (hooks.buffers.table >= 0).any()

@@ -1,7 +1,8 @@
 """The engine on a GPU, against HF transformers on the same weights (bf16 tolerance).
 
 Small random checkpoints with realistic init (std 0.02), Llama and Qwen3 architectures,
-written as safetensors. vLLM runs its defaults: multi-process engine core, torch.compile,
+written as safetensors; Llama also on vLLM's V1 model runner (VLLM_USE_V2_MODEL_RUNNER=0, the
+runner vLLM gives MoE models), so both runners are checked on the same model. vLLM runs its defaults: multi-process engine core, torch.compile,
 FULL_AND_PIECEWISE CUDA graphs, async scheduling, chunked prefill. max_num_seqs=3 and a
 128-token budget force continuous batching (requests start while others decode, a 300-token
 prompt is split over steps, decode batches are padded up to graph sizes).
@@ -84,10 +85,11 @@ def rows_for(positions: str, prompt_len: int, n_gen: int) -> slice:
             "last": slice(prompt_len - 1, prompt_len)}[positions]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=[("llama", "v2"), ("qwen3", "v2"), ("llama", "v1")],
+                ids=["llama-v2", "qwen3-v2", "llama-v1"])
 def tapped(request, checkpoints, tapped_engine):
-    arch = request.param
-    return arch, checkpoints(arch), tapped_engine(arch)
+    arch, runner = request.param
+    return f"{arch} {runner}", checkpoints(arch), tapped_engine(arch, runner)
 
 
 def test_captures_equal_hf_under_continuous_batching(tapped):
@@ -122,9 +124,8 @@ def test_steering_per_request(tapped, request):
     from tapc.api import TapRequest
 
     arch, path, llm = tapped
-    if arch != "llama":
-        pytest.skip("steering against an untapped engine is checked on Llama (one engine start less)")
-    vanilla = request.getfixturevalue("vanilla_llama")
+    if arch == "qwen3 v2":
+        pytest.skip("steering is checked on Llama (one engine start less)")
     rng = np.random.default_rng(7)
     v1, v2 = (rng.standard_normal(SMALL["hidden_size"]).tolist() for _ in range(2))
     asks = [TapRequest(capture="model.layers.3.resid", params={"steer": v1}), None,
@@ -132,7 +133,11 @@ def test_steering_per_request(tapped, request):
     outs = llm.generate(prompts(2), sampling(), taps=asks)
     tapped_tokens = [list(o.outputs[0].token_ids) for o in outs]
 
-    plain_tokens = [list(o.outputs[0].token_ids) for o in vanilla.generate(prompts(2), sampling())]
+    if arch == "llama v2":
+        plain = request.getfixturevalue("vanilla_llama").generate(prompts(2), sampling())
+    else:  # V1: the same batch on this engine with no request tapped (no second V1 engine to start)
+        plain = llm.generate(prompts(2), sampling())
+    plain_tokens = [list(o.outputs[0].token_ids) for o in plain]
     for i in (1, 3, 4, 5):
         assert tapped_tokens[i] == plain_tokens[i], f"{arch}: unsteered request {i} differs from an untapped engine"
     for i in (0, 2):

@@ -195,19 +195,18 @@ def test_engine_kwargs_refuse(kwargs, words):
         engine_kwargs(toy_plan(PLAN_TAPS, slots=8), kwargs)
 
 
-def test_v1_runner_is_refused_before_starting(monkeypatch):
+def test_v1_runner_is_allowed(monkeypatch):
+    """VLLM_USE_V2_MODEL_RUNNER=0 (vLLM's V1 runner, as for MoE models) reaches the worker, which
+    instruments V1 (runner_v1.py)."""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    with pytest.raises(EngineError, match="V1 model runner"):
-        engine_kwargs(toy_plan(PLAN_TAPS), {})
+    assert engine_kwargs(toy_plan(PLAN_TAPS), {})["worker_cls"] == "tapc.engine.worker.TapWorker"
 
 
-
-
-def test_another_runner_is_refused_by_the_v2_adapter():
+def test_another_runner_is_refused_by_the_worker():
     from engine_toy import ToyRunner
 
-    from tapc.engine.runner_v2 import V2Adapter
+    from tapc.engine.worker import runner_adapter
 
-    with pytest.raises(EngineError, match="V2 model runner .* but this engine runs engine_toy.ToyRunner"):
-        V2Adapter.check_runner(ToyRunner(None))
+    with pytest.raises(EngineError, match=r"V2 \(vllm/v1/worker/gpu/\) and V1 .* but this engine runs engine_toy.ToyRunner"):
+        runner_adapter(ToyRunner(None))
 

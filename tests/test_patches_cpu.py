@@ -1,18 +1,22 @@
 """Every process-wide patch the worker makes is applied in one place and undone exactly."""
 import torch
-from engine_toy import ToyBuffers, ToyModel, ToyRunner, toy_plan
+import pytest
+from engine_toy import ToyBuffers, ToyModel, ToyRunner, ToyRunnerV1, toy_plan
 
 from tapc.engine import patches
 from tapc.engine.arena import Arena
 from tapc.engine.points import EnginePoints
 from tapc.engine.runner import RunnerHooks
+from tapc.engine.runner_v1 import V1Adapter
 from tapc.engine.runner_v2 import V2Adapter
 from tapc.engine.layout import Layout
 from tapc.kernels import ops
 
 
 class Sampler:
-    def __call__(self, logits, input_batch):
+    """V2 calls it as sampler(logits, input_batch), V1 as sampler(logits=..., sampling_metadata=...)."""
+
+    def __call__(self, logits, input_batch=None, sampling_metadata=None):
         return type("Out", (), {"sampled_token_ids": logits.argmax(dim=-1, keepdim=True)})()
 
 
@@ -21,26 +25,35 @@ class Runner(ToyRunner):
         return torch.cuda.CUDAGraph
 
 
-def test_undo_restores_every_original():
+class RunnerV1(ToyRunnerV1):
+    def capture_model(self):
+        return torch.cuda.CUDAGraph
+
+
+@pytest.mark.parametrize("runner_cls,adapter_cls", [(Runner, V2Adapter), (RunnerV1, V1Adapter)], ids=["v2", "v1"])
+def test_undo_restores_every_original(runner_cls, adapter_cls):
     plan = toy_plan(["model.layers.0.resid -> look", "logits | add(bias)", "samples"])
     layout = Layout(plan)
     buffers = ToyBuffers(layout, 64, 8)
-    runner = Runner(ToyModel())
+    runner = runner_cls(ToyModel())
     runner.sampler = sampler = Sampler()
     points = EnginePoints(layout, buffers)
-    adapter = V2Adapter(runner, RunnerHooks(layout, buffers, Arena(segment_bytes=4096), points))
+    adapter = adapter_cls(runner, RunnerHooks(layout, buffers, Arena(segment_bytes=4096), points))
     before = (dict(vars(runner)), type(sampler), ops._boundary_handler, torch.cuda.CUDAGraph)
     assert runner.capture_model() is torch.cuda.CUDAGraph
 
     applied = patches.apply(runner, adapter, points, breaks=True)
-    assert runner.execute_model == adapter.execute_model and runner.prepare_inputs == adapter.prepare_inputs
+    assert all(getattr(runner, name) == getattr(adapter, name) for name in adapter_cls.METHODS)
     assert type(sampler) is not Sampler and isinstance(sampler, Sampler)
+    logits = torch.randn(3, 7)
+    for call in (lambda: sampler(logits, None), lambda: sampler(logits=logits, sampling_metadata=None)):
+        assert torch.equal(call().sampled_token_ids, logits.argmax(dim=-1, keepdim=True)), "either runner's call"
     assert ops._boundary_handler is not None
     from tapc.engine.graphs import SegmentedGraph
 
     assert runner.capture_model() is SegmentedGraph, "FULL graphs captured breakable"
     assert torch.cuda.CUDAGraph is before[3], "the class swap lasts only as long as the capture"
-    assert len(applied.applied) == 5
+    assert len(applied.applied) == len(adapter_cls.METHODS) + 3
 
     applied.undo()
     assert dict(vars(runner)) == before[0], "the runner's methods are its class's again"

@@ -1,8 +1,9 @@
 """`.source` taps on a real vLLM engine (GPU machine): q and k out of Llama attention's
-`qkv.split(...)`, against HF transformers' q_proj / k_proj outputs on the same weights."""
+`qkv.split(...)`, against HF transformers' q_proj / k_proj outputs on the same weights; on
+vLLM's V2 runner and on V1."""
 import pytest
 import torch
-from gpu_engines import engine_args, hf_forward, shutdown
+from gpu_engines import engine_args, hf_forward, model_runner, shutdown
 from test_engine_gpu import assert_captures_equal_hf, prompts, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -26,12 +27,14 @@ def hf_points(path, tokens):
     return seen
 
 
-def test_qkv_split_and_down_proj_input_equal_hf(checkpoints):
+@pytest.mark.parametrize("runner", ["v2", "v1"])
+def test_qkv_split_and_down_proj_input_equal_hf(checkpoints, runner):
     from tapc import VLLM
     from tapc.api import TapRequest
 
     path = checkpoints("llama")
-    llm = VLLM(path, taps=TAPS, **engine_args())
+    with model_runner(runner):
+        llm = VLLM(path, taps=TAPS, **engine_args())
     try:
         outs = llm.generate(prompts(), sampling(), taps=TapRequest(capture="*"))
         assert_captures_equal_hf(outs, path, TAPS, hf_points)

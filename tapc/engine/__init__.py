@@ -11,7 +11,7 @@
 - `install`: patch module forwards so the tap ops land in the compiled graphs.
 - `step`: the batch of one step as a plain value (`StepBatch`).
 - `runner`: the per-request and per-step bookkeeping a runner adapter calls each step;
-  `runner_v2`: that adapter for vLLM's V2 model runner.
+  `runner_v2`, `runner_v1`: that adapter for vLLM's V2 and V1 model runners.
 - `protocol`: what travels between the API and the worker (typed values, their wire form).
 - `patches`: every change to vLLM's and torch's objects (the adapter's runner methods, sampler class, the
   boundary handler, the CUDA graph class while capturing), each undoable.

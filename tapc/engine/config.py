@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from pathlib import Path
 
 from tapc.errors import EngineError
@@ -48,9 +47,6 @@ def require_cuda() -> None:
 def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
     """vLLM `LLM(...)` keyword arguments for `plan`, from the user's `kwargs`."""
     out = dict(kwargs)
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
-        raise EngineError("VLLM_USE_V2_MODEL_RUNNER=0 selects vLLM's V1 model runner; tapc instruments the "
-                          "V2 runner that vLLM 0.26 uses for dense models. Unset the variable")
     if out.get("enable_prefix_caching"):
         raise EngineError("enable_prefix_caching=True: tokens served from the prefix cache skip the forward, so "
                           "their rows would be missing from captures and edits; tapped engines run without it")

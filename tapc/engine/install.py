@@ -13,6 +13,12 @@ backend splits the graph at (config.py lists it in the splitting ops).
 
 `.source` points rewrite the module's forward (engine/source.py) so the ops run at the call.
 
+An MoE router (`<runner>.router`, tree.py) is not a module: its `select_experts` is wrapped
+instead of a forward, and its tables are registered on the runner that holds it. It runs inside
+vLLM's fused-MoE op, eagerly while graphs are captured, so its ops are captured with the op's
+kernels; the expert ids (int32) go to the capture op as float32 (exact for any expert count a
+model has) and are stored back as int32.
+
 Sites: `input` (the module's activation argument, edited before the call), `output` (the
 tensor, or element k of a tuple; a vLLM linear returns (out, bias), `.output` is out) and
 `resid` (a decoder layer's hidden_states + residual; an edit writes hidden_states so that the
@@ -41,25 +47,53 @@ def install(model: torch.nn.Module, layout: Layout, buffers) -> None:
     (capture pools) and `params.tables` (per-edit parameter tables); see `buffers.Buffers`."""
     import tapc.kernels  # noqa: F401  registers torch.ops.tapc.*
 
-    by_module: dict[str, list] = defaultdict(list)
+    by_path: dict[str, list] = defaultdict(list)
     for c, tap in enumerate(layout.captures):
-        by_module[tap.point.module].append((tap, ("capture", c)))
+        by_path[tap.point.module].append((tap, ("capture", c)))
     for e, tap in enumerate(layout.edits):
-        by_module[tap.point.module].append((tap, ("edit", e)))
+        by_path[tap.point.module].append((tap, ("edit", e)))
     for k, tap in enumerate(layout.blocks):
-        by_module[tap.point.module].append((tap, ("block", k)))
-    for path, taps in by_module.items():
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            raise EngineError(f"the plan taps `{path}`, which this engine's model does not have: "
-                              "was the plan built for another model?") from None
+        by_path[tap.point.module].append((tap, ("block", k)))
+    # One patch per object: a module the model holds under two paths (Qwen3-MoE's `mlp.gate`,
+    # also `mlp.experts.gate`) gets the taps of both, in plan order.
+    by_target: dict[int, tuple] = {}
+    for path, taps in by_path.items():
+        owner, target, method = _target(model, path)
+        by_target.setdefault(id(target), (path, owner, target, method, []))[4].extend(taps)
+    for path, owner, target, method, taps in by_target.values():
         taps.sort(key=lambda te: layout.plan_order[id(te[0])])
-        _patch(module, path, [(tap, _bind(module, i, tap, what, layout, buffers)) for i, (tap, what) in enumerate(taps)])
+        prefix = "" if target is owner else f"{path.rpartition('.')[2]}_"
+        _patch(target, method, path,
+               [(tap, _bind(owner, f"{prefix}{i}", tap, what, layout, buffers)) for i, (tap, what) in enumerate(taps)])
 
 
-def _bind(module: torch.nn.Module, i: int, tap, what: tuple[str, int], layout: Layout, buffers) -> TapOp:
-    """Register the tap's tables on `module` and return the op call that reads them."""
+def _target(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, object, str]:
+    """(the module the tap tables are registered on, the object patched, its method) for a path:
+    a module's forward, or an MoE router's `select_experts` (tables on the runner holding it)."""
+    try:
+        module = model.get_submodule(path)
+        return module, module, "forward"
+    except AttributeError:
+        parent, _, name = path.rpartition(".")
+        try:
+            owner = model.get_submodule(parent)
+        except AttributeError:
+            owner = None
+        router = getattr(owner, name, None) if owner is not None else None
+        if name == "router" and hasattr(router, "select_experts"):
+            kernel = getattr(getattr(owner, "routed_experts", None), "quant_method", None)
+            if getattr(kernel, "is_monolithic", False):
+                # such kernels take the router logits and route inside themselves
+                raise EngineError(f"`{path}`: this MoE layer's expert kernel ({type(kernel).__name__}) is "
+                                  "monolithic: it routes inside itself and never calls the router, so there is "
+                                  "no choice to capture; tap the gate's logits (`.gate.output`) instead")
+            return owner, router, "select_experts"
+    raise EngineError(f"the plan taps `{path}`, which this engine's model does not have: "
+                      "was the plan built for another model?")
+
+
+def _bind(module: torch.nn.Module, i: str, tap, what: tuple[str, int], layout: Layout, buffers) -> TapOp:
+    """Register the tap's tables on `module` (names `_tapc_<i>_*`) and return the op call that reads them."""
     kind, index = what
     if kind == "block":
         # vLLM splits the graph at this op; it runs eagerly and calls tapc.runtime (point `index`)
@@ -75,6 +109,8 @@ def _bind(module: torch.nn.Module, i: int, tap, what: tuple[str, int], layout: L
         pool = reg("pool", buffers.pools[int(layout.cap_group[index])])
 
         def capture(x, b):
+            if not x.is_floating_point():   # an MoE router's expert ids; the buffer keeps its int dtype
+                x = x.float()
             if b is None:
                 torch.ops.tapc.capture(x, getattr(module, dst), getattr(module, pool))
             else:
@@ -88,16 +124,16 @@ def _bind(module: torch.nn.Module, i: int, tap, what: tuple[str, int], layout: L
     return lambda x, b: op(x, b, getattr(module, slot), *[getattr(module, t) for t in tables])
 
 
-def _patch(module: torch.nn.Module, path: str, taps: list) -> None:
-    if "forward" in module.__dict__:
-        raise EngineError(f"`{path}` already has a patched forward: taps were installed twice on this model")
+def _patch(target, method: str, path: str, taps: list) -> None:
+    if method in target.__dict__:
+        raise EngineError(f"`{path}` already has a patched {method}: taps were installed twice on this model")
     source = [(tap, op) for tap, op in taps if tap.point.site == "source"]
     rest = [(tap, op) for tap, op in taps if tap.point.site != "source"]
-    forward = rewrite_forward(module, path, source) if source else module.forward
-    module.forward = _around(module, forward, rest) if rest else forward
+    original = rewrite_forward(target, path, source) if source else getattr(target, method)
+    setattr(target, method, _around(target, original, rest) if rest else original)
 
 
-def _around(module: torch.nn.Module, original, taps: list):
+def _around(module, original, taps: list):
     """`original` with the module-level taps: `input` ops before it, the others after."""
     before = [op for tap, op in taps if tap.point.site == "input"]
     after = [(tap.point, op) for tap, op in taps if tap.point.site != "input"]

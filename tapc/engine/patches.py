@@ -4,8 +4,9 @@
 The worker applies them at load (`TapWorker.load_model`, `apply`), after the taps are installed
 in the model (install.py patches forwards of that model's own module instances: part of the
 model, not listed here):
-- the runner's `execute_model` and `prepare_inputs` become its adapter's (runner_v2.py), which
-  call the originals around the runner-independent hooks (runner.py);
+- the runner's step methods become its adapter's (`adapter.METHODS`: `execute_model` and
+  `prepare_inputs` on V2, runner_v2.py; `execute_model`, `_model_forward` and `_dummy_run` on V1,
+  runner_v1.py), which call the originals around the runner-independent hooks (runner.py);
 - the sampler's class becomes a subclass that runs the engine points around sampling
   (`logits` before, `samples` after; points.py);
 - the process's `tapc::boundary` handler (kernels/ops.py) becomes the block runtime, breaking
@@ -66,15 +67,15 @@ class Patches:
 
 
 def apply(runner, adapter, points=None, breaks: bool = False) -> Patches:
-    """Route `runner`'s step (vLLM's V2 model runner, or a stand-in with its methods) through
-    `adapter` (runner_v2.V2Adapter); with `points` (EnginePoints), the sampler and the boundary handler; with
-    `breaks` (the plan has Python blocks), FULL graphs captured broken at them."""
+    """Route `runner`'s step (vLLM's V2 or V1 model runner, or a stand-in with its methods) through
+    `adapter` (runner_v2.V2Adapter, runner_v1.V1Adapter); with `points` (EnginePoints), the sampler and
+    the boundary handler; with `breaks` (the plan has Python blocks), FULL graphs captured broken at them."""
     from tapc.engine.graphs import breaking
     from tapc.kernels import ops
 
     patches = Patches()
-    patches.add(Patch(runner, "execute_model", adapter.execute_model))
-    patches.add(Patch(runner, "prepare_inputs", adapter.prepare_inputs))
+    for name in adapter.METHODS:
+        patches.add(Patch(runner, name, getattr(adapter, name)))
     if points is not None:
         if runner.sampler is not None:
             patches.add(sampler_patch(runner.sampler, points))
@@ -85,13 +86,14 @@ def apply(runner, adapter, points=None, breaks: bool = False) -> Patches:
 
 
 def sampler_patch(sampler, points) -> Patch:
-    """Run `points` around vLLM's sampler: logits before sampling, sampled ids after."""
+    """Run `points` around vLLM's sampler: logits before sampling, sampled ids after. V2 calls
+    it as `sampler(logits, input_batch)`, V1 as `sampler(logits=..., sampling_metadata=...)`."""
     base = type(sampler)
 
     class TappedSampler(base):
-        def __call__(self, logits, input_batch):
+        def __call__(self, logits, *args, **kwargs):
             points.on_logits(logits)
-            out = base.__call__(self, logits, input_batch)
+            out = base.__call__(self, logits, *args, **kwargs)
             points.on_samples(out.sampled_token_ids)
             return out
 

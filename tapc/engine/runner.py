@@ -1,10 +1,11 @@
 """The worker's per-request and per-step bookkeeping, whichever model runner drives it.
 
-A runner adapter (runner_v2.py for vLLM's V2 runner) calls, for each step:
+A runner adapter (runner_v2.py for vLLM's V2 runner, runner_v1.py for V1) calls, for each step:
 - `schedule(scheduler_output)` before the step: requests that finished or were preempted give
   back their parameter slot; new requests carrying `extra_args["tapc"]` get a `Record` (and a
   slot, with their parameter values written to the device tables) -- a preempted request that
-  comes back keeps its record. The scheduler's output is the same for every runner;
+  comes back keeps its record and takes a slot again. For the V2 runner vLLM sends a resumed
+  request among the new ones, for V1 among the cached ones (`resumed_req_ids`); both are met;
 - `begin_step(batch)` before the forward, with the batch's final row layout (a `StepBatch`):
   the host fills the row tables and uploads them;
 - `end_step()` after the forward is enqueued: the captured rows start their way to host memory;
@@ -52,6 +53,11 @@ class RunnerHooks:
     def schedule(self, scheduler_output) -> None:
         self._retire(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids or ())
         self._admit(scheduler_output.scheduled_new_reqs)
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        for rid in getattr(cached, "resumed_req_ids", ()):
+            rec = self.records.get(rid)
+            if rec is not None:
+                self._bind_slot(rec)
         self._step = None
 
     def begin_step(self, batch: StepBatch) -> None:
@@ -121,10 +127,14 @@ class RunnerHooks:
                 self.by_id[rec.id] = rec
                 if self.points is not None:
                     self.points.admit(rec, wire)
-            if (rec.edits or rec.logit_edits) and rec.slot < 0:
-                rec.slot = self.slots.take()
-                self.buffers.params.write(rec.slot, rec.edits, rec.params)
-                self.buffers.logit_params.write(rec.slot, rec.logit_edits, rec.params)
+            self._bind_slot(rec)
+
+    def _bind_slot(self, rec: Record) -> None:
+        """A parameter slot for a request with edits that has none, its values written there."""
+        if (rec.edits or rec.logit_edits) and rec.slot < 0:
+            rec.slot = self.slots.take()
+            self.buffers.params.write(rec.slot, rec.edits, rec.params)
+            self.buffers.logit_params.write(rec.slot, rec.logit_edits, rec.params)
 
     def _release(self, rec: Record) -> None:
         if rec.slot >= 0:

@@ -11,21 +11,16 @@ from __future__ import annotations
 
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.step import StepBatch
-from tapc.errors import EngineError
 
 
 class V2Adapter:
+    METHODS = ("execute_model", "prepare_inputs")   # the runner's methods it replaces
+
     @staticmethod
-    def check_runner(runner) -> None:
-        """Refuse any other runner before anything is allocated."""
+    def matches(runner) -> bool:
         from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2Runner
 
-        if not isinstance(runner, V2Runner):
-            raise EngineError(
-                f"tapc instruments vLLM's V2 model runner (vllm/v1/worker/gpu/), but this engine runs "
-                f"{type(runner).__module__}.{type(runner).__name__}: vLLM picks V1 for MoE, hybrid and "
-                "pooling models and when VLLM_USE_V2_MODEL_RUNNER=0. Unset that variable, or use a dense "
-                "decoder model")
+        return isinstance(runner, V2Runner)
 
     def __init__(self, runner, hooks: RunnerHooks):
         self.runner = runner
@@ -46,6 +41,11 @@ class V2Adapter:
         batch = self._prepare(scheduler_output, batch_desc)
         self.hooks.begin_step(step_batch(batch, self.runner.req_states.prompt_len.np))
         return batch
+
+    def graphs(self) -> dict:
+        """The FULL graphs the runner captured, by batch descriptor (none under enforce_eager)."""
+        manager = self.runner.cudagraph_manager
+        return dict(manager.graphs) if manager is not None else {}
 
 
 def step_batch(batch, prompt_len_by_state) -> StepBatch:

@@ -26,6 +26,7 @@ from tapc.engine.install import install
 from tapc.engine.layout import Layout
 from tapc.engine.points import EnginePoints
 from tapc.engine.runner import RunnerHooks
+from tapc.engine.runner_v1 import V1Adapter
 from tapc.engine.runner_v2 import V2Adapter
 from tapc.errors import EngineError
 from tapc.plan import TapPlan
@@ -39,7 +40,7 @@ class TapWorker(Worker):
             raise EngineError("tapc's worker runs without a plan: build engines with tapc.VLLM(...)")
         plan = TapPlan.from_json(config["plan"])
         runner = self.model_runner
-        V2Adapter.check_runner(runner)
+        adapter_cls = runner_adapter(runner)
         tp_rank, stage = _place(plan)
         layout = Layout(plan, tp_rank, stage)
         sched = self.vllm_config.scheduler_config
@@ -52,7 +53,8 @@ class TapWorker(Worker):
         points = EnginePoints(layout, buffers, _tp_all_gather) if layout.blocks or layout.engine else None
         self.tapc_has_blocks = any(t.action == "block" for t in plan.taps)
         self.tapc = RunnerHooks(layout, buffers, Arena(register=_register), points, inline=not _on_api_node())
-        self.tapc_patches = patches.apply(runner, V2Adapter(runner, self.tapc), points, breaks=bool(layout.blocks))
+        self.tapc_adapter = adapter_cls(runner, self.tapc)
+        self.tapc_patches = patches.apply(runner, self.tapc_adapter, points, breaks=bool(layout.blocks))
 
     def tapc_collect(self, ids: list[str]) -> dict:
         """The results of these tapc ids, as a `protocol.CollectReply` in wire form."""
@@ -70,8 +72,7 @@ class TapWorker(Worker):
     def tapc_graph_breaks(self) -> list[tuple[int, int]]:
         """(tokens, blocks it replays between its segments) of each FULL graph the runner
         captured: what `tapc explain` promises, as the engine built it."""
-        manager = self.model_runner.cudagraph_manager   # None under enforce_eager
-        graphs = manager.graphs if manager is not None else {}
+        graphs = self.tapc_adapter.graphs()
         return sorted((d.num_tokens, len(g.steps) if isinstance(g, SegmentedGraph) else 0) for d, g in graphs.items())
 
     def tapc_set_blocks(self, blocks: bytes) -> None:
@@ -82,6 +83,17 @@ class TapWorker(Worker):
                 raise EngineError("this engine's plan has no Python blocks")
             return
         self.tapc.points.runtime.register(pickle.loads(blocks))
+
+
+def runner_adapter(runner):
+    """The adapter class for vLLM's model runner (V2 for dense models, V1 for MoE, hybrid and
+    pooling models or under VLLM_USE_V2_MODEL_RUNNER=0); any other runner is refused before
+    anything is allocated."""
+    for adapter in (V2Adapter, V1Adapter):
+        if adapter.matches(runner):
+            return adapter
+    raise EngineError(f"tapc instruments vLLM's V2 (vllm/v1/worker/gpu/) and V1 (vllm/v1/worker/gpu_model_runner.py) "
+                      f"model runners, but this engine runs {type(runner).__module__}.{type(runner).__name__}")
 
 
 def _place(plan: TapPlan) -> tuple[int, int]:
