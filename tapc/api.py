@@ -27,7 +27,8 @@ class VLLM:
     """vLLM's `LLM` with taps. `taps`: tap strings (see `tapc explain`); `blocks`: Python blocks
     by name (docs/blocks.md); `params`: engine-wide parameter values, used by every request that
     does not pass its own; `capture_dtype`: dtype captures are stored in (default: the model's).
-    Other keyword arguments go to `vllm.LLM` (prefix caching is turned off; see docs/engine.md)."""
+    Other keyword arguments go to `vllm.LLM`. Prefix caching stays as vLLM sets it: requests that
+    capture prompt rows or edit are kept apart from cached KV by tapc/prefix.py."""
 
     def __init__(self, model: str, taps: Sequence[str], *, blocks: dict | None = None, params: dict | None = None,
                  capture_dtype: str | None = None, **kwargs):
