@@ -4,7 +4,6 @@ gives back (worker records, parameter slots, capture chunks). Correctness of the
 real engine: tests/test_async_gpu.py."""
 import asyncio
 import contextlib
-import gc
 
 import numpy as np
 import pytest
@@ -56,8 +55,7 @@ async def all_of(coros) -> list:
     keeps the results (and the captures they view) alive after the test drops them."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     await asyncio.wait(tasks)
-    return [t.exception() if t.cancelled() is False and t.exception() else
-            (asyncio.CancelledError() if t.cancelled() else t.result()) for t in tasks]
+    return [asyncio.CancelledError() if t.cancelled() else t.exception() or t.result() for t in tasks]
 
 
 def test_concurrent_requests_stream_and_finish_with_their_own_taps():
