@@ -59,7 +59,7 @@ class PrefixPolicy:
         if ask is None:
             return CacheUse()
         if self.blocks:
-            return CacheUse(skip_read=True, salt=self._sign(["request", tid]))
+            return CacheUse(skip_read=True, salt=self.unique(tid))
         skip = bool(ask.capture) and ask.positions not in ALWAYS_COMPUTED
         applied = [t for t in self.edits if _binds(t, ask.params)]
         if not applied:
@@ -67,6 +67,11 @@ class PrefixPolicy:
         what = [[t.source, {a.param: _canon(ask.params[a.param]) for a in t.args if a.param is not None}]
                 for t in applied]
         return CacheUse(skip_read=skip, salt=self._sign(["edits", what]))
+
+    def unique(self, tid: str) -> str:
+        """A salt no other request has: for a server, which cannot set `skip_reading_prefix_cache`
+        through the OpenAI API, the way to read no cached KV (its own KV is then shared with nobody)."""
+        return self._sign(["request", tid])
 
     def _sign(self, what) -> str:
         text = json.dumps(what, sort_keys=True, separators=(",", ":"))
