@@ -76,12 +76,19 @@ def setup(model: str, taps: Sequence[str], blocks: dict | None, params: dict | N
     """What a tapped engine (offline or async) needs before vLLM starts: the plan, the session
     (blocks= and params= checked against the plan) and vLLM's engine arguments."""
     require_cuda()
+    plan, kwargs = plan_for(model, taps, capture_dtype, kwargs)
+    return plan, TapSession(plan, params, blocks or {}), engine_kwargs(plan, kwargs)
+
+
+def plan_for(model: str, taps: Sequence[str], capture_dtype: str | None, kwargs: dict) -> tuple[TapPlan, dict]:
+    """The plan of an engine with vLLM arguments `kwargs` (no GPU needed), and those arguments
+    with the batch sizes the plan is built for."""
     kwargs = dict(kwargs)
     kwargs.setdefault("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
     kwargs.setdefault("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
     plan = build_plan(model, list(taps), max_num_batched_tokens=kwargs["max_num_batched_tokens"],
                       max_num_seqs=kwargs["max_num_seqs"], capture_dtype=capture_dtype, engine_args=kwargs)
-    return plan, TapSession(plan, params, blocks or {}), engine_kwargs(plan, kwargs)
+    return plan, kwargs
 
 
 def spec_arguments(spec, overrides: dict) -> tuple[str, list[str], dict]:

@@ -15,8 +15,12 @@ gives back what its request held. vLLM's handlers and responses are not patched.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
 
 from tapc.errors import RequestError
 
@@ -63,16 +67,11 @@ def server_for(engine_client, args):
 
 def error(status: int, message: str):
     """vLLM's error body (ErrorResponse), so OpenAI clients raise it as usual."""
-    from fastapi.responses import JSONResponse
-
     kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(status, "Error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status)
 
 
-def router():
-    from fastapi import APIRouter, Request
-    from fastapi.responses import JSONResponse, Response
-
+def router() -> APIRouter:
     r = APIRouter()
 
     def server_of(request: Request):
@@ -121,7 +120,10 @@ def router():
             return error(404, f"tapc: no results for {tid!r} (not a tapped request, fetched already, still "
                               f"running after {wait:g} s, or kept longer than {server.keep_s:g} s)")
         headers = {"x-tapc-error": stored.error.__class__.__name__} if stored.error is not None else {}
-        return Response(encode(stored), media_type="application/octet-stream", headers=headers)
+        data = encode(stored)
+        del stored             # the last views of its capture chunks: they go back to the workers now
+        server.collector.flush()
+        return Response(data, media_type="application/octet-stream", headers=headers)
 
     return r
 
@@ -178,8 +180,6 @@ class TapcMiddleware:
             await self.app(scope, receive, send_tapped)
         finally:
             if state["done"] and state["status"] == 200:
-                import asyncio
-
                 asyncio.get_running_loop().create_task(server.finished(tid, seen.usage()))
             else:
                 server.abandoned(tid)
