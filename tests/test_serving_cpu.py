@@ -220,3 +220,21 @@ def test_vllms_api_key_guards_tapc_routes():
     with client(app) as c:
         assert c.get("/v1/tapc/vectors").status_code == 401
         assert c.get("/v1/tapc/vectors", headers={"Authorization": "Bearer sesame"}).status_code == 200
+
+
+def test_the_python_client_registers_completes_and_fetches():
+    from tapc.client import TapcClient
+    from tapc.errors import RequestError
+
+    app, _ = stand_in_app()
+    v = np.linspace(1, 2, HIDDEN)
+    with client(app) as c:
+        tc = TapcClient("http://testserver/v1", api_key="k", http_client=c)
+        assert tc.register("calm", v) == HIDDEN
+        prompt = [3, 1, 4, 1, 5, 9, 2]
+        resp, tid = tc.complete(model="toy", prompt=prompt, max_tokens=3,
+                                taps=tc.ask(capture="model.layers.2.resid", params={"steer": "calm"}))
+        taps = tc.results(tid)
+        check_rows(as_req(prompt, resp.choices[0].tokens), taps, "all", [(1, v, 2.0, "all")])
+        with pytest.raises(RequestError, match="names vector 'sad', which is not registered"):
+            tc.complete(model="toy", prompt=prompt, max_tokens=3, taps=tc.ask(params={"steer": "sad"}))
