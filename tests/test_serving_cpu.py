@@ -161,8 +161,8 @@ def test_a_tapped_completion_brings_its_captures_by_id(stream):
         untapped = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
         assert untapped.status_code == 200 and "x-tapc-id" not in untapped.headers
         assert "cache_salt" not in app.state.seen[-1]
-        c.portal.call(app.state.tapc.collector.settle)
-        assert hooks.held() == {"running": 0, "uncollected": 0, "chunks": 0, "slots": 0}
+        assert c.get("/v1/tapc/held").json() == {"workers": [{"running": 0, "uncollected": 0, "chunks": 0,
+                                                               "slots": 0}]}
 
 
 @pytest.mark.parametrize("body,words", [

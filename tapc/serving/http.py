@@ -6,6 +6,7 @@ Routes, all under `/v1/` so that vLLM's `--api-key` guards them as it guards its
     GET    /v1/tapc/vectors          the registered names and sizes
     GET    /v1/tapc/plan             the plan (TapPlan JSON): what requests may capture and bind
     GET    /v1/tapc/results/{id}     a finished request's captures, safetensors bytes (once)
+    GET    /v1/tapc/held             what requests hold on the workers now (all zero when idle)
 and a middleware on vLLM's `/v1/completions` and `/v1/chat/completions`: a body with
 `vllm_xargs["tapc"]` is checked and rewritten (server.py `admit`; a bad one gets HTTP 400 with
 `RequestError`'s words, and vLLM never sees it), its response carries the request's tapc id
@@ -107,6 +108,16 @@ def router() -> APIRouter:
         if server is None:
             return error(503, "tapc: this server runs no tap plan")
         return Response(server.session.plan.to_json(), media_type="application/json")
+
+    @r.get("/v1/tapc/held")
+    async def held(request: Request):
+        """What requests hold on each worker (TapWorker.tapc_held), after dropped captures went
+        back: all zero on an idle server whose results were fetched."""
+        server = server_of(request)
+        if server is None:
+            return error(503, "tapc: this server runs no tap plan")
+        await server.collector.settle()
+        return JSONResponse({"workers": await server.collector.engine.collective_rpc("tapc_held")})
 
     @r.get("/v1/tapc/results/{tid}")
     async def results(request: Request, tid: str, wait: float = 60.0):
