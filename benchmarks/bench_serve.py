@@ -175,16 +175,19 @@ async def load(url: str, model: str, jobs: list[Job], clients: int, tapped: bool
     return sorted(out, key=lambda d: d.job.i), time.perf_counter() - start
 
 
-def start_server(cmd: list[str], port: int, log: str) -> subprocess.Popen:
+def start_server(cmd: list[str], log: str) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, log: str) -> None:
     import urllib.request
 
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     for _ in range(600):
         if proc.poll() is not None:
             raise SystemExit(f"server on port {port} exited ({proc.returncode}); see {log}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return proc
+                return
         except OSError:
             time.sleep(1)
     raise SystemExit(f"server on port {port} did not start in 10 minutes; see {log}")
@@ -311,13 +314,16 @@ def main() -> int:
               "--attention-backend", os.environ.get("TAPC_ATTENTION_BACKEND", "TRITON_ATTN"),
               "--max-num-seqs", "128"]
     env_py = sys.executable
+    logs = {port: os.path.join(work, f"{name}.log") for port, name in ((8101, "vanilla"), (8102, "tapc"))}
     vanilla = start_server([env_py, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", "8101", *common],
-                           8101, os.path.join(work, "vanilla.log"))
+                           logs[8101])
     tapped = start_server([env_py, "-m", "tapc.cli", "serve", model, "--port", "8102",
                            "--tap", "model.layers.*.resid",
                            "--tap", f"model.layers.{STEER_LAYER}.resid | add(steer, alpha={ALPHA})", *common],
-                          8102, os.path.join(work, "tapc.log"))
+                          logs[8102])
     try:
+        wait_healthy(vanilla, 8101, logs[8101])
+        wait_healthy(tapped, 8102, logs[8102])
         for k, v in enumerate(vectors):
             http_json("POST", "http://127.0.0.1:8102/v1/tapc/vectors", {"name": f"v{k}", "values": v.tolist()})
         jobs = make_jobs(args.requests, vocab, args.rate, args.abort)
