@@ -73,10 +73,18 @@ def test_concurrent_streamed_requests_equal_hf(served):
             last = out
         return outs, last
 
-    async def main():
-        return await asyncio.gather(*(one(i) for i in range(56)))
+    async def main():   # not asyncio.gather: its future would keep the outputs (and their captures) alive
+        tasks = [asyncio.ensure_future(one(i)) for i in range(56)]
+        await asyncio.wait(tasks)
+        return [t.result() for t in tasks]
 
-    for i, (stream, out) in enumerate(loop.run_until_complete(main())):
+    check_streams(path, loop.run_until_complete(main()))
+    # every capture view was dropped with check_streams' frame
+    assert loop.run_until_complete(engine.held()) == [IDLE]
+
+
+def check_streams(path, results) -> None:
+    for i, (stream, out) in enumerate(results):
         n = 4 + i % 9
         assert [k for k, _ in stream] == sorted({k for k, _ in stream}) and stream[-1] == (n, True), f"c{i}: {stream}"
         assert len(out.outputs[0].token_ids) == n and out.error is None, f"c{i}: {out.error}"
@@ -90,7 +98,6 @@ def test_concurrent_streamed_requests_equal_hf(served):
         rows = rows_for(ask.positions, len(out.prompt_token_ids), n)
         for key, value in out.taps.items():
             assert_matches(value, ref[key][rows], f"c{i} ({ask.positions}, steered {steer is not None}) {key}")
-    assert loop.run_until_complete(engine.held()) == [IDLE]
 
 
 def test_aborting_many_mid_stream_gives_everything_back(served):
@@ -116,7 +123,20 @@ def test_aborting_many_mid_stream_gives_everything_back(served):
         await asyncio.wait(tasks)
         return [None if t.cancelled() else t.result() for t in tasks]
 
-    outs = loop.run_until_complete(main())
+    check_stopped(path, loop.run_until_complete(main()))
+    # every capture view was dropped with check_stopped's frame
+    assert loop.run_until_complete(engine.held()) == [IDLE], "aborted requests left something behind"
+
+    async def after():
+        async for out in engine.generate(prompt(1), greedy(5), "after", taps=TapRequest(capture=KEY)):
+            pass
+        return out
+
+    out = loop.run_until_complete(after())
+    assert out.error is None and out.taps[KEY].shape[0] == len(out.prompt_token_ids) + 4
+
+
+def check_stopped(path, outs) -> None:
     for i, out in enumerate(outs):
         if i % 3 == 2:
             assert out is None, f"a{i} was not cancelled"
@@ -130,13 +150,3 @@ def test_aborting_many_mid_stream_gives_everything_back(served):
     tokens = list(survivor.prompt_token_ids) + list(survivor.outputs[0].token_ids)
     ref = hf_reference(path, tokens[:-1], steer=(2, VECTORS[0], 8.0))
     assert_matches(survivor.taps[KEY], ref[KEY], "a finished request among aborted ones")
-    del outs, survivor
-    assert loop.run_until_complete(engine.held()) == [IDLE], "aborted requests left something behind"
-
-    async def after():
-        async for out in engine.generate(prompt(1), greedy(5), "after", taps=TapRequest(capture=KEY)):
-            pass
-        return out
-
-    out = loop.run_until_complete(after())
-    assert out.error is None and out.taps[KEY].shape[0] == len(out.prompt_token_ids) + 4
