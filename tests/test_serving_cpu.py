@@ -238,3 +238,22 @@ def test_the_python_client_registers_completes_and_fetches():
         check_rows(as_req(prompt, resp.choices[0].tokens), taps, "all", [(1, v, 2.0, "all")])
         with pytest.raises(RequestError, match="names vector 'sad', which is not registered"):
             tc.complete(model="toy", prompt=prompt, max_tokens=3, taps=tc.ask(params={"steer": "sad"}))
+
+
+def test_the_wire_as_text_round_trips_and_refuses_blocks():
+    from tapc.engine.protocol import WireRequest
+    from tapc.engine.requests import TapRequest, check
+    from tapc.errors import ProtocolError
+
+    plan = toy_plan(TAPS)
+    wire = WireRequest("id1", check(plan, TapRequest(capture="*", positions=[0, 3], params={"steer": np.ones(HIDDEN)}),
+                                    "r"))
+    assert WireRequest.from_wire(wire.to_text()) == wire
+    with pytest.raises(ProtocolError, match="tapc request: not JSON"):
+        WireRequest.from_wire("{nope")
+    with pytest.raises(ProtocolError, match=r"a vector parameter is not \{'base64': ...\}"):
+        WireRequest.from_wire(json.dumps({**json.loads(wire.to_text()), "params": {"steer": {"hex": "00"}}}))
+    with_blocks = WireRequest("id2", check(toy_plan(["model.layers.0.resid -> probe"]),
+                                           TapRequest(blocks={"probe": lambda ctx, x: None}), "r"))
+    with pytest.raises(ProtocolError, match="per-request blocks do not travel as text"):
+        with_blocks.to_text()
