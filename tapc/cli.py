@@ -1,5 +1,6 @@
 """`tapc` on the command line. `tapc explain MODEL [TAP...]` / `tapc explain SPEC.yaml [--json]`;
-`tapc harvest SPEC.yaml PROMPTS` (a CUDA GPU and vLLM)."""
+`tapc harvest SPEC.yaml PROMPTS` (a CUDA GPU and vLLM); `tapc serve SPEC.yaml|MODEL --tap ... [vllm serve
+options]` (vLLM's OpenAI server with the plan: docs/serving.md)."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +13,7 @@ from tapc.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 EXIT_SPEC_ERROR = 2
 DOCS = ("the tap language: docs/dsl.md; YAML specs and plans: docs/spec.md; harvests: docs/harvest.md; "
-        "the engine: docs/engine.md (in the tapc repository, and in README.md)")
+        "the engine: docs/engine.md; serving: docs/serving.md (in the tapc repository, and in README.md)")
 
 
 def _explain(args) -> int:
