@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tapc.errors import TapcError
 
-__all__ = ["TapcError", "VLLM"]
+__all__ = ["AsyncVLLM", "TapcError", "VLLM"]
 
 
 # From a source checkout, `tapc.kernels` and `tapc.grammar` are the top-level folders `kernels/`
@@ -21,9 +21,13 @@ if not (_here / "kernels").is_dir():
 
 
 def __getattr__(name):
-    # `VLLM` pulls in vLLM and torch: only on first use, so that `tapc explain` stays light.
+    # The engines pull in vLLM and torch: only on first use, so that `tapc explain` stays light.
     if name == "VLLM":
         from tapc.api import VLLM
 
         return VLLM
+    if name == "AsyncVLLM":
+        from tapc.async_engine import AsyncVLLM
+
+        return AsyncVLLM
     raise AttributeError(f"module 'tapc' has no attribute {name!r}")

@@ -27,21 +27,15 @@ class VLLM:
     """vLLM's `LLM` with taps. `taps`: tap strings (see `tapc explain`); `blocks`: Python blocks
     by name (docs/blocks.md); `params`: engine-wide parameter values, used by every request that
     does not pass its own; `capture_dtype`: dtype captures are stored in (default: the model's).
-    Other keyword arguments go to `vllm.LLM` (prefix caching is turned off; see docs/engine.md)."""
+    Other keyword arguments go to `vllm.LLM`. Prefix caching stays as vLLM sets it: requests that
+    capture prompt rows or edit are kept apart from cached KV by tapc/prefix.py."""
 
     def __init__(self, model: str, taps: Sequence[str], *, blocks: dict | None = None, params: dict | None = None,
                  capture_dtype: str | None = None, **kwargs):
-        require_cuda()
         from vllm import LLM
 
-        kwargs.setdefault("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
-        kwargs.setdefault("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
-        self.plan: TapPlan = build_plan(model, list(taps), max_num_batched_tokens=kwargs["max_num_batched_tokens"],
-                                        max_num_seqs=kwargs["max_num_seqs"], capture_dtype=capture_dtype,
-                                        engine_args=kwargs)
-        # Checks blocks= and params= against the plan before the engine starts.
-        self.session = TapSession(self.plan, params, blocks or {})
-        self.llm = LLM(model=model, **engine_kwargs(self.plan, kwargs))
+        self.plan, self.session, engine_args = setup(model, taps, blocks, params, capture_dtype, kwargs)
+        self.llm = LLM(model=model, **engine_args)
         if blocks:
             import cloudpickle
 
@@ -52,12 +46,8 @@ class VLLM:
         """An engine from a YAML spec (a path or a loaded `Spec`): its model, engine arguments,
         taps, parameters (tensors loaded from their files) and capture dtype. `overrides` are
         more keyword arguments (e.g. blocks=, attention_backend=)."""
-        from tapc.specfile import Spec, load_spec
-
-        spec = spec if isinstance(spec, Spec) else load_spec(spec)
-        params = spec.param_values()
-        return cls(spec.model, [t.text for t in spec.taps], params=params or None,
-                   capture_dtype=spec.capture.dtype, **{**spec.engine, **overrides})
+        model, taps, kwargs = spec_arguments(spec, overrides)
+        return cls(model, taps, **kwargs)
 
     def generate(self, prompts, sampling_params=None, *, taps: TapRequest | Sequence[TapRequest | None] | None = None,
                  **kwargs) -> list:
@@ -79,3 +69,33 @@ class VLLM:
         chunks = self.session.released()
         if chunks:
             self.llm.collective_rpc("tapc_release", args=(chunks,))
+
+
+def setup(model: str, taps: Sequence[str], blocks: dict | None, params: dict | None, capture_dtype: str | None,
+          kwargs: dict) -> tuple[TapPlan, TapSession, dict]:
+    """What a tapped engine (offline or async) needs before vLLM starts: the plan, the session
+    (blocks= and params= checked against the plan) and vLLM's engine arguments."""
+    require_cuda()
+    plan, kwargs = plan_for(model, taps, capture_dtype, kwargs)
+    return plan, TapSession(plan, params, blocks or {}), engine_kwargs(plan, kwargs)
+
+
+def plan_for(model: str, taps: Sequence[str], capture_dtype: str | None, kwargs: dict) -> tuple[TapPlan, dict]:
+    """The plan of an engine with vLLM arguments `kwargs` (no GPU needed), and those arguments
+    with the batch sizes the plan is built for."""
+    kwargs = dict(kwargs)
+    kwargs.setdefault("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    kwargs.setdefault("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+    plan = build_plan(model, list(taps), max_num_batched_tokens=kwargs["max_num_batched_tokens"],
+                      max_num_seqs=kwargs["max_num_seqs"], capture_dtype=capture_dtype, engine_args=kwargs)
+    return plan, kwargs
+
+
+def spec_arguments(spec, overrides: dict) -> tuple[str, list[str], dict]:
+    """(model, taps, keyword arguments) of an engine from a YAML spec (a path or a `Spec`)."""
+    from tapc.specfile import Spec, load_spec
+
+    spec = spec if isinstance(spec, Spec) else load_spec(spec)
+    params = spec.param_values()
+    return spec.model, [t.text for t in spec.taps], dict(params=params or None, capture_dtype=spec.capture.dtype,
+                                                         **{**spec.engine, **overrides})

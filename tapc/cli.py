@@ -1,5 +1,6 @@
 """`tapc` on the command line. `tapc explain MODEL [TAP...]` / `tapc explain SPEC.yaml [--json]`;
-`tapc harvest SPEC.yaml PROMPTS` (a CUDA GPU and vLLM)."""
+`tapc harvest SPEC.yaml PROMPTS` (a CUDA GPU and vLLM); `tapc serve SPEC.yaml|MODEL --tap ... [vllm serve
+options]` (vLLM's OpenAI server with the plan: docs/serving.md)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ from tapc.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 EXIT_SPEC_ERROR = 2
 DOCS = ("the tap language: docs/dsl.md; YAML specs and plans: docs/spec.md; harvests: docs/harvest.md; "
-        "the engine: docs/engine.md (in the tapc repository, and in README.md)")
+        "the engine: docs/engine.md; serving: docs/serving.md (in the tapc repository, and in README.md)")
 
 
 def _explain(args) -> int:
@@ -112,6 +113,32 @@ def _harvest_gpus(args, spec) -> int:
     return 1 if m.failed else 0
 
 
+def _serve(args, rest: list[str]) -> int:
+    import shlex
+
+    from tapc.serving.launch import run, serve_argv, sizes
+
+    engine, rest = sizes(rest)   # the plan is built for these: they go to the plan, not past it
+    if args.target.endswith((".yaml", ".yml")):
+        from tapc.api import spec_arguments
+
+        if args.tap:
+            raise TapcError("tapc serve: give a spec or --tap, not both (the spec's taps are the plan)")
+        model, taps, kwargs = spec_arguments(args.target, engine)
+        kwargs.pop("params")       # the server loads them from the spec
+        argv = serve_argv(model, taps, capture_dtype=kwargs.pop("capture_dtype"), spec_path=args.target,
+                          engine=kwargs, extra=rest)
+    else:
+        if not args.tap:
+            raise TapcError("tapc serve: give a spec .yaml, or a model and its taps (--tap ...)")
+        argv = serve_argv(args.target, args.tap, capture_dtype=args.capture_dtype, engine=engine, extra=rest)
+    if args.print:
+        print(shlex.join(["vllm", *argv]))
+        return 0
+    run(argv)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tapc", description="A declarative tap compiler for vLLM.",
                                      epilog=f"Docs: {DOCS}.")
@@ -146,11 +173,22 @@ def main(argv: list[str] | None = None) -> int:
     hv.add_argument("--window-tokens", type=int, default=None,
                     help="tokens in flight (submitted, not yet written); bounds /dev/shm use (default: 8 steps)")
     hv.add_argument("--max-tokens", type=int, default=1, help="tokens generated per prompt (default 1)")
-    args = parser.parse_args(argv)
+    sv = sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the taps (vllm serve; CUDA GPU)",
+                        description="Run `vllm serve` with a tap plan; options tapc does not know go to vLLM. "
+                                    "Requests ask for taps in vllm_xargs (docs/serving.md).", epilog=f"Docs: {DOCS}.")
+    sv.add_argument("target", help="a spec .yaml, or a model (with --tap)")
+    sv.add_argument("--tap", action="append", default=[], help="a tap string (repeat); not with a spec")
+    sv.add_argument("--capture-dtype", default=None, help="dtype captures are kept in (default: the model's)")
+    sv.add_argument("--print", action="store_true", help="print the vllm serve command instead of running it")
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "serve":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.argv = list(sys.argv[1:] if argv is None else argv)   # what --gpus runs again per GPU
-    # vLLM logs to stdout at import; `--json` output must stay clean
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if args.command != "serve":   # vLLM logs to stdout at import; `--json` output must stay clean
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
+        if args.command == "serve":
+            return _serve(args, rest)
         return _explain(args) if args.command == "explain" else _harvest(args)
     except TapcError as e:
         print(f"tapc: {type(e).__name__}: {e}", file=sys.stderr)

@@ -28,7 +28,7 @@ class PlanError(TapcError, ValueError):
 
 
 class EngineError(TapcError, RuntimeError):
-    """The engine cannot serve a tap as asked (runner not instrumented, prefix cache, ...)."""
+    """The engine cannot serve a tap as asked (runner not instrumented, wrong parallel sizes, ...)."""
 
 
 class ProtocolError(EngineError):

@@ -5,6 +5,7 @@ engine or an HTTP route around theirs:
 
     checked = session.check(ask, "request 3")             # RequestError before anything is sent
     prepared = session.prepare(sampling_params, checked, "request 3")   # tapc id, SamplingParams
+    prompt = salted(prompt, prepared.salt)     # its prefix-cache salt, if it edits (tapc/prefix.py)
     chunks = session.released()      # -> collective_rpc("tapc_release", chunks), before submitting
     ... submit the prompt with prepared.params; wait for its final output `out` ...
     replies = collective_rpc("tapc_collect", session.wanted([prepared]))  # one per worker; tapped only
@@ -36,6 +37,7 @@ from tapc.engine.protocol import Ask, CollectReply, Result, WireRequest
 from tapc.engine.requests import TapRequest, check, check_engine_params
 from tapc.errors import EngineError, ProtocolError, RequestError, TapcError
 from tapc.plan import ENGINE, TapPlan
+from tapc.prefix import PrefixPolicy, salted
 
 log = logging.getLogger("tapc")
 
@@ -43,10 +45,12 @@ log = logging.getLogger("tapc")
 @dataclass(frozen=True)
 class Prepared:
     """One request ready to submit: `params` (the caller's own object when untapped, else a
-    copy carrying the wire) and its wire (None: untapped)."""
+    copy carrying the wire and whether it may read the prefix cache), its wire (None:
+    untapped) and the `cache_salt` its prompt must carry (tapc/prefix.py; None: none)."""
 
     params: object
     wire: WireRequest | None
+    salt: str | None = None
 
     @property
     def id(self) -> str | None:
@@ -86,6 +90,7 @@ class TapSession:
         # Blocks and engine points run for every request: each needs an id to bring results back.
         self.every = bool(self.block_names) or any(t.kind == ENGINE for t in plan.taps)
         self.arena = ArenaReader()
+        self.prefix = PrefixPolicy(plan)
 
     # ---------------------------------------------------------------- going in
 
@@ -111,7 +116,7 @@ class TapSession:
 
     def prepare(self, sampling_params, checked: Ask | None, where: str) -> Prepared:
         """One request to submit, from its checked ask: its tapc id (made here, once) travels
-        in a copy of its SamplingParams."""
+        in a copy of its SamplingParams, with what it may do with the prefix cache."""
         if checked is None:
             return Prepared(sampling_params, None)
         if sampling_params.n != 1:
@@ -122,12 +127,15 @@ class TapSession:
         # (InputProcessor.process_inputs), so only extra_args needs to be our own.
         sp = copy.copy(sampling_params)
         sp.extra_args = {**(sp.extra_args or {}), "tapc": wire.to_wire()}
-        return Prepared(sp, wire)
+        use = self.prefix.use(checked, wire.id)
+        if use.skip_read:
+            sp.skip_reading_prefix_cache = True
+        return Prepared(sp, wire, use.salt)
 
     def prepare_batch(self, prompts, sampling_params=None,
                       taps: TapRequest | Sequence[TapRequest | None] | None = None) -> tuple[list, list[Prepared]]:
-        """`generate`'s arguments as lists of prompts and prepared requests. Every request is
-        checked before any is returned, so a bad one submits nothing."""
+        """`generate`'s arguments as lists of prompts (salted where `prepare` says) and prepared
+        requests. Every request is checked before any is returned, so a bad one submits nothing."""
         from vllm import SamplingParams
 
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
@@ -143,7 +151,7 @@ class TapSession:
             if id(ask) not in checked:
                 checked[id(ask)] = self.check(ask, f"request {i}")
             out.append(self.prepare(sp, checked[id(ask)], f"request {i}"))
-        return prompts, out
+        return [salted(prompt, p.salt) for prompt, p in zip(prompts, out)], out
 
     def released(self) -> list[tuple[str, int]]:
         """Capture chunks the caller has dropped since the last call: the worker may reuse them

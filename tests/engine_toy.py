@@ -287,6 +287,7 @@ class Req:
     preempt_at: int | None = None   # preempted (recomputed from 0) once, at this step
     tokens: list[int] = field(default_factory=list)
     computed: int = 0
+    cached: int = 0                 # prompt tokens served from the prefix cache (not run)
 
 
 def next_token(tokens: list[int]) -> int:
@@ -308,6 +309,7 @@ class Scheduler:
 
     def add(self, r: Req) -> None:
         r.tokens = list(r.prompt)
+        r.computed = r.cached
         self.live.append(r)
 
     def busy(self) -> bool:
@@ -456,22 +458,39 @@ class ToyEngine:
 class ToyLLM:
     """Plays `vllm.LLM` behind `tapc.VLLM`: `generate` schedules the submitted requests on the
     toy runner; `collective_rpc` reaches the hooks as the worker's methods do; `llm_engine`
-    takes requests one at a time (a harvest's loop)."""
+    takes requests one at a time (a harvest's loop).
 
-    def __init__(self, runner: ToyRunner, hooks, budget: int = 16):
-        self.runner, self.hooks, self.budget = runner, hooks, budget
+    With `block` set it plays vLLM's prefix cache too: the computed tokens of each finished
+    request are cached in full blocks, keyed by the prompt's `cache_salt` and the tokens; a
+    new request (unless its SamplingParams skip reading) starts after its longest cached
+    prefix, short of its last prompt token, as vLLM does (`KVCacheManager.get_computed_blocks`).
+    `cached` lists how many tokens each request got from the cache."""
+
+    def __init__(self, runner: ToyRunner, hooks, budget: int = 16, block: int | None = None):
+        self.runner, self.hooks, self.budget, self.block = runner, hooks, budget, block
         self.served = 0
         self.submitted = None   # the sampling params of the last call
         self.llm_engine = ToyEngine(runner, budget)
         self.rpcs: list[str] = []
+        self.cache: set[tuple] = set()
+        self.cached: list[int] = []
 
     def generate(self, prompts, params, **kwargs):
         self.submitted = params
         wires = [(sp.extra_args or {}).get("tapc") for sp in params]
         reqs = [Req(f"r{self.served + i}", p["prompt_token_ids"], sp.max_tokens,
                     None if w is None else WireRequest.from_wire(w)) for i, (p, sp, w) in enumerate(zip(prompts, params, wires))]
+        for r, p, sp in zip(reqs, prompts, params):
+            if self.block and not getattr(sp, "skip_reading_prefix_cache", False):
+                r.cached = max((k for k in range(0, len(r.prompt), self.block)
+                                if (p.get("cache_salt"), tuple(r.prompt[:k])) in self.cache), default=0)
+        self.cached = [r.cached for r in reqs]
         self.served += len(reqs)
         run(self.runner, reqs, self.budget)
+        if self.block:
+            for r, p in zip(reqs, prompts):
+                done = len(r.tokens) - 1   # the last token was sampled, never run
+                self.cache.update((p.get("cache_salt"), tuple(r.tokens[:k])) for k in range(self.block, done + 1, self.block))
         return [output_of(r) for r in reqs]
 
     def collective_rpc(self, method, args=()):
@@ -480,13 +499,13 @@ class ToyLLM:
         return [over_the_wire(worker[method](*args))]
 
 
-def toy_vllm(taps: list[str], params: dict | None = None):
+def toy_vllm(taps: list[str], params: dict | None = None, block: int | None = None):
     """A `tapc.VLLM` over the toy engine (the API's own request handling and assembly), and
-    the worker's hooks."""
+    the worker's hooks. `block`: the toy's prefix cache on, with blocks of that many tokens."""
     from tapc.api import VLLM
 
     plan = toy_plan(taps)
     runner, hooks = hooks_for(plan, ToyModel())
     llm = VLLM.__new__(VLLM)
-    llm.plan, llm.session, llm.llm = plan, TapSession(plan, params), ToyLLM(runner, hooks)
+    llm.plan, llm.session, llm.llm = plan, TapSession(plan, params), ToyLLM(runner, hooks, block=block)
     return llm, hooks

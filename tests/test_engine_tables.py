@@ -180,12 +180,11 @@ def test_request_by_tap_line_expands_the_glob():
 def test_engine_kwargs():
     plan = toy_plan(PLAN_TAPS, rows=64, slots=8)
     kw = engine_kwargs(plan, {"max_num_batched_tokens": 64, "additional_config": {"mine": 1}})
-    assert kw["worker_cls"] == WORKER and kw["enable_prefix_caching"] is False and kw["max_num_seqs"] == 8
+    assert kw["worker_cls"] == WORKER and "enable_prefix_caching" not in kw and kw["max_num_seqs"] == 8
     assert kw["additional_config"]["mine"] == 1 and plan.digest != kw["additional_config"]["tapc"]["digest"]
 
 
 @pytest.mark.parametrize("kwargs,words", [
-    ({"enable_prefix_caching": True}, "prefix cache skip the forward"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 but the plan was built for 1"),
     ({"worker_cls": "my.Worker"}, "runs tapc's worker"),
     ({"max_num_seqs": 9}, "plan was built for 8"),

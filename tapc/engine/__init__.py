@@ -16,6 +16,6 @@
 - `patches`: every change to vLLM's and torch's objects (the adapter's runner methods, sampler class, the
   boundary handler, the CUDA graph class while capturing), each undoable.
 - `worker`: the vLLM worker class that installs all of it after the model loads.
-- `config`: the engine arguments a plan needs (compilation, prefix caching, worker class).
+- `config`: the engine arguments a plan needs (compilation, worker class, parallel sizes).
 See docs/engine.md.
 """

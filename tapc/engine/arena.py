@@ -159,6 +159,11 @@ class ArenaReader:
         """The block at (path, offset) can go back (finalizers call this from any thread)."""
         self._unused.append((path, offset))
 
+    @property
+    def pending(self) -> bool:
+        """Whether blocks were noted since the last `drain`."""
+        return bool(self._unused)
+
     def drain(self) -> list[tuple[str, int]]:
         out = []
         while self._unused:  # pop, not a swap: a finalizer may append meanwhile

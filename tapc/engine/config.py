@@ -5,9 +5,9 @@
 - `additional_config["tapc"]`: the plan (JSON) and a digest of the plan and of the code that
   runs inside the graphs. vLLM hashes `additional_config` into its compile-cache key, so a new
   plan or changed tap code never reuses stale compiled graphs.
-- prefix caching off: tokens served from the prefix cache skip the forward, so their rows
-  would be missing from a capture and would not carry a request's edit. tapc refuses to run a
-  tapped engine with it rather than return short captures.
+- prefix caching is left as the user sets it (vLLM's default: on). Tokens served from the
+  prefix cache skip the forward, so the API decides per request what it may read and share
+  (tapc/prefix.py: captures of prompt rows read no cache, edits get a `cache_salt`).
 - on several GPUs (tensor / pipeline parallel sizes as the plan was built for): vLLM's
   multiprocessing executor, one worker process per GPU (docs/distributed.md).
 Compilation settings are left as the user gave them (vLLM's default: FULL_AND_PIECEWISE),
@@ -47,10 +47,6 @@ def require_cuda() -> None:
 def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
     """vLLM `LLM(...)` keyword arguments for `plan`, from the user's `kwargs`."""
     out = dict(kwargs)
-    if out.get("enable_prefix_caching"):
-        raise EngineError("enable_prefix_caching=True: tokens served from the prefix cache skip the forward, so "
-                          "their rows would be missing from captures and edits; tapped engines run without it")
-    out["enable_prefix_caching"] = False
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
         if out.get(name, 1) != getattr(plan, name):
             raise EngineError(f"{name}={out.get(name, 1)} but the plan was built for {getattr(plan, name)}")

@@ -18,6 +18,8 @@ request.
 """
 from __future__ import annotations
 
+import base64
+import json
 import sys
 import traceback
 from collections.abc import Mapping
@@ -87,9 +89,22 @@ class WireRequest:
                 "positions": a.positions if isinstance(a.positions, str) else list(a.positions),
                 "params": dict(a.params), "blocks": a.blocks}
 
+    def to_text(self) -> str:
+        """The wire form as JSON text, vectors' bytes in base64: what an HTTP server puts in a
+        request's `vllm_xargs`, which carries strings, numbers and lists only. `from_wire`
+        reads either form. No blocks: a server never takes code from a request."""
+        if self.ask.blocks is not None:
+            raise ProtocolError("tapc request: per-request blocks do not travel as text")
+        d = self.to_wire()
+        d["params"] = {k: {"base64": base64.b64encode(v).decode()} if isinstance(v, bytes) else v
+                       for k, v in d["params"].items()}
+        return json.dumps(d)
+
     @classmethod
     def from_wire(cls, d) -> "WireRequest":
         what = "tapc request"
+        if isinstance(d, str):
+            d = _from_text(d, what)
         _check_version(d, what)
         positions = _get(d, "positions", (str, list, tuple), what)
         blocks = d.get("blocks")
@@ -107,6 +122,22 @@ class WireRequest:
                   positions=positions if isinstance(positions, str) else tuple(positions),
                   params=params, blocks=blocks)
         return cls(_get(d, "id", str, what), ask)
+
+
+def _from_text(text: str, what: str) -> dict:
+    """`WireRequest.to_text`'s JSON back to the wire form."""
+    try:
+        d = json.loads(text)
+    except ValueError as e:
+        raise ProtocolError(f"{what}: not JSON ({e})") from None
+    params = d.get("params") if isinstance(d, dict) else None
+    if isinstance(params, dict):
+        try:
+            d["params"] = {k: base64.b64decode(v["base64"], validate=True) if isinstance(v, dict) else v
+                           for k, v in params.items()}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"{what}: a vector parameter is not {{'base64': ...}} ({e})") from None
+    return d
 
 
 def _is_number(v) -> bool:

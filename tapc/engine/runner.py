@@ -186,6 +186,13 @@ class RunnerHooks:
             if self.arena.owns(path):
                 self.arena.give_back(path, offset)
 
+    def held(self) -> dict[str, int]:
+        """What requests hold here now: `running`, records of requests vLLM still runs;
+        `uncollected`, results (or errors) waiting for `collect`; `chunks`, capture blocks of the
+        arena not given back; `slots`, parameter slots taken."""
+        return {"running": len(self.records), "uncollected": len(self.by_id) + len(self.errors),
+                "chunks": len(self.arena.held), "slots": self.buffers.slots - len(self.slots.free)}
+
 
 def _store_result(layout: Layout, arena: Arena, store: Store, inline: bool) -> StoreResult:
     return StoreResult(keys=tuple(layout.captures[c].key for c in store.caps),

@@ -63,6 +63,11 @@ class TapWorker(Worker):
     def tapc_release(self, chunks: list[tuple[str, int]]) -> None:
         self.tapc.release(chunks)
 
+    def tapc_held(self) -> dict[str, int]:
+        """What requests hold on this worker now (`RunnerHooks.held`): all 0 on an idle engine
+        whose callers dropped their captures, aborted requests included."""
+        return self.tapc.held()
+
     def tapc_memory(self) -> dict[str, int]:
         """tapc's device buffers: `owned`, the bytes of their tensors; `tensors`, how many;
         `allocated`, what the allocator handed out while they were made."""

@@ -1,0 +1,368 @@
+"""Load test of `tapc serve` against vanilla `vllm serve`, both started by this script on one GPU.
+
+    source .gpu/activate && python3 benchmarks/bench_serve.py --quick --out bench_serve.md
+
+A random Llama checkpoint with realistic init (and a word-level tokenizer over its vocabulary)
+is written; a vanilla server and a tapc server (captures of every layer's residual stream,
+a steering edit with per-request vectors) run side by side, each on its share of the GPU.
+The same request list goes to each, over real HTTP, from `--clients` concurrent clients with
+staggered (Poisson) arrivals: untapped, capturing (all / prompt / generated rows), steered by
+one of three registered vectors (some capturing too), a share streamed, `--abort` of them
+aborted mid-stream (the client closes the connection), and half behind one shared system
+prompt. The vanilla server gets the same prompts and lengths without taps.
+
+Checked for every finished request of the tapc server, against HF transformers on the same
+weights (teacher-forced on the tokens the request went through, with the request's own
+steering): every capture has exactly the rows its positions promise and equals HF's within
+bf16 tolerance; every generated token is HF's greedy choice unless HF's top two are within a
+near-tie margin (vLLM is not batch-invariant). No response lost; the server healthy after, and
+its workers hold nothing (`GET /v1/tapc/held`) once every result was fetched.
+Reported: output tokens/s of each server and their ratio (goal >= 0.95x), and the share of
+untapped prompt tokens served from the prefix cache (`usage.prompt_tokens_details`, goal: equal
+to vanilla's).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEER_LAYER, ALPHA = 1, 4.0
+
+
+@dataclass
+class Job:
+    i: int
+    prompt: list[int]
+    max_tokens: int
+    kind: str                    # untapped | capture | steer | steer+capture
+    positions: str = "all"
+    vector: int = -1             # which registered vector steers it
+    stream: bool = False
+    abort_after: int = 0         # streamed chunks read before closing the connection (0: never)
+    at: float = 0.0              # seconds after the start when it is sent
+
+
+@dataclass
+class Done:
+    job: Job
+    tokens: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached: int = 0
+    tid: str | None = None
+    error: str | None = None
+    aborted: bool = False
+
+
+def write_model(path: str, hidden: int, layers: int, vocab: int) -> None:
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                                      num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
+                                      num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=4096,
+                                      initializer_range=0.02, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1",
+                                         unk_token="t2").save_pretrained(path)
+
+
+def make_jobs(n: int, vocab: int, rate: float, abort: float, seed: int = 0) -> list[Job]:
+    rng = random.Random(seed)
+    system = [rng.randrange(3, vocab) for _ in range(256)]
+    jobs, t = [], 0.0
+    for i in range(n):
+        t += rng.expovariate(rate)
+        own = [rng.randrange(3, vocab) for _ in range(rng.randrange(8, 200))]
+        prompt = system + own if i % 2 == 0 else own
+        r = rng.random()
+        kind = "untapped" if r < 0.4 else "capture" if r < 0.6 else "steer" if r < 0.85 else "steer+capture"
+        job = Job(i, prompt, rng.randrange(16, 96), kind, at=t,
+                  positions=rng.choice(["all", "prompt", "generated"]), vector=rng.randrange(3))
+        job.stream = rng.random() < 0.25
+        if rng.random() < abort:
+            job.stream, job.abort_after = True, rng.randrange(1, 8)
+        jobs.append(job)
+    return jobs
+
+
+def taps_of(job: Job) -> dict | None:
+    ask = {}
+    if "capture" in job.kind:
+        ask["capture"] = ["model.layers.*.resid"]
+        ask["positions"] = job.positions
+    if "steer" in job.kind:
+        ask["params"] = {"steer": f"v{job.vector}"}
+    return {"tapc": json.dumps(ask)} if ask else None
+
+
+async def send(session, url: str, model: str, job: Job, tapped: bool) -> Done:
+    import aiohttp
+
+    done = Done(job)
+    body = {"model": model, "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "stream": job.stream}
+    if job.stream:
+        body["stream_options"] = {"include_usage": True}
+    xargs = taps_of(job) if tapped else None
+    if xargs:
+        body["vllm_xargs"] = xargs
+    try:
+        async with session.post(f"{url}/v1/completions", json=body) as resp:
+            done.tid = resp.headers.get("x-tapc-id")
+            if resp.status != 200:
+                done.error = f"HTTP {resp.status}: {await resp.text()}"
+                return done
+            if not job.stream:
+                data = await resp.json()
+                done.tokens = list(data["choices"][0]["token_ids"])
+                usage = data["usage"]
+            else:
+                usage, chunks = None, 0
+                async for line in resp.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    for choice in event.get("choices") or []:
+                        done.tokens += choice.get("token_ids") or []
+                        chunks += 1
+                    usage = event.get("usage") or usage
+                    if job.abort_after and chunks >= job.abort_after:
+                        done.aborted = True
+                        resp.close()
+                        return done
+            done.prompt_tokens = usage["prompt_tokens"]
+            done.cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    except aiohttp.ClientError as e:
+        done.error = f"{type(e).__name__}: {e}"
+    return done
+
+
+async def load(url: str, model: str, jobs: list[Job], clients: int, tapped: bool) -> tuple[list[Done], float]:
+    import aiohttp
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for job in jobs:
+        queue.put_nowait(job)
+    out: list[Done] = []
+    start = time.perf_counter()
+
+    async def client(session):
+        while not queue.empty():
+            job = queue.get_nowait()
+            delay = job.at - (time.perf_counter() - start)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            out.append(await send(session, url, model, job, tapped))
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await asyncio.gather(*(client(session) for _ in range(clients)))
+    return sorted(out, key=lambda d: d.job.i), time.perf_counter() - start
+
+
+def start_server(cmd: list[str], log: str) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, log: str) -> None:
+    import urllib.request
+
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise SystemExit(f"server on port {port} exited ({proc.returncode}); see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
+                return
+        except OSError:
+            time.sleep(1)
+    raise SystemExit(f"server on port {port} did not start in 10 minutes; see {log}")
+
+
+def http_json(method: str, url: str, body=None):
+    import urllib.request
+
+    req = urllib.request.Request(url, method=method, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return r.status, r.read()
+
+
+class Reference:
+    """HF transformers on the checkpoint: residual stream per layer and logits, with steering."""
+
+    def __init__(self, path: str, vectors):
+        import torch
+        import transformers
+
+        self.torch = torch
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+        self.vectors = [torch.tensor(v, dtype=torch.bfloat16, device="cuda") for v in vectors]
+
+    def run(self, tokens: list[int], vector: int):
+        torch = self.torch
+        seen = {}
+
+        def hook(i):
+            def f(mod, args, out):
+                h = out[0] if isinstance(out, tuple) else out
+                seen[f"model.layers.{i}.resid"] = h[0].float().cpu()
+                if vector >= 0 and i == STEER_LAYER:
+                    h = h + ALPHA * self.vectors[vector]
+                    return (h, *out[1:]) if isinstance(out, tuple) else h
+            return f
+
+        handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.model.model.layers)]
+        try:
+            with torch.no_grad():
+                logits = self.model(torch.tensor([tokens], device="cuda")).logits[0].float()
+        finally:
+            for h in handles:
+                h.remove()
+        return seen, logits
+
+
+def check(ref: Reference, url: str, done: list[Done]) -> list[str]:
+    """Every finished tapc request against HF; the captures fetched from the server."""
+    import torch
+    from safetensors.torch import load
+
+    from tapc.engine.positions import expected_rows, select
+
+    problems = []
+    for d in done:
+        job = d.job
+        if d.error or d.aborted:
+            continue
+        where = f"request {job.i} ({job.kind}, {job.positions}, stream={job.stream})"
+        if len(d.tokens) != job.max_tokens:
+            problems.append(f"{where}: {len(d.tokens)} tokens of {job.max_tokens}")
+            continue
+        seq = job.prompt + d.tokens
+        seen, logits = ref.run(seq[:-1], job.vector if "steer" in job.kind else -1)
+        # greedy under its own edits: each token HF's top choice, but for near ties
+        rows = logits[len(job.prompt) - 1:]
+        top2 = rows.topk(2, dim=-1).values
+        chosen = rows.gather(1, torch.tensor(d.tokens, device=rows.device)[:, None])[:, 0]
+        margin = 0.02 * rows.std(dim=-1) + 1e-3
+        bad = ((top2[:, 0] - chosen) > margin) & ((top2[:, 0] - top2[:, 1]) > margin)
+        if bad.any():
+            k = int(bad.nonzero()[0])
+            problems.append(f"{where}: generated token {k} is not the greedy choice "
+                            f"(HF top {top2[k, 0]:.4f}, chosen {chosen[k]:.4f})")
+        if "capture" not in job.kind:
+            continue
+        status, data = http_json("GET", f"{url}/v1/tapc/results/{d.tid}")
+        taps = load(data)
+        want = expected_rows(job.positions, len(job.prompt), len(d.tokens))
+        pos = np.arange(len(seq) - 1)
+        keep = torch.from_numpy(select(job.positions, pos, len(job.prompt)))
+        for key, got in taps.items():
+            if got.shape[0] != want:
+                problems.append(f"{where}: {key} has {got.shape[0]} rows, its positions promise {want}")
+                continue
+            hf = seen[key][keep]
+            rel = ((got.float() - hf).norm() / hf.norm()).item()
+            cos = torch.nn.functional.cosine_similarity(got.float(), hf, dim=1).min().item()
+            if rel > 5e-2 or cos < 0.99:
+                problems.append(f"{where}: {key} differs from HF: relative error {rel:.4f}, worst cosine {cos:.4f}")
+    return problems
+
+
+def summary(done: list[Done], seconds: float) -> dict:
+    finished = [d for d in done if not d.error and not d.aborted]
+    untapped = [d for d in finished if d.job.kind == "untapped" and d.prompt_tokens]
+    return {"requests": len(done), "finished": len(finished), "aborted": sum(d.aborted for d in done),
+            "errors": [d.error for d in done if d.error][:5], "seconds": seconds,
+            "tok_s": sum(len(d.tokens) for d in finished) / seconds,
+            "hit_rate": sum(d.cached for d in untapped) / max(1, sum(d.prompt_tokens for d in untapped))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="300 requests on a 4-layer, 512-wide model (< 5 min)")
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--rate", type=float, default=200.0, help="mean arrivals per second")
+    ap.add_argument("--abort", type=float, default=0.05, help="share of requests aborted mid-stream")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--out", default=None, help="write the summary table (markdown) here")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.hidden, args.layers = 300, 512, 4
+    vocab = 2048
+    work = tempfile.mkdtemp(prefix="bench-serve-")
+    model = os.path.join(work, "model")
+    write_model(model, args.hidden, args.layers, vocab)
+    vectors = [np.random.default_rng(10 + k).standard_normal(args.hidden).astype(np.float32) for k in range(3)]
+    common = ["--gpu-memory-utilization", "0.35", "--max-model-len", "2048", "--enable-prompt-tokens-details",
+              "--attention-backend", os.environ.get("TAPC_ATTENTION_BACKEND", "TRITON_ATTN"),
+              "--max-num-seqs", "128"]
+    env_py = sys.executable
+    logs = {port: os.path.join(work, f"{name}.log") for port, name in ((8101, "vanilla"), (8102, "tapc"))}
+    vanilla = start_server([env_py, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", "8101", *common],
+                           logs[8101])
+    tapped = start_server([env_py, "-m", "tapc.cli", "serve", model, "--port", "8102",
+                           "--tap", "model.layers.*.resid",
+                           "--tap", f"model.layers.{STEER_LAYER}.resid | add(steer, alpha={ALPHA})", *common],
+                          logs[8102])
+    try:
+        wait_healthy(vanilla, 8101, logs[8101])
+        wait_healthy(tapped, 8102, logs[8102])
+        for k, v in enumerate(vectors):
+            http_json("POST", "http://127.0.0.1:8102/v1/tapc/vectors", {"name": f"v{k}", "values": v.tolist()})
+        jobs = make_jobs(args.requests, vocab, args.rate, args.abort)
+        results = {}
+        for name, url, tap in (("vanilla", "http://127.0.0.1:8101", False), ("tapc", "http://127.0.0.1:8102", True)):
+            done, seconds = asyncio.run(load(url, model, jobs, args.clients, tap))
+            results[name] = (done, summary(done, seconds))
+        problems = [f"tapc: {e}" for e in results["tapc"][1]["errors"]]
+        problems += [f"vanilla: {e}" for e in results["vanilla"][1]["errors"]]
+        lost = len(jobs) - len(results["tapc"][0])
+        if lost:
+            problems.append(f"{lost} requests lost")
+        problems += check(Reference(model, vectors), "http://127.0.0.1:8102", results["tapc"][0])
+        http_json("GET", "http://127.0.0.1:8102/health")
+        _, held = http_json("GET", "http://127.0.0.1:8102/v1/tapc/held")
+        workers = json.loads(held)["workers"]
+        if any(any(w.values()) for w in workers):
+            problems.append(f"the workers still hold something after every result was fetched: {workers}")
+    finally:
+        for proc in (vanilla, tapped):
+            proc.terminate()
+            proc.wait(60)
+    v, t = results["vanilla"][1], results["tapc"][1]
+    lines = ["| server | requests | finished | aborted | seconds | output tok/s | ratio | untapped prefix-cache hit rate |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, s in (("vanilla vllm serve", v), ("tapc serve", t)):
+        lines.append(f"| {name} | {s['requests']} | {s['finished']} | {s['aborted']} | {s['seconds']:.1f} | "
+                     f"{s['tok_s']:.0f} | {s['tok_s'] / v['tok_s']:.3f}x | {s['hit_rate']:.3f} |")
+    lines.append("")
+    lines.append(f"checks: {'all passed' if not problems else f'{len(problems)} problems'}")
+    lines += [f"- {p}" for p in problems[:50]]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"bench_serve ({'quick' if args.quick else 'full'}, {args.hidden} wide, {args.layers} layers, "
+                    f"{args.clients} clients, {args.requests} requests)\n\n{text}\n")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

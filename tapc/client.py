@@ -1,0 +1,96 @@
+"""`tapc.client`: taps over a `tapc serve` server, for Python users of the `openai` client.
+
+    from tapc.client import TapcClient
+    tc = TapcClient("http://localhost:8000/v1", api_key="...")
+    tc.register("happy", vector)                                  # once; requests name it
+    resp, tid = tc.complete(model="m", prompt="Hello", max_tokens=16,
+                            taps=tc.ask(capture=["model.layers.3.resid"], params={"steer": "happy"}))
+    captures = tc.results(tid)                                   # {key: torch.Tensor}, read once
+
+`ask(...)` is the `extra_body` of any `openai` call (`vllm_xargs`, docs/serving.md), so the plain
+client works too: `client.chat.completions.create(..., extra_body=tc.ask(...))`, with the
+request's tapc id in the response's `x-tapc-id` header (`with_raw_response`).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from tapc.errors import RequestError, TapcError
+
+
+class TapcClient:
+    """`base_url`: the server's OpenAI base URL (ending in /v1); `http_client`: an httpx client
+    for both (e.g. with its own timeouts); other keyword arguments go to `openai.OpenAI`."""
+
+    def __init__(self, base_url: str = "http://localhost:8000/v1", api_key: str = "EMPTY", *, http_client=None,
+                 **openai_kwargs):
+        import openai
+
+        self.openai = openai.OpenAI(base_url=base_url, api_key=api_key, http_client=http_client, **openai_kwargs)
+        self._http = self.openai._client           # the httpx client the openai client sends with
+        self._base = str(self.openai.base_url).rstrip("/")
+        self._auth = {"Authorization": f"Bearer {api_key}"}
+
+    @staticmethod
+    def ask(capture: str | Sequence[str] = (), positions: str | Sequence[int] = "all", params: dict | None = None) -> dict:
+        """A request's taps as `extra_body`: `params` values are numbers, lists of numbers, or
+        the names of registered vectors."""
+        params = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in (params or {}).items()}
+        capture = [capture] if isinstance(capture, str) else list(capture)
+        ask = {"capture": capture, "positions": positions if isinstance(positions, str) else list(positions),
+               "params": params}
+        return {"vllm_xargs": {"tapc": json.dumps(ask)}}
+
+    def register(self, name: str, vector) -> int:
+        """Register a vector under `name` on the server; returns its size."""
+        values = vector.tolist() if hasattr(vector, "tolist") else list(vector)
+        return self._json("POST", "/tapc/vectors", {"name": name, "values": values})["size"]
+
+    def complete(self, *, taps: dict | None = None, chat: bool = False, **kwargs):
+        """(the completion, its tapc id) of `/v1/completions` (chat: `/v1/chat/completions`).
+        A request the server refuses (HTTP 400) raises `RequestError` with the server's words."""
+        import openai
+
+        api = self.openai.chat.completions if chat else self.openai.completions
+        extra = {**kwargs.pop("extra_body", {}), **(taps or {})}
+        try:
+            raw = api.with_raw_response.create(**kwargs, extra_body=extra)
+        except openai.BadRequestError as e:
+            body = e.body if isinstance(e.body, dict) else {}
+            raise RequestError(body.get("message") or str(e)) from None
+        return raw.parse(), raw.headers.get("x-tapc-id")
+
+    def results(self, tid: str, wait: float = 60.0) -> dict:
+        """A finished request's captures (and blocks' saved tensors under `saved/<name>/<i>`),
+        once. A request whose taps failed raises `RequestError` with the server's words."""
+        from safetensors.torch import load
+
+        r = self._http.get(f"{self._base}/tapc/results/{tid}", params={"wait": wait}, headers=self._auth)
+        if r.status_code != 200:
+            raise TapcError(f"tapc results {tid}: HTTP {r.status_code}: {_message(r)}")
+        data = r.content
+        tensors = load(data)
+        error = _metadata(data).get("error")
+        if error:
+            raise RequestError(error)
+        return tensors
+
+    def _json(self, method: str, path: str, body=None) -> dict:
+        r = self._http.request(method, f"{self._base}{path}", json=body, headers=self._auth)
+        if r.status_code != 200:
+            raise (RequestError if r.status_code == 400 else TapcError)(f"{path}: HTTP {r.status_code}: {_message(r)}")
+        return r.json()
+
+
+def _message(r) -> str:
+    try:
+        return r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return r.text
+
+
+def _metadata(data: bytes) -> dict:
+    """The metadata of safetensors bytes (its JSON header)."""
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n]).get("__metadata__") or {}

@@ -1,0 +1,240 @@
+"""tapc's endpoint plugin for `vllm serve` (entry point group `vllm.endpoint_plugins`, name
+`tapc`; vLLM loads it only when `VLLM_PLUGINS` names it, which `tapc serve` sets).
+
+Routes, all under `/v1/` so that vLLM's `--api-key` guards them as it guards its own:
+    POST   /v1/tapc/vectors          {"name": ..., "values": [...]}: a vector requests name
+    GET    /v1/tapc/vectors          the registered names and sizes
+    GET    /v1/tapc/plan             the plan (TapPlan JSON): what requests may capture and bind
+    GET    /v1/tapc/results/{id}     a finished request's captures, safetensors bytes (once)
+    GET    /v1/tapc/held             what requests hold on the workers now (all zero when idle)
+and a middleware on vLLM's `/v1/completions` and `/v1/chat/completions`: a body with
+`vllm_xargs["tapc"]` is checked and rewritten (server.py `admit`; a bad one gets HTTP 400 with
+`RequestError`'s words, and vLLM never sees it), its response carries the request's tapc id
+in the `x-tapc-id` header (streamed responses too: headers go first), and once the response
+went out whole the results are collected; a response that did not (the client went away)
+gives back what its request held. vLLM's handlers and responses are not patched.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from tapc.errors import RequestError
+
+log = logging.getLogger("tapc")
+
+COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
+HEADER = b"x-tapc-id"
+
+
+class TapcEndpoints:
+    """The `vllm.endpoint_plugins` object (vllm/plugins/endpoint_plugins/interface.py)."""
+
+    name = "tapc"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app) -> None:
+        app.include_router(router())
+        app.add_middleware(TapcMiddleware)
+
+    async def init_state(self, engine_client, state, args) -> None:
+        state.tapc = server_for(engine_client, args)
+
+
+def server_for(engine_client, args):
+    """The TapcServer of a `vllm serve` whose `--additional-config` holds tapc's plan (and the
+    spec its engine-wide parameters come from), or None where there is none."""
+    from tapc.plan import TapPlan
+    from tapc.serving.server import TapcServer
+    from tapc.session import TapSession
+
+    config = args.additional_config
+    config = json.loads(config) if isinstance(config, str) else (config or {})
+    tapc = config.get("tapc")
+    if engine_client is None or tapc is None:
+        log.warning("tapc: this server has no tapc plan (start it with `tapc serve`); tapc's routes answer 503")
+        return None
+    params = None
+    if tapc.get("spec"):
+        from tapc.specfile import load_spec
+
+        params = load_spec(tapc["spec"]).param_values() or None
+    return TapcServer(engine_client, TapSession(TapPlan.from_json(tapc["plan"]), params))
+
+
+def error(status: int, message: str):
+    """vLLM's error body (ErrorResponse), so OpenAI clients raise it as usual."""
+    kind = {400: "BadRequestError", 404: "NotFoundError", 503: "ServiceUnavailableError"}.get(status, "Error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status_code=status)
+
+
+def router() -> APIRouter:
+    r = APIRouter()
+
+    def server_of(request: Request):
+        return getattr(request.app.state, "tapc", None)
+
+    @r.post("/v1/tapc/vectors")
+    async def register(request: Request):
+        server = server_of(request)
+        if server is None:
+            return error(503, "tapc: this server runs no tap plan")
+        try:
+            body = await request.json()
+        except ValueError as e:
+            return error(400, f"tapc vectors: the body is not JSON: {e}")
+        if not isinstance(body, dict) or set(body) != {"name", "values"}:
+            return error(400, 'tapc vectors: the body is {"name": ..., "values": [numbers]}')
+        try:
+            size = server.register(body["name"], body["values"])
+        except RequestError as e:
+            return error(400, str(e))
+        return JSONResponse({"name": body["name"], "size": size})
+
+    @r.get("/v1/tapc/vectors")
+    async def vectors(request: Request):
+        server = server_of(request)
+        if server is None:
+            return error(503, "tapc: this server runs no tap plan")
+        return JSONResponse({"vectors": {k: int(v.size) for k, v in server.vectors.items()}})
+
+    @r.get("/v1/tapc/plan")
+    async def plan(request: Request):
+        server = server_of(request)
+        if server is None:
+            return error(503, "tapc: this server runs no tap plan")
+        return Response(server.session.plan.to_json(), media_type="application/json")
+
+    @r.get("/v1/tapc/held")
+    async def held(request: Request):
+        """What requests hold on each worker (TapWorker.tapc_held), after dropped captures went
+        back: all zero on an idle server whose results were fetched."""
+        server = server_of(request)
+        if server is None:
+            return error(503, "tapc: this server runs no tap plan")
+        await server.collector.settle()
+        return JSONResponse({"workers": await server.collector.engine.collective_rpc("tapc_held")})
+
+    @r.get("/v1/tapc/results/{tid}")
+    async def results(request: Request, tid: str, wait: float = 60.0):
+        from tapc.serving.server import encode
+
+        server = server_of(request)
+        if server is None:
+            return error(503, "tapc: this server runs no tap plan")
+        stored = await server.fetch(tid, min(max(wait, 0.0), 600.0))
+        if stored is None:
+            return error(404, f"tapc: no results for {tid!r} (not a tapped request, fetched already, still "
+                              f"running after {wait:g} s, or kept longer than {server.keep_s:g} s)")
+        headers = {"x-tapc-error": stored.error.__class__.__name__} if stored.error is not None else {}
+        data = encode(stored)
+        del stored             # the last views of its capture chunks: they go back to the workers now
+        server.collector.flush()
+        return Response(data, media_type="application/octet-stream", headers=headers)
+
+    return r
+
+
+class TapcMiddleware:
+    """Pure ASGI (streamed responses pass through as they are sent)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        server = getattr(getattr(scope.get("app"), "state", None), "tapc", None) if scope["type"] == "http" else None
+        if server is None or scope.get("method") != "POST" or path not in COMPLETIONS:
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return   # the client went away before sending its body
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        tid = None
+        try:
+            data = json.loads(body)
+            if isinstance(data, dict):
+                data, tid = server.admit(data, f"request to {path}")
+        except RequestError as e:
+            await error(400, str(e))(scope, receive, send)
+            return
+        except ValueError:
+            pass   # not JSON: vLLM answers it
+        if tid is not None:
+            body = json.dumps(data).encode()
+        return await self._forward(scope, _replay(body, receive), send, server, tid, bool(data.get("stream"))
+                                   if tid is not None else False)
+
+    async def _forward(self, scope, receive, send, server, tid, stream: bool):
+        if tid is None:
+            return await self.app(scope, receive, send)
+        seen = Usage(stream)
+        state = {"status": 0, "done": False}
+
+        async def send_tapped(message):
+            if message["type"] == "http.response.start":
+                state["status"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), (HEADER, tid.encode())]}
+            elif message["type"] == "http.response.body":
+                seen.feed(message.get("body", b""))
+                state["done"] = not message.get("more_body", False)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tapped)
+        finally:
+            if state["done"] and state["status"] == 200:
+                asyncio.get_running_loop().create_task(server.finished(tid, seen.usage()))
+            else:
+                server.abandoned(tid)
+
+
+def _replay(body: bytes, receive):
+    """`receive` that hands the (rewritten) body once, then the client's own messages."""
+    sent = False
+
+    async def replayed():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+class Usage:
+    """The `usage` object of a response: the JSON body's, or the last one of a stream's
+    server-sent events (`data: {...}` lines)."""
+
+    def __init__(self, stream: bool):
+        self.stream = stream
+        self.body = bytearray()
+        self.last = None
+
+    def feed(self, chunk: bytes) -> None:
+        if not self.stream:
+            self.body += chunk
+            return
+        if b'"usage"' not in chunk:
+            return
+        for line in chunk.split(b"\n"):
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                usage = json.loads(line[6:]).get("usage")
+                if usage:
+                    self.last = usage
+
+    def usage(self) -> dict | None:
+        if self.stream:
+            return self.last
+        try:
+            return json.loads(bytes(self.body)).get("usage")
+        except ValueError:
+            return None

@@ -1,0 +1,105 @@
+"""`tapc serve`: vLLM's OpenAI-compatible server with a tap plan.
+
+    tapc serve spec.yaml [vllm serve options...]
+    tapc serve --model M --tap "model.layers.*.resid" --tap "model.layers.10.resid | add(steer)" [options...]
+
+builds the plan (as `VLLM(...)` does, no GPU needed), then runs `vllm serve MODEL` with the
+engine arguments the plan needs (tapc's worker class, the plan and its digest in
+`--additional-config '{"tapc": {...}}'`, batch sizes, splitting ops: engine/config.py), the
+spec's own engine arguments, then the options given here (vLLM parses them; a clash with what
+the plan needs is refused by it, e.g. another --max-num-seqs). `VLLM_PLUGINS` gets `tapc`, so
+vLLM loads tapc's endpoint plugin (http.py); where tapc is not installed (a source checkout on
+PYTHONPATH), a small `.dist-info` folder declaring that entry point goes on PYTHONPATH, so
+vLLM's entry-point discovery finds it the same way.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+from tapc.errors import TapcError
+
+ENTRY = "tapc = tapc.serving.http:TapcEndpoints"
+
+
+def serve_argv(model: str, taps: list[str], *, capture_dtype: str | None = None, spec_path: str | None = None,
+               engine: dict | None = None, extra: list[str] = ()) -> list[str]:
+    """`vllm serve`'s arguments (after the program name) for this plan."""
+    from tapc.api import plan_for
+    from tapc.engine.config import engine_kwargs
+
+    plan, kwargs = plan_for(model, taps, capture_dtype, dict(engine or {}))
+    args = engine_kwargs(plan, kwargs)
+    if spec_path is not None:   # the server loads the spec's parameter values from it
+        args["additional_config"]["tapc"]["spec"] = os.path.abspath(spec_path)
+    return ["serve", model, *flags(args), *extra]
+
+
+# vLLM options the plan is sized for: `tapc serve` takes them into the plan.
+SIZES = {"--max-num-seqs": "max_num_seqs", "--max-num-batched-tokens": "max_num_batched_tokens",
+         "--tensor-parallel-size": "tensor_parallel_size", "-tp": "tensor_parallel_size",
+         "--pipeline-parallel-size": "pipeline_parallel_size", "-pp": "pipeline_parallel_size"}
+
+
+def sizes(rest: list[str]) -> tuple[dict, list[str]]:
+    """(engine sizes, the other options) of `vllm serve` options (`--opt N` or `--opt=N`)."""
+    engine, out, i = {}, [], 0
+    while i < len(rest):
+        opt, eq, value = rest[i].partition("=")
+        if opt in SIZES:
+            if not eq:
+                i += 1
+                value = rest[i] if i < len(rest) else ""
+            try:
+                engine[SIZES[opt]] = int(value)
+            except ValueError:
+                raise TapcError(f"tapc serve: {opt} takes a number, got {value!r}") from None
+        else:
+            out.append(rest[i])
+        i += 1
+    return engine, out
+
+
+def flags(kwargs: dict) -> list[str]:
+    """Engine keyword arguments as `vllm serve` options (dicts and lists as JSON)."""
+    out = []
+    for key, value in kwargs.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, (dict, list, tuple)):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def serve_env(env: dict) -> dict:
+    """The environment `vllm serve` needs for tapc's endpoint plugin."""
+    from importlib.metadata import entry_points
+
+    env = dict(env)
+    allowed = [p for p in env.get("VLLM_PLUGINS", "").split(",") if p]
+    if "VLLM_PLUGINS" not in env:   # keep the general plugins vLLM would load without an allowlist
+        allowed = [p.name for p in entry_points(group="vllm.general_plugins")]
+    env["VLLM_PLUGINS"] = ",".join(dict.fromkeys([*allowed, "tapc"]))
+    if not any(p.name == "tapc" for p in entry_points(group="vllm.endpoint_plugins")):
+        here = tempfile.mkdtemp(prefix="tapc-plugin-")
+        info = os.path.join(here, "tapc_serve_plugin-0.dist-info")
+        os.makedirs(info)
+        with open(os.path.join(info, "METADATA"), "w") as f:
+            f.write("Metadata-Version: 2.1\nName: tapc-serve-plugin\nVersion: 0\n")
+        with open(os.path.join(info, "entry_points.txt"), "w") as f:
+            f.write(f"[vllm.endpoint_plugins]\n{ENTRY}\n")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def run(argv: list[str]) -> None:
+    """Replace this process with `vllm serve` (the argv of `serve_argv`)."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", *argv]
+    os.execve(sys.executable, cmd, serve_env(dict(os.environ)))

@@ -1,0 +1,259 @@
+"""`tapc serve` on the CPU: the command vLLM is started with (parsed by vLLM's own parser), and
+tapc's endpoint plugin (routes and middleware) in a FastAPI app whose /v1/completions stands in
+for vLLM's: it runs the toy async engine (tests/async_toy.py) on the body it receives, as vLLM
+does (vllm_xargs -> SamplingParams.extra_args). Routing, validation and bookkeeping only;
+correctness against a real engine is the GPU's (benchmarks/bench_serve.py)."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from async_toy import ToyAsyncLLM
+from conftest import CONFIGS
+from engine_toy import HIDDEN, ToyModel, hooks_for, toy_plan
+from safetensors.torch import load as load_safetensors
+from test_engine_cpu import check as check_rows
+
+from tapc.cli import main
+from tapc.plan import TapPlan
+from tapc.serving.launch import ENTRY, serve_argv, serve_env
+from tapc.session import TapSession
+
+TAPS = ["model.layers.*.resid", "model.layers.1.resid | add(steer, alpha=2.0)"]
+LLAMA = str(CONFIGS / "llama")
+
+
+def test_the_serve_command_is_what_vllms_parser_reads_as_the_plans_engine(monkeypatch):
+    import vllm.platforms
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    # vLLM's parser reads config defaults that need a platform; this machine has no GPU
+    monkeypatch.setattr(vllm.platforms, "_current_platform", CpuPlatform())
+
+    argv = serve_argv(LLAMA, ["model.layers.*.resid", "model.layers.1.resid | add(steer)"],
+                      engine={"max_num_seqs": 16}, extra=["--port", "8123"])
+    assert argv[:2] == ["serve", LLAMA]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[1:])
+    plan = TapPlan.from_json(args.additional_config["tapc"]["plan"])
+    assert [t.source for t in plan.taps][-1] == "model.layers.1.resid | add(steer)" and plan.max_num_seqs == 16
+    assert args.worker_cls == "tapc.engine.worker.TapWorker" and args.max_num_seqs == 16 and args.port == 8123
+    assert args.max_num_batched_tokens == plan.max_num_batched_tokens
+
+
+def test_tapc_serve_takes_the_sizes_into_the_plan(capsys):
+    assert main(["serve", LLAMA, "--tap", "model.layers.0.resid", "--max-num-seqs=12", "--print", "--port", "9"]) == 0
+    cmd = capsys.readouterr().out
+    assert cmd.count("--max-num-seqs") == 1 and "--max-num-seqs 12" in cmd and cmd.rstrip().endswith("--port 9")
+    assert main(["serve", LLAMA, "--print"]) == 2
+    assert "give a spec .yaml, or a model and its taps" in capsys.readouterr().err
+
+
+def test_the_plugin_entry_point_is_found_without_installing_tapc():
+    env = serve_env({"PATH": os.environ.get("PATH", ""), "PYTHONPATH": os.environ.get("PYTHONPATH", "")})
+    assert "tapc" in env["VLLM_PLUGINS"].split(",")
+    got = subprocess.run([sys.executable, "-c", "from importlib.metadata import entry_points; "
+                          "print([e.name + ' = ' + e.value for e in entry_points(group='vllm.endpoint_plugins')])"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert ENTRY in got
+
+
+# ----------------------------------------------------------------------------- the plugin in an app
+
+
+def stand_in_app(taps=TAPS, api_key=None):
+    """An app with tapc's plugin whose /v1/completions runs the toy engine like vLLM's handler."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from vllm import SamplingParams
+
+    from tapc.serving.http import TapcEndpoints
+    from tapc.serving.server import TapcServer
+
+    plan = toy_plan(taps)
+    runner, hooks = hooks_for(plan, ToyModel())
+    toy = ToyAsyncLLM(runner, hooks)
+    app = FastAPI()
+    app.state.seen = []
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        app.state.seen.append(body)
+        if body.get("prompt") == "boom":
+            raise RuntimeError("the handler failed")
+        sp = SamplingParams(max_tokens=body.get("max_tokens", 4), extra_args=dict(body.get("vllm_xargs") or {}) or None)
+        rid = f"cmpl-{len(app.state.seen)}"
+        stream = toy.generate({"prompt_token_ids": body["prompt"]}, sp, rid)
+        if not body.get("stream"):
+            outs = [o async for o in stream]
+            n = len(outs[-1].outputs[0].token_ids)
+            return JSONResponse({"id": rid, "choices": [{"tokens": outs[-1].outputs[0].token_ids}],
+                                 "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}})
+
+        async def events():
+            n = 0
+            async for o in stream:
+                n = len(o.outputs[0].token_ids)
+                yield f"data: {json.dumps({'choices': [{'token': o.outputs[0].token_ids[-1]}], 'usage': None})}\n\n"
+            if (body.get("stream_options") or {}).get("include_usage"):
+                usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
+                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    TapcEndpoints().attach_router(app)
+    if api_key:
+        from vllm.entrypoints.serve.utils.server_utils import AuthenticationMiddleware
+
+        app.add_middleware(AuthenticationMiddleware, tokens=[api_key])
+    app.state.tapc = TapcServer(toy, TapSession(plan))
+    return app, hooks
+
+
+def client(app):
+    from fastapi.testclient import TestClient
+
+    return TestClient(app, raise_server_exceptions=False)
+
+
+def xargs(**ask):
+    return {"tapc": json.dumps(ask)}
+
+
+def fetch(c, tid):
+    r = c.get(f"/v1/tapc/results/{tid}")
+    assert r.status_code == 200, r.text
+    return load_safetensors(r.content)
+
+
+def as_req(prompt, tokens):
+    from types import SimpleNamespace as NS
+
+    return NS(rid="r", prompt=prompt, tokens=list(prompt) + list(tokens))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_tapped_completion_brings_its_captures_by_id(stream):
+    app, hooks = stand_in_app()
+    prompt = np.random.default_rng(3).integers(0, 50, 9).tolist()
+    with client(app) as c:
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "stream": stream,
+                                            "vllm_xargs": xargs(capture=["model.layers.*.resid"], positions="all")})
+        assert r.status_code == 200, r.text
+        tid = r.headers["x-tapc-id"]
+        if stream:
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            tokens = [e["choices"][0]["token"] for e in events if e["choices"]]
+            assert events[-1]["usage"]["completion_tokens"] == 5, "tapc asked vLLM for the usage chunk"
+        else:
+            tokens = r.json()["choices"][0]["tokens"]
+        sent = app.state.seen[-1]
+        assert isinstance(sent["vllm_xargs"]["tapc"], str) and "cache_salt" in sent, \
+            "the wire as text; a capture of prompt rows reads no shared cache"
+        taps = fetch(c, tid)
+        check_rows(as_req(prompt, tokens), taps, "all")
+        assert c.get(f"/v1/tapc/results/{tid}").status_code == 404, "results are fetched once"
+        untapped = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+        assert untapped.status_code == 200 and "x-tapc-id" not in untapped.headers
+        assert "cache_salt" not in app.state.seen[-1]
+        assert c.get("/v1/tapc/held").json() == {"workers": [{"running": 0, "uncollected": 0, "chunks": 0,
+                                                               "slots": 0}]}
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"vllm_xargs": xargs(capture=["model.layers.9.resid"])}, "'model.layers.9.resid' is not a capture"),
+    ({"vllm_xargs": {"tapc": {"capture": "*"}}}, "vllm_xargs.tapc must be a JSON string"),
+    ({"vllm_xargs": {"tapc": "{nope"}}, "vllm_xargs.tapc is not JSON"),
+    ({"vllm_xargs": xargs(capture="*", blocks={"probe": "code"})}, "unknown field(s) blocks"),
+    ({"vllm_xargs": xargs(params={"steer": "happy"})}, "names vector 'happy', which is not registered"),
+    ({"vllm_xargs": xargs(params={"steer": [1.0, 2.0]})}, "parameter 'steer' (vector) must be 16 numbers"),
+    ({"n": 2, "vllm_xargs": xargs(capture="*")}, "taps with n=2 choices are not supported"),
+    ({"prompt": [[1, 2], [3]], "vllm_xargs": xargs(capture="*")}, "a tapped completion takes one prompt, got 2"),
+])
+def test_bad_tapped_requests_get_400_with_the_request_errors_words(body, words):
+    app, _ = stand_in_app()
+    with client(app) as c:
+        r = c.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
+        assert words in r.json()["error"]["message"], r.json()
+        assert app.state.seen == [], "vLLM never saw it"
+
+
+def test_vectors_registered_by_name_steer_and_share_a_salt():
+    app, _ = stand_in_app()
+    v = np.linspace(-1, 1, HIDDEN)
+    with client(app) as c:
+        assert c.post("/v1/tapc/vectors", json={"name": "happy", "values": v.tolist()}).json() == \
+            {"name": "happy", "size": HIDDEN}
+        assert c.post("/v1/tapc/vectors", json={"name": "bad", "values": [[1.0], [2.0]]}).status_code == 400
+        assert c.post("/v1/tapc/vectors", content=b'{"name": "bad", "values": [1.0, NaN]}').status_code == 400
+        assert c.get("/v1/tapc/vectors").json() == {"vectors": {"happy": HIDDEN}}
+        prompt = [4, 8, 15, 16, 23, 42]
+        ask = xargs(capture=["model.layers.2.resid"], positions="generated", params={"steer": "happy"})
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "vllm_xargs": ask})
+        taps = fetch(c, r.headers["x-tapc-id"])
+        check_rows(as_req(prompt, r.json()["choices"][0]["tokens"]), taps, "generated", [(1, v, 2.0, "all")])
+        c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "vllm_xargs": ask})
+        salts = [b.get("cache_salt") for b in app.state.seen]
+        assert salts[0] == salts[1] and salts[0].startswith("tapc-"), "identical steering shares its salt"
+        assert TapPlan.from_json(c.get("/v1/tapc/plan").text).taps[-1].source == TAPS[-1]
+
+
+def test_a_response_that_fails_gives_back_what_its_request_held():
+    app, hooks = stand_in_app()
+    with client(app) as c:
+        r = c.post("/v1/completions", json={"prompt": "boom", "vllm_xargs": xargs(capture="*")})
+        assert r.status_code == 500
+        tid = app.state.seen[-1]["vllm_xargs"]["tapc"]
+        assert c.get(f"/v1/tapc/results/{json.loads(tid)['id']}").headers["x-tapc-error"] == "RequestError"
+        c.portal.call(app.state.tapc.collector.settle)
+        assert hooks.held() == {"running": 0, "uncollected": 0, "chunks": 0, "slots": 0}
+
+
+def test_vllms_api_key_guards_tapc_routes():
+    app, _ = stand_in_app(api_key="sesame")
+    with client(app) as c:
+        assert c.get("/v1/tapc/vectors").status_code == 401
+        assert c.get("/v1/tapc/vectors", headers={"Authorization": "Bearer sesame"}).status_code == 200
+
+
+def test_the_python_client_registers_completes_and_fetches():
+    from tapc.client import TapcClient
+    from tapc.errors import RequestError
+
+    app, _ = stand_in_app()
+    v = np.linspace(1, 2, HIDDEN)
+    with client(app) as c:
+        tc = TapcClient("http://testserver/v1", api_key="k", http_client=c)
+        assert tc.register("calm", v) == HIDDEN
+        prompt = [3, 1, 4, 1, 5, 9, 2]
+        resp, tid = tc.complete(model="toy", prompt=prompt, max_tokens=3,
+                                taps=tc.ask(capture="model.layers.2.resid", params={"steer": "calm"}))
+        taps = tc.results(tid)
+        check_rows(as_req(prompt, resp.choices[0].tokens), taps, "all", [(1, v, 2.0, "all")])
+        with pytest.raises(RequestError, match="names vector 'sad', which is not registered"):
+            tc.complete(model="toy", prompt=prompt, max_tokens=3, taps=tc.ask(params={"steer": "sad"}))
+
+
+def test_the_wire_as_text_round_trips_and_refuses_blocks():
+    from tapc.engine.protocol import WireRequest
+    from tapc.engine.requests import TapRequest, check
+    from tapc.errors import ProtocolError
+
+    plan = toy_plan(TAPS)
+    wire = WireRequest("id1", check(plan, TapRequest(capture="*", positions=[0, 3], params={"steer": np.ones(HIDDEN)}),
+                                    "r"))
+    assert WireRequest.from_wire(wire.to_text()) == wire
+    with pytest.raises(ProtocolError, match="tapc request: not JSON"):
+        WireRequest.from_wire("{nope")
+    with pytest.raises(ProtocolError, match=r"a vector parameter is not \{'base64': ...\}"):
+        WireRequest.from_wire(json.dumps({**json.loads(wire.to_text()), "params": {"steer": {"hex": "00"}}}))
+    with_blocks = WireRequest("id2", check(toy_plan(["model.layers.0.resid -> probe"]),
+                                           TapRequest(blocks={"probe": lambda ctx, x: None}), "r"))
+    with pytest.raises(ProtocolError, match="per-request blocks do not travel as text"):
+        with_blocks.to_text()
