@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace as NS
 
-from engine_toy import Req, next_token, over_the_wire
+from engine_toy import Req, new_request, next_token, over_the_wire
 
 from tapc.engine.protocol import WireRequest
 
@@ -90,9 +90,7 @@ class ToyAsyncLLM:
             if r.rid not in self.added:
                 if len(self.added) == self.max_seqs:   # like vLLM's max_num_seqs: it waits
                     continue
-                new.append(NS(req_id=r.rid, prompt_token_ids=list(r.prompt), sampling_params=NS(
-                    extra_args=None if r.wire is None else {"tapc": over_the_wire(r.wire.to_wire())},
-                    max_tokens=r.max_tokens)))
+                new.append(new_request(r))
                 self.added.add(r.rid)
             n = min(len(r.tokens) - r.computed, left)
             if n > 0:

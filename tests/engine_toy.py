@@ -294,6 +294,13 @@ def next_token(tokens: list[int]) -> int:
     return (7 * len(tokens) + 3 * tokens[-1]) % VOCAB
 
 
+def new_request(r: Req) -> NS:
+    """What vLLM's scheduler output says of a request the worker has not seen."""
+    return NS(req_id=r.rid, prompt_token_ids=list(r.prompt),
+              sampling_params=NS(extra_args=None if r.wire is None else {"tapc": over_the_wire(r.wire.to_wire())},
+                                 max_tokens=r.max_tokens))
+
+
 class Scheduler:
     """Plays vLLM's scheduler, one `step` at a time: a token budget per step (chunked prefill),
     decode one token per step, requests arriving late or added while others run, finishing at
@@ -332,10 +339,7 @@ class Scheduler:
                 self.added.add(r.rid)
             elif r.rid not in self.added:
                 self.seen.add(r.rid)
-                new.append(NS(req_id=r.rid, prompt_token_ids=list(r.prompt),
-                              sampling_params=NS(extra_args=None if r.wire is None else
-                                                 {"tapc": over_the_wire(r.wire.to_wire())},
-                                                 max_tokens=r.max_tokens)))
+                new.append(new_request(r))
                 self.added.add(r.rid)
             n = min(len(r.tokens) - r.computed, left)
             if n > 0:
