@@ -6,7 +6,8 @@ worker at (tensor-parallel rank, pipeline stage) installs, and what tapc/sizing.
 GPU:
 - only the taps of the layers its stage holds (vLLM puts `PPMissingLayer` elsewhere);
 - captures only where it writes columns (`RankShard.writes`): a replicated point is captured
-  by tensor-parallel rank 0 of its stage, a sharded point by every rank that writes some of it,
+  by one tensor-parallel rank of its stage (layer % N inside the decoder layers, else rank 0),
+  a sharded point by every rank that writes some of it,
   at the rank's local width (the API places the columns, session.py);
 - edits on every rank that holds columns of the point, at its local width, literal vectors
   and columns mapped to its own (`local_args`); a `set`/`zero` whose literal columns are all

@@ -82,7 +82,8 @@ class RankShard:
 
     writes: runs this rank copies into the host block; over all ranks every column of the
             single-GPU layout is written exactly once (a kv head held by several ranks is
-            written by the first of them; a replicated point by rank 0 only).
+            written by the first of them; a replicated point by one rank: layer % tp for a
+            decoder layer's points, else rank 0).
     holds:  runs naming every local column (replicas included): what an edit touches and
             what a gathered block result is scattered back into.
     """
@@ -146,7 +147,8 @@ def shard_points(tree: ModuleTree, points, dims: ModelDims, *, tp: int = 1, pp: 
     for p in points:
         point = p if isinstance(p, Point) else parse_key(p)
         layout, width, why = _layout(tree, dims, point, tp)
-        ranks = () if why else tuple(_rank_shard(layout, width, dims, tp, r) for r in range(tp))
+        writer = _writer(tree, point, tp) if layout == REPLICATED else 0
+        ranks = () if why else tuple(_rank_shard(layout, width, dims, tp, r, writer) for r in range(tp))
         out[point.key] = PointShard(key=point.key, layout=REFUSED if why else layout, width=width,
                                     stage=_stage(tree, point, stages), tp=tp, ranks=ranks, refused=why)
     return out
@@ -399,11 +401,21 @@ def _replicated_neighbour(key: str) -> str:
 # ----------------------------------------------------------------------------- runs per rank
 
 
-def _rank_shard(layout: str, width: int, dims: ModelDims, tp: int, rank: int) -> RankShard:
-    """Column runs of one rank, following vLLM 0.26's weight loaders."""
+def _writer(tree: ModuleTree, point: Point, tp: int) -> int:
+    """The tensor-parallel rank that captures a replicated point: a decoder layer's on rank
+    layer % tp, so that an every-layer capture's device-to-host copies and pools are spread over
+    the GPUs (each copies over its own link) instead of all landing on rank 0; points outside
+    the layers (embeddings, final norm, logits, samples) on rank 0."""
+    node = tree.by_path.get(point.module)
+    return node.layer % tp if node is not None and node.layer is not None else 0
+
+
+def _rank_shard(layout: str, width: int, dims: ModelDims, tp: int, rank: int, writer: int = 0) -> RankShard:
+    """Column runs of one rank, following vLLM 0.26's weight loaders; `writer`: the rank that
+    captures a replicated point."""
     if layout == REPLICATED:
         whole = (Run(0, 0, width),)
-        return RankShard(rank, width, whole if rank == 0 else (), whole)
+        return RankShard(rank, width, whole if rank == writer else (), whole)
     q = dims.num_heads * dims.head_dim
     if layout in (COLUMNS, Q_HEADS):  # Q_HEADS: nh % tp == 0, so heads split like columns
         part = width // tp

@@ -110,7 +110,8 @@ def test_each_gpu_installs_its_stage_and_captures_what_it_writes():
             assert layers <= set(range(*plan.pp_layers[stage]))
             caps = {t.key: t.width for t in mine if t.action == "capture"}
             resid = {f"model.layers.{i}.resid" for i in range(*plan.pp_layers[stage])}
-            assert resid <= set(caps) if r == 0 else not resid & set(caps), "replicated: written by rank 0 only"
+            written = {f"model.layers.{i}.resid" for i in range(*plan.pp_layers[stage]) if i % 2 == r}
+            assert resid & set(caps) == written, "replicated: each layer's captured by rank layer % 2 only"
             edits = {t.key for t in mine if t.action == "add"}
             assert edits == resid, "edits on replicated points run on every rank"
             for t in mine:
