@@ -304,10 +304,13 @@ def new_request(r: Req) -> NS:
 class Scheduler:
     """Plays vLLM's scheduler, one `step` at a time: a token budget per step (chunked prefill),
     decode one token per step, requests arriving late or added while others run, finishing at
-    max_tokens, and optionally one preemption (recompute from 0)."""
+    max_tokens, and optionally one preemption (recompute from 0). With `max_seqs`, a request
+    waits while that many run (vLLM's max_num_seqs). `produced`: the requests that got a token
+    in the last step (a streaming engine's outputs)."""
 
-    def __init__(self, runner, budget: int):
-        self.runner, self.budget = runner, budget
+    def __init__(self, runner, budget: int, max_seqs: int | None = None):
+        self.runner, self.budget, self.max_seqs = runner, budget, max_seqs
+        self.produced: list[Req] = []
         self.live: list[Req] = []
         self.added, self.finished, self.preempted = set(), set(), set()
         self.seen: set[str] = set()    # requests the worker has heard of (a V1 runner resumes them as cached)
@@ -321,6 +324,16 @@ class Scheduler:
 
     def busy(self) -> bool:
         return bool(self.live)
+
+    def abort(self, rid: str) -> Req | None:
+        """Drop a request; the worker hears of it as finished with the next step."""
+        r = next((r for r in self.live if r.rid == rid), None)
+        if r is not None:
+            self.live.remove(r)
+            if rid in self.added:
+                self.finished.add(rid)
+                self.added.discard(rid)
+        return r
 
     def step(self) -> list[Req]:
         """One scheduler step (one execute_model when anything is scheduled): the requests it finished."""
@@ -338,6 +351,8 @@ class Scheduler:
                 resumed.add(r.rid)
                 self.added.add(r.rid)
             elif r.rid not in self.added:
+                if self.max_seqs is not None and len(self.added) >= self.max_seqs:
+                    continue
                 self.seen.add(r.rid)
                 new.append(new_request(r))
                 self.added.add(r.rid)
@@ -352,12 +367,13 @@ class Scheduler:
                                          num_computed=computed, tokens={r.rid: r.tokens for r in self.live}))
             self.finished.clear()
             self.preempted.clear()
-        done = []
+        done, self.produced = [], []
         for r in self.live:
             if r.rid in sched:
                 r.computed += sched[r.rid]
                 if r.computed == len(r.tokens):
                     r.tokens.append(next_token(r.tokens))
+                    self.produced.append(r)
                     if len(r.tokens) - len(r.prompt) == r.max_tokens:
                         done.append(r)
                         self.finished.add(r.rid)
