@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from tapc.engine.requests import TapRequest
 from tapc.errors import TapcError
+from tapc.prefix import salted
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def feed(llm, prompts: Iterator[tuple[int, list[int]]], sampling_params, ask: Ta
                     llm._give_back()   # the chunks the writer has dropped: the worker reuses them
                 rid = f"tapc-h{seq}"   # outputs and aborts name the id given here (vLLM's own has a suffix)
                 try:
-                    engine.add_request(rid, {"prompt_token_ids": tokens}, prepared.params)
+                    engine.add_request(rid, salted({"prompt_token_ids": tokens}, prepared.salt), prepared.params)
                 except ValueError as e:   # vLLM refuses the prompt (too long, bad token): that prompt fails
                     hand([Done(seq, index, SimpleNamespace(error=TapcError(f"vLLM refused it: {e}")), 0)])
                 else:
