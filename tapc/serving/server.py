@@ -28,6 +28,7 @@ import numpy as np
 from tapc.async_engine import Collector
 from tapc.engine.protocol import WireRequest
 from tapc.errors import RequestError
+from tapc.prefix import salted
 from tapc.serving.asks import parse_ask
 from tapc.session import TapSession
 
@@ -72,10 +73,8 @@ class TapcServer:
         wire = WireRequest(uuid.uuid4().hex, checked)
         use = self.session.prefix.use(checked, wire.id)
         salt = use.salt or (self.session.prefix.unique(wire.id) if use.skip_read else None)
-        body = {**body, "vllm_xargs": {**xargs, "tapc": wire.to_text()}}
-        if salt is not None:
-            own = body.get("cache_salt")
-            body["cache_salt"] = f"{own}|{salt}" if own else salt
+        # a request body carries `cache_salt` as a prompt dict does: the same rule adds ours
+        body = salted({**body, "vllm_xargs": {**xargs, "tapc": wire.to_text()}}, salt)
         if body.get("stream"):
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         self.running[wire.id] = (wire, asyncio.Event())
