@@ -110,7 +110,15 @@ class AsyncVLLM:
         await self.collector.settle()
         return await self.engine.collective_rpc("tapc_held")
 
+    async def aclose(self) -> None:
+        """Stop the collector (its task ends on this loop) and shut the engine down; call it on
+        the loop that ran the requests, so no task is left pending when the loop closes."""
+        await self.collector.aclose()
+        self.engine.shutdown()
+        await asyncio.sleep(0)   # the engine's own tasks, cancelled by its shutdown, end here
+
     def shutdown(self) -> None:
+        """`aclose` for callers off the loop: the collector task is cancelled, not awaited."""
         self.collector.close()
         self.engine.shutdown()
 
@@ -171,6 +179,13 @@ class Collector:
     def close(self) -> None:
         if self.task is not None:
             self.task.cancel()
+
+    async def aclose(self) -> None:
+        """Cancel the task and wait for it to end."""
+        task, self.task = self.task, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     def _kick(self) -> None:
         self.idle.clear()

@@ -61,6 +61,9 @@ class ToyAsyncLLM:
             if not internal and rid in self.queues:
                 self.queues[rid].put_nowait(output(r, True, "abort"))
 
+    def shutdown(self) -> None:
+        self.queues.clear()
+
     async def collective_rpc(self, method, args=()):
         self.rpcs.append(method)
         await asyncio.sleep(0)

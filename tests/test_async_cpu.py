@@ -154,3 +154,14 @@ def test_a_steered_request_is_salted_and_a_capture_skips_the_cache():
         assert "cache_salt" not in sent["r0"].prompt and not sent["r0"].params.skip_reading_prefix_cache
 
     asyncio.run(main())
+
+
+def test_aclose_leaves_no_task_pending_on_the_loop():
+    async def main():
+        engine, _ = toy_async()
+        await all_of([consume(engine, i, 3) for i in range(6)])
+        assert engine.collector.task is not None, "the collector never ran: nothing was checked"
+        await engine.aclose()
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    assert asyncio.run(main()) == []

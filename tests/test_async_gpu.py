@@ -35,7 +35,7 @@ def served(checkpoints):
 
     engine = loop.run_until_complete(start())
     yield path, engine, loop
-    engine.shutdown()
+    loop.run_until_complete(engine.aclose())
     loop.close()
 
 
