@@ -94,31 +94,40 @@ def main():
         engines[n] = VLLM(model, taps=LAYERS[n], **common)
 
     times: dict = {}
+
+    def report() -> None:
+        """The table so far (printed, and written to --out): a run cut short keeps its rounds."""
+        lines = ["| workload | layers | vanilla s | harvest s | ratio | GB written | GB/s |",
+                 "|---|---|---|---|---|---|---|"]
+        for w in workloads:
+            if (w, "vanilla") not in times:
+                continue
+            van = statistics.median(times[(w, "vanilla")])
+            for n in args.layers:
+                if (w, n) in times:
+                    dt = statistics.median(t for t, _ in times[(w, n)])
+                    gb = times[(w, n)][0][1]
+                    lines.append(f"| {w} | {n} | {van:.2f} | {dt:.2f} | {dt / van:.3f} | {gb:.2f} | {gb / dt:.2f} |")
+        table = "\n".join(lines)
+        print(table, flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(f"bench_harvest: {', '.join(workloads)}; medians of {repeats} round(s)\n\n{table}\n")
+
     for rnd in range(repeats + 1):   # round 0 warms every engine up on every workload
         for w in workloads:
             ps = prompts(w, seed=rnd)
             dt = vanilla_run(engines["vanilla"], ps)
+            print(f"round {rnd} {w} vanilla {dt:.2f} s", file=sys.stderr, flush=True)
             if rnd:
                 times.setdefault((w, "vanilla"), []).append(dt)
             for n in args.layers:
                 dt, gb = harvest_run(engines[n], ps, args.dir)
+                print(f"round {rnd} {w} {n} layer(s) {dt:.2f} s, {gb:.2f} GB", file=sys.stderr, flush=True)
                 if rnd:
                     times.setdefault((w, n), []).append((dt, gb))
-            print(f"round {rnd} {w} done", file=sys.stderr)
-
-    lines = ["| workload | layers | vanilla s | harvest s | ratio | GB written | GB/s |",
-             "|---|---|---|---|---|---|---|"]
-    for w in workloads:
-        van = statistics.median(times[(w, "vanilla")])
-        for n in args.layers:
-            dt = statistics.median(t for t, _ in times[(w, n)])
-            gb = times[(w, n)][0][1]
-            lines.append(f"| {w} | {n} | {van:.2f} | {dt:.2f} | {dt / van:.3f} | {gb:.2f} | {gb / dt:.2f} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(f"bench_harvest: {', '.join(workloads)}; medians of {repeats} round(s)\n\n{table}\n")
+        if rnd:
+            report()
     shutil.rmtree(model, ignore_errors=True)
 
 
