@@ -45,11 +45,16 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
     return t.view(-1).view(torch.uint8).numpy()
 
 
-def _pwrite_rows(fd: int, t: torch.Tensor, offset: int) -> None:
-    """A `[rows, width]` tensor whose rows are apart in memory (one key of a capture block holding
-    several): written row by row from where they are, without a contiguous copy first."""
-    rows = t.view(torch.uint8).numpy()   # bytes [rows, width * itemsize], the rows' stride kept
-    views = [memoryview(r) for r in rows]
+def _views(t: torch.Tensor) -> list[memoryview]:
+    """The bytes of `t` as buffers for `pwritev`, in row order: one buffer when contiguous; for a
+    `[rows, width]` tensor whose rows are apart in memory (one key of a capture block holding
+    several) one buffer a row, read from where they are without a contiguous copy first."""
+    if t.dim() == 2 and not t.is_contiguous() and t.stride(1) == 1 and len(t) > 1:
+        return [memoryview(r) for r in t.view(torch.uint8).numpy()]   # the rows' stride kept
+    return [memoryview(_bytes(t))]
+
+
+def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
     step = os.sysconf("SC_IOV_MAX")
     for i in range(0, len(views), step):
         batch = views[i: i + step]
@@ -72,7 +77,8 @@ class SafetensorsShard:
         self.partial = path.with_name(path.name + ".partial")
         self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self.base, self.offsets = self._header(self.fd, cap)
-        self.rows = 0
+        self.rows = self.flushed = 0
+        self.waiting: dict[str, list[memoryview]] = {}
 
     def _header(self, fd: int, rows: int) -> tuple[int, dict[str, int]]:
         header: dict = {"__metadata__": self.metadata}
@@ -89,16 +95,22 @@ class SafetensorsShard:
         return 8 + len(text), offsets
 
     def write(self, cols: dict[str, torch.Tensor]) -> None:
-        n = len(next(iter(cols.values())))
+        """Rows after the ones written so far. Held (as views of the caller's tensors) until
+        `flush`: a column's rows from many requests then go to the file in one system call."""
         for c in self.columns:
-            t, at = cols[c.name], self.base + self.offsets[c.name] + self.rows * c.row_bytes
-            if t.dim() == 2 and not t.is_contiguous() and t.stride(1) == 1 and len(t) > 1:
-                _pwrite_rows(self.fd, t, at)
-            else:
-                _pwrite_all(self.fd, _bytes(t), at)
-        self.rows += n
+            self.waiting.setdefault(c.name, []).extend(_views(cols[c.name]))
+        self.rows += len(next(iter(cols.values())))
+
+    def flush(self) -> None:
+        """Write what `write` holds; its tensors are free again afterwards."""
+        if not self.waiting:
+            return
+        for c in self.columns:
+            _pwritev_all(self.fd, self.waiting[c.name], self.base + self.offsets[c.name] + self.flushed * c.row_bytes)
+        self.waiting, self.flushed = {}, self.rows
 
     def finish(self) -> None:
+        self.flush()
         if self.rows < self.cap:   # the last shard: the same columns, `rows` long, copied file to file
             tmp = self.partial.with_name(self.partial.name + "2")
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -143,9 +155,10 @@ class ArrowShard:
         self.rows += n
         self.waiting_bytes += n * self.row_bytes
         if self.waiting_bytes >= self.BATCH_BYTES:
-            self._flush()
+            self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Append what is waiting as one record batch."""
         import pyarrow as pa
 
         if not self.waiting:
@@ -168,7 +181,7 @@ class ArrowShard:
         self.waiting, self.waiting_bytes = [], 0
 
     def finish(self) -> None:
-        self._flush()
+        self.flush()
         self.writer.close()
         self.sink.close()
         os.replace(self.partial, self.path)

@@ -184,13 +184,17 @@ class Writer:
                     return
                 for done in group:
                     self.pending[done.seq] = done
+                tokens = 0
                 while self.next_seq in self.pending:
                     done = self.pending.pop(self.next_seq)
                     self._write(done)
                     self.next_seq += 1
                     self.skip = 0
-                    self.window.give(done.tokens)
-                    done = group = None   # drop the captures: their arena chunks go back
+                    tokens += done.tokens
+                if self.file is not None:
+                    self.file.flush()
+                self.window.give(tokens)
+                done = group = None   # drop the captures: their arena chunks go back
         except BaseException as e:   # the feed raises it (Window.check)
             if self.file is not None:
                 self.file.discard()

@@ -42,6 +42,7 @@ def run(out_dir, kill_at: int | None = None, split=(0, 1)):
             calls[0] += 1
             if calls[0] == kill_at:
                 write(self, {c: v[: max(1, len(v) // 2)] for c, v in cols.items()})   # half a request's rows
+                self.flush()   # ... in the file
                 os.kill(os.getpid(), signal.SIGKILL)
             write(self, cols)
 
