@@ -13,7 +13,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -45,13 +47,11 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
     return t.view(-1).view(torch.uint8).numpy()
 
 
-def _views(t: torch.Tensor) -> list[memoryview]:
-    """The bytes of `t` as buffers for `pwritev`, in row order: one buffer when contiguous; for a
-    `[rows, width]` tensor whose rows are apart in memory (one key of a capture block holding
-    several) one buffer a row, read from where they are without a contiguous copy first."""
-    if t.dim() == 2 and not t.is_contiguous() and t.stride(1) == 1 and len(t) > 1:
-        return [memoryview(r) for r in t.view(torch.uint8).numpy()]   # the rows' stride kept
-    return [memoryview(_bytes(t))]
+def _write_tensors(fd: int, tensors: list[torch.Tensor], offset: int) -> None:
+    """The tensors' bytes, one after the other, from `offset`. A tensor whose rows are apart in
+    memory (one key of a capture block holding several) is copied contiguous first, here on a
+    writer thread: torch lets go of the GIL for the copy, a row-by-row iovec list would not."""
+    _pwritev_all(fd, [memoryview(_bytes(t)) for t in tensors], offset)
 
 
 def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
@@ -71,6 +71,30 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+# A flush copies its rows into the page cache on this many threads, in pieces of PIECE bytes:
+# one writer thread held a 4-layer harvest of the 8B shape to 0.65-0.78 GB/s, half of what the
+# engine makes (benchmarks/bench_harvest.py on an H200).
+WRITE_THREADS = 8
+PIECE = 64 << 20
+
+
+@cache
+def _writers() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="tapc-shard-write")
+
+
+def _pieces(tensors: list[torch.Tensor], offset: int):
+    """(tensors, file offset) runs of about PIECE bytes, in order, covering `tensors` from `offset`."""
+    start = size = 0
+    for i, t in enumerate(tensors):
+        size += t.nbytes
+        if size >= PIECE:
+            yield tensors[start: i + 1], offset
+            offset, start, size = offset + size, i + 1, 0
+    if start < len(tensors):
+        yield tensors[start:], offset
+
+
 class SafetensorsShard:
     def __init__(self, path: Path, columns: list[Column], cap: int, metadata: dict[str, str]):
         self.path, self.columns, self.cap, self.metadata = path, columns, cap, metadata
@@ -78,7 +102,7 @@ class SafetensorsShard:
         self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self.base, self.offsets = self._header(self.fd, cap)
         self.rows = self.flushed = 0
-        self.waiting: dict[str, list[memoryview]] = {}
+        self.waiting: dict[str, list[torch.Tensor]] = {}
 
     def _header(self, fd: int, rows: int) -> tuple[int, dict[str, int]]:
         header: dict = {"__metadata__": self.metadata}
@@ -95,18 +119,21 @@ class SafetensorsShard:
         return 8 + len(text), offsets
 
     def write(self, cols: dict[str, torch.Tensor]) -> None:
-        """Rows after the ones written so far. Held (as views of the caller's tensors) until
+        """Rows after the ones written so far. Held (the caller's tensors) until
         `flush`: a column's rows from many requests then go to the file in one system call."""
         for c in self.columns:
-            self.waiting.setdefault(c.name, []).extend(_views(cols[c.name]))
+            self.waiting.setdefault(c.name, []).append(cols[c.name])
         self.rows += len(next(iter(cols.values())))
 
     def flush(self) -> None:
-        """Write what `write` holds; its tensors are free again afterwards."""
+        """Write what `write` holds, the pieces of every column at once (`WRITE_THREADS`); its
+        tensors are free again afterwards."""
         if not self.waiting:
             return
-        for c in self.columns:
-            _pwritev_all(self.fd, self.waiting[c.name], self.base + self.offsets[c.name] + self.flushed * c.row_bytes)
+        jobs = [_writers().submit(_write_tensors, self.fd, part, at) for c in self.columns
+                for part, at in _pieces(self.waiting[c.name], self.base + self.offsets[c.name] + self.flushed * c.row_bytes)]
+        for job in jobs:
+            job.result()
         self.waiting, self.flushed = {}, self.rows
 
     def finish(self) -> None:
