@@ -147,7 +147,8 @@ def _collect(llm, outs: list, live: dict) -> list[Done]:
     prepared = [m[2] for m in metas]
     wanted = llm.session.wanted(prepared)
     replies = llm.llm.collective_rpc("tapc_collect", args=(wanted,)) if wanted else None
-    # counted on the GPU as the captures were copied out: 0 means every value so far is finite
-    suspect = replies is None or any(r.get("nonfinite", 1) for r in replies)
+    # counted on the GPU as the captures were copied out (the harvest turned counting on): 0
+    # means every value so far is finite; None, a worker that does not count
+    suspect = replies is None or any(r.get("nonfinite") != 0 for r in replies)
     llm.session.finish_batch(outs, prepared, replies)
     return [Done(seq, index, out, cost, suspect) for (seq, index, _, cost), out in zip(metas, outs)]

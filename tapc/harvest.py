@@ -163,7 +163,7 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
     ask = TapRequest(capture=keys, positions=positions)
     todo = itertools.islice(_mine(llm, prompts, split), start[0], None)
     try:
-        with bar, _one_cpu_thread():
+        with bar, _one_cpu_thread(), _counting_nonfinite(llm):
             feed(llm, todo, params, ask, window, writer.put, collect_every, submitted=bar.submitted,
                  first_seq=start[0])
             writer.close()
@@ -192,6 +192,17 @@ def _one_cpu_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _counting_nonfinite(llm):
+    """The workers count NaN / inf values as the captures leave the GPU while the harvest runs
+    (a collect reply with a count of 0 spares the writer its check); off again afterwards."""
+    llm.llm.collective_rpc("tapc_count_nonfinite", args=(True,))
+    try:
+        yield
+    finally:
+        llm.llm.collective_rpc("tapc_count_nonfinite", args=(False,))
 
 
 def _layout(plan, keys, taps, folder: Path, *, format, dtype, shard_tokens, context_size, positions):

@@ -140,6 +140,7 @@ class ToyBuffers:
         self.logit_rows = torch.full((len(layout.logit_edits), slots), -1, dtype=torch.int32)
         self._host = np.empty((layout.num_tables, rows), dtype=np.int32)
         self.nonfinite_values = 0
+        self.counting = False
 
     def host_table(self, padded):
         return self._host[:, :padded]
@@ -151,12 +152,16 @@ class ToyBuffers:
         self.table.fill_(-1)
 
     def copy_out(self, segments, used):
-        for pool, n in zip(self.pools, used):
-            self.nonfinite_values += int(torch.isfinite(pool[:n]).logical_not_().sum())
+        if self.counting:
+            for pool, n in zip(self.pools, used):
+                self.nonfinite_values += int(torch.isfinite(pool[:n]).logical_not_().sum())
         copy_segments(segments, self.pools)
 
+    def count_nonfinite(self, on):
+        self.counting, self.nonfinite_values = on, 0 if on else self.nonfinite_values
+
     def nonfinite(self):
-        return self.nonfinite_values
+        return self.nonfinite_values if self.counting else None
 
     def wait_copies(self):
         pass
@@ -515,7 +520,8 @@ class ToyLLM:
 
     def collective_rpc(self, method, args=()):
         self.rpcs.append(method)
-        worker = {"tapc_collect": lambda ids: self.hooks.collect(ids).to_wire(), "tapc_release": self.hooks.release}
+        worker = {"tapc_collect": lambda ids: self.hooks.collect(ids).to_wire(), "tapc_release": self.hooks.release,
+                  "tapc_count_nonfinite": self.hooks.buffers.count_nonfinite}
         return [over_the_wire(worker[method](*args))]
 
 

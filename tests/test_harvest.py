@@ -240,6 +240,8 @@ def test_a_nan_is_counted_on_the_device_and_its_request_listed_never_written(tmp
     from vllm import SamplingParams
 
     llm, hooks = toy_vllm(TAPS)
+    counted, count = [], hooks.buffers.nonfinite
+    hooks.buffers.nonfinite = lambda: counted.append(count()) or counted[-1]   # what each collect reply says
     with torch.no_grad():
         llm.llm.runner.model.model.embed_tokens.weight[13] = float("nan")   # token 13: NaN from layer 0 on (the toy has no attention: only its own rows)
     ps = [[1, 2, 3], [4, 13, 5, 13], [6, 7], [8, 9, 13]]
@@ -248,7 +250,8 @@ def test_a_nan_is_counted_on_the_device_and_its_request_listed_never_written(tmp
     assert [f["request"] for f in m.failed] == [1, 3]
     assert "non-finite values (NaN or inf) in model.layers.0.resid at positions [1, 3]; not written" in m.failed[0]["error"]
     assert "at positions [2]" in m.failed[1]["error"]
-    assert hooks.buffers.nonfinite() > 0   # counted as the captures left the (toy) device
+    assert counted[0] == 0 and counted[-1] > 0   # counted as the captures left the (toy) device
+    assert count() is None                        # and no longer once the harvest is done
     assert m.rows == 5 and set(Shards(tmp_path / "acts").load("request", 0).tolist()) | set(
         Shards(tmp_path / "acts").load("request", 1).tolist()) == {0, 2}
     assert m.stats["model.layers.0.resid"]["nonfinite_values"] > 0

@@ -12,10 +12,11 @@ Per step (all stream-ordered on the compute stream, so async scheduling is safe)
    forward may overwrite the pools right away), then a side stream copies each request's block
    from the snapshot into its pinned host storage while the next step computes (all of them
    in one driver call where the driver has it, memcpy.py). The snapshot is rewritten only
-   after the previous step's host copies are done (an event). The snapshot's non-finite
-   values are counted on the device as it is made (`nonfinite`, a running total that reaches
-   host memory with the step's copies), so a harvest checks rows on the host only once the
-   device has seen a NaN or inf.
+   after the previous step's host copies are done (an event). While a harvest asks for it
+   (`count_nonfinite`), the snapshot's non-finite values are counted on the device as it is
+   made (`nonfinite`, a running total that reaches host memory with the step's copies), so the
+   harvest checks rows on the host only once the device has seen a NaN or inf. Off otherwise:
+   it is four more eager ops a capture group on every capturing step.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ class Buffers:
         self._copied: torch.cuda.Event | None = None
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self._nonfinite_host = torch.zeros((), dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._counting = False
         self.params = ParamTables(layout.edits, self.slots, device, layout.localize)
         self.logit_params = ParamTables(layout.logit_edits, self.slots, device)
         self.logit_rows = torch.full((len(layout.logit_edits), seqs), -1, dtype=torch.int32, device=device)
@@ -83,7 +85,8 @@ class Buffers:
         for snap, pool, n in zip(self._snaps, self.pools, used):
             if n:
                 snap[:n].copy_(pool[:n])
-                self._nonfinite += torch.isfinite(snap[:n]).logical_not_().sum()
+                if self._counting:
+                    self._nonfinite += torch.isfinite(snap[:n]).logical_not_().sum()
         ready = torch.cuda.Event()
         ready.record(compute)
         with torch.cuda.stream(self._copy_stream):
@@ -98,10 +101,17 @@ class Buffers:
         if self._copied is not None:
             self._copied.synchronize()
 
-    def nonfinite(self) -> int:
-        """Non-finite values in every capture copied so far (after `wait_copies`: no sync here,
-        which would wait for the steps queued since)."""
-        return int(self._nonfinite_host)
+    def count_nonfinite(self, on: bool) -> None:
+        """Count from now on (from 0), or stop counting."""
+        if on:
+            self._nonfinite.zero_()
+            self._nonfinite_host.zero_()
+        self._counting = on
+
+    def nonfinite(self) -> int | None:
+        """Non-finite values in every capture copied since counting began (after `wait_copies`:
+        no sync here, which would wait for the steps queued since); None when not counting."""
+        return int(self._nonfinite_host) if self._counting else None
 
 
 class _UvaTable:

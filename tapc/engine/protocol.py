@@ -31,7 +31,7 @@ from tapc.errors import ProtocolError
 if TYPE_CHECKING:   # torch is imported where a tensor is made: `tapc explain` checks requests without it
     import torch
 
-VERSION = 3
+VERSION = 4
 
 # A request's value of a named parameter as checked by requests.py: float32 bytes for a
 # vector, a float for a scalar, a list of ints for columns, a list of floats for values.
@@ -375,7 +375,9 @@ class Result:
 @dataclass(frozen=True)
 class CollectReply:
     results: tuple[Result, ...]
-    nonfinite: int = 0   # NaN / inf values in every capture this worker has copied out so far
+    # NaN / inf values in every capture this worker has copied out since a harvest asked it to
+    # count (`tapc_count_nonfinite`); None when it does not count.
+    nonfinite: int | None = None
 
     def to_wire(self) -> dict:
         return {"version": VERSION, "results": [r.to_wire() for r in self.results], "nonfinite": self.nonfinite}
@@ -384,7 +386,7 @@ class CollectReply:
     def from_wire(cls, d) -> "CollectReply":
         _check_version(d, "tapc collect reply")
         return cls(tuple(Result.from_wire(r) for r in _get(d, "results", (list, tuple), "tapc collect reply")),
-                   _get(d, "nonfinite", int, "tapc collect reply"))
+                   _get(d, "nonfinite", (int, type(None)), "tapc collect reply"))
 
     def by_id(self) -> dict[str, Result]:
         return {r.id: r for r in self.results}

@@ -60,6 +60,11 @@ class TapWorker(Worker):
         """The results of these tapc ids, as a `protocol.CollectReply` in wire form."""
         return self.tapc.collect(ids).to_wire()
 
+    def tapc_count_nonfinite(self, on: bool) -> None:
+        """Count the NaN / inf values of the captures as they are copied out (a harvest's
+        check), from 0, or stop; collect replies carry the count."""
+        self.tapc.buffers.count_nonfinite(on)
+
     def tapc_release(self, chunks: list[tuple[str, int]]) -> None:
         self.tapc.release(chunks)
 
