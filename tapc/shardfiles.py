@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +47,8 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
 
 def _write_tensors(fd: int, tensors: list[torch.Tensor], offset: int) -> None:
     """The tensors' bytes, one after the other, from `offset`. A tensor whose rows are apart in
-    memory (one key of a capture block holding several) is copied contiguous first, here on a
-    writer thread: torch lets go of the GIL for the copy, a row-by-row iovec list would not."""
+    memory (one key of a capture block holding several) is copied contiguous first: a copy is
+    one torch call, a row-by-row iovec list a Python object per row."""
     _pwritev_all(fd, [memoryview(_bytes(t)) for t in tensors], offset)
 
 
@@ -69,30 +67,6 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
     while len(view):
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
-
-
-# A flush copies its rows into the page cache on this many threads, in pieces of PIECE bytes:
-# one writer thread held a 4-layer harvest of the 8B shape to 0.65-0.78 GB/s, half of what the
-# engine makes (benchmarks/bench_harvest.py on an H200).
-WRITE_THREADS = 8
-PIECE = 64 << 20
-
-
-@cache
-def _writers() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(WRITE_THREADS, thread_name_prefix="tapc-shard-write")
-
-
-def _pieces(tensors: list[torch.Tensor], offset: int):
-    """(tensors, file offset) runs of about PIECE bytes, in order, covering `tensors` from `offset`."""
-    start = size = 0
-    for i, t in enumerate(tensors):
-        size += t.nbytes
-        if size >= PIECE:
-            yield tensors[start: i + 1], offset
-            offset, start, size = offset + size, i + 1, 0
-    if start < len(tensors):
-        yield tensors[start:], offset
 
 
 class SafetensorsShard:
@@ -126,14 +100,11 @@ class SafetensorsShard:
         self.rows += len(next(iter(cols.values())))
 
     def flush(self) -> None:
-        """Write what `write` holds, the pieces of every column at once (`WRITE_THREADS`); its
-        tensors are free again afterwards."""
+        """Write what `write` holds, a column at a time; its tensors are free again afterwards."""
         if not self.waiting:
             return
-        jobs = [_writers().submit(_write_tensors, self.fd, part, at) for c in self.columns
-                for part, at in _pieces(self.waiting[c.name], self.base + self.offsets[c.name] + self.flushed * c.row_bytes)]
-        for job in jobs:
-            job.result()
+        for c in self.columns:
+            _write_tensors(self.fd, self.waiting[c.name], self.base + self.offsets[c.name] + self.flushed * c.row_bytes)
         self.waiting, self.flushed = {}, self.rows
 
     def finish(self) -> None:
