@@ -113,6 +113,7 @@ class BlockRuntime:
         self.blocks: dict[str, Block] = {}     # engine-wide, by name
         self.requests: dict[str, Request] = {}
         self.spans: list[Span] = []
+        self.elsewhere = False
 
     def register(self, blocks: dict[str, Block]) -> None:
         self.blocks.update(blocks)
@@ -123,9 +124,13 @@ class BlockRuntime:
         `request_id` (default: the key)."""
         self.requests.setdefault(key, Request(request_id or key, prompt_len, dict(blocks or {})))
 
-    def begin_step(self, spans: list[Span]) -> None:
-        """The rows of this step's requests (those the runtime did not admit are skipped)."""
+    def begin_step(self, spans: list[Span], elsewhere: bool = False) -> None:
+        """The rows of this step's requests (those the runtime did not admit are skipped).
+        `elsewhere`: the step holds a request that another GPU of the group admitted and this
+        one could not (no room for its captures here): its blocks run there, so the collectives
+        of sharded points must run here too."""
         self.spans = spans
+        self.elsewhere = elsewhere
 
     def take(self, rid: str) -> tuple[dict, BlockFailure | None]:
         """A finished request's saved values (in wire form, protocol.encode_value) and error, once."""
@@ -146,9 +151,9 @@ class BlockRuntime:
         bp = self.points[point]
         if bp.sharded is not None:
             # The all-gather is a collective: every GPU of the group must make it, so whether it
-            # runs hangs on what the scheduler gave all of them alike (admitted spans), never on
-            # a block's error, which one GPU alone might see.
-            if not any(span.rid in self.requests for span in spans):
+            # runs hangs on what the scheduler gave all of them alike (tapped requests, admitted
+            # here or elsewhere), never on a block's error, which one GPU alone might see.
+            if not (self.elsewhere or any(span.rid in self.requests for span in spans)):
                 return
             flat = x if x.dim() == 2 else x.view(x.shape[0], -1)   # a view: the scatter reaches x
             whole = bp.sharded.whole(flat)

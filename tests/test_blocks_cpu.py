@@ -125,3 +125,53 @@ def test_requests_must_have_every_block():
         check(plan, TapRequest(blocks={"prob": print}), "request 0")
     with pytest.raises(RequestError, match="must be a function"):
         check(plan, TapRequest(blocks={"probe": 3}), "request 0")
+
+
+def test_a_request_this_gpu_could_not_admit_keeps_the_groups_collectives_in_step():
+    """Under tensor parallelism a block at a sharded point all-gathers, and every GPU of the
+    group must make that collective. A request whose captures found no room on one GPU runs
+    untapped there while the others run its blocks: the runtime is told so (`elsewhere`) at
+    every step that schedules it, a preempted and resumed one included, and never after it
+    finished; the request fails at collect with the arena's reason."""
+    from tapc.errors import RequestError as Refused
+
+    plan = toy_plan(["model.layers.1.resid", "model.layers.0.resid -> probe"])
+    runner, hooks = hooks_for(plan, ToyModel())
+    hooks.points.runtime.register({"probe": lambda ctx, x: None})
+    arena_tensor = hooks.arena.tensor
+
+    def refuse_b(*shape):
+        if refusing:
+            raise Refused("no room for its captures (refused by the test)")
+        return arena_tensor(*shape)
+
+    refusing = False
+    hooks.arena.tensor = refuse_b
+    steps = []
+    begin = hooks.points.begin_step
+
+    def watch(records, batch, unadmitted=frozenset()):
+        begin(records, batch, unadmitted)
+        steps.append((tuple(batch.req_ids), hooks.points.runtime.elsewhere))
+
+    hooks.points.begin_step = watch
+    schedule = hooks.schedule
+
+    def admit_b_refused(out):
+        nonlocal refusing
+        refusing = any(r.req_id == "b" for r in out.scheduled_new_reqs)
+        schedule(out)
+        refusing = False
+
+    hooks.schedule = admit_b_refused
+    reqs = requests(plan, [("a", 5, 2, 0, TapRequest(capture="*")), ("b", 6, 7, 1, TapRequest(capture="*")),
+                           ("c", 4, 16, 2, TapRequest(capture="*"))])   # c outlives b
+    reqs[1].preempt_at = 4
+    run(runner, reqs, budget=64)
+    with_b = [elsewhere for ids, elsewhere in steps if "b" in ids]
+    without_b = [elsewhere for ids, elsewhere in steps if "b" not in ids]
+    assert len(with_b) >= 7 and all(with_b), steps
+    assert not any(without_b), steps
+    assert steps[-1][0] == ("c",) and not hooks.unadmitted and "b" not in hooks.records
+    outs = results(plan, hooks, reqs)
+    assert outs["a"].error is None and outs["c"].error is None and "refused by the test" in str(outs["b"].error)

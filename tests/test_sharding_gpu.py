@@ -1,12 +1,12 @@
 """tapc.sharding against vanilla vLLM 0.26 on two GPUs: each rank's local tensors, read with
 forward hooks in the workers (eager), placed with the map's runs, equal the same points at
 tensor_parallel_size=1 on the same weights; pipeline stages hold the layers the map says."""
-import gc
 import os
 import sys
 
 import pytest
 import torch
+from gpu_engines import shutdown
 from test_engine_gpu import SMALL, assert_matches, engine_args, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -77,8 +77,7 @@ def _run(path, tokens, keys, tp):
     llm.collective_rpc(_install_hooks, args=(keys,))
     llm.generate([{"prompt_token_ids": tokens}], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     got = dict(llm.collective_rpc(_take))
-    del llm
-    gc.collect()
+    shutdown(llm)   # its GPU memory back before the next engine profiles its own
     return {k: [torch.from_numpy(got[r][k][:len(tokens)]) for r in range(tp)] for k in keys}
 
 
@@ -119,7 +118,6 @@ def test_pp2_stages_hold_the_layers_the_map_says(tmp_path, monkeypatch, partitio
     path = write_checkpoint(tmp_path / "llama", "llama")
     llm = LLM(path, pipeline_parallel_size=2, enforce_eager=True, **engine_args())
     ranges = [tuple(r) for r in llm.collective_rpc(_layer_range)]
-    del llm
-    gc.collect()
+    shutdown(llm)
     want = list(pp_stages(SMALL["num_hidden_layers"], 2))
     assert ranges == want, f"stages hold layers {ranges}, the map says {want}"

@@ -54,7 +54,8 @@ class EnginePoints:
         self.wants[rec.id] = tuple(k for k in wire.ask.engine if k in self.captures)
         self.kept[rec.id] = {k: [] for k in self.wants[rec.id]}
 
-    def begin_step(self, records: dict, batch: StepBatch) -> None:
+    def begin_step(self, records: dict, batch: StepBatch, unadmitted: set[str] = frozenset()) -> None:
+        """`unadmitted`: vLLM ids of tapped requests this GPU could not admit (runner.py)."""
         spans, self.rows = [], []
         qsl, computed = batch.query_start_loc, batch.num_computed
         for i, rid in enumerate(batch.req_ids):
@@ -67,7 +68,7 @@ class EnginePoints:
             last = first + end - start - 1
             if last >= rec.prompt_len - 1:   # the prompt is done: this row predicts a real token
                 self.rows.append((rec, i, last))
-        self.runtime.begin_step(spans)
+        self.runtime.begin_step(spans, elsewhere=bool(unadmitted) and any(rid in unadmitted for rid in batch.req_ids))
 
     def on_logits(self, logits: torch.Tensor) -> None:
         self.logit_edits.apply(logits, self.rows)

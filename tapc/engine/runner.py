@@ -46,6 +46,9 @@ class RunnerHooks:
         self.records: dict[str, Record] = {}     # vLLM request id -> record, while vLLM has it
         self.by_id: dict[str, Record] = {}       # tapc id -> record, until collected
         self.errors: dict[str, str] = {}         # tapc id -> why its taps were not served
+        # vLLM ids of tapped requests this GPU could not admit (no room for their captures here),
+        # while vLLM runs them: other GPUs of the group may have admitted them (points.py)
+        self.unadmitted: set[str] = set()
         self._step = None
 
     # ---------------------------------------------------------------- per step (the adapter calls)
@@ -64,7 +67,7 @@ class RunnerHooks:
         self._step = fill_step(self.layout, self.buffers.host_table(batch.padded), self.records, batch)
         self.buffers.upload(batch.padded)
         if self.points is not None:
-            self.points.begin_step(self.records, batch)
+            self.points.begin_step(self.records, batch, self.unadmitted)
 
     def end_step(self) -> None:
         if self.points is not None:  # boundary ops in later (dummy) forwards must see no rows
@@ -79,6 +82,7 @@ class RunnerHooks:
     # ---------------------------------------------------------------- requests
 
     def _retire(self, finished, preempted) -> None:
+        self.unadmitted.difference_update(finished)
         for rid in (*finished, *preempted):
             rec = self.records.get(rid)
             if rec is None:
@@ -104,6 +108,9 @@ class RunnerHooks:
                     if isinstance(tid, str):
                         self.errors[tid] = str(e)
                     continue
+                if wire.id in self.errors:   # refused before and preempted since: it stays untapped
+                    self.unadmitted.add(req.req_id)
+                    continue
                 taken: list = []   # chunks this admission got, to give back if it fails
 
                 def alloc(*shape):
@@ -122,6 +129,7 @@ class RunnerHooks:
                     for t in taken:
                         self.arena.give_back_tensor(t)
                     self.errors[wire.id] = str(e)
+                    self.unadmitted.add(req.req_id)
                     continue
                 self.records[req.req_id] = rec
                 self.by_id[rec.id] = rec
