@@ -317,12 +317,15 @@ def main() -> int:
     logs = {port: os.path.join(work, f"{name}.log") for port, name in ((8101, "vanilla"), (8102, "tapc"))}
     vanilla = start_server([env_py, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", "8101", *common],
                            logs[8101])
-    tapped = start_server([env_py, "-m", "tapc.cli", "serve", model, "--port", "8102",
-                           "--tap", "model.layers.*.resid",
-                           "--tap", f"model.layers.{STEER_LAYER}.resid | add(steer, alpha={ALPHA})", *common],
-                          logs[8102])
+    tapped = None
     try:
+        # One after the other: vLLM's memory profile at start fails when another process on the
+        # GPU changes its memory use meanwhile.
         wait_healthy(vanilla, 8101, logs[8101])
+        tapped = start_server([env_py, "-m", "tapc.cli", "serve", model, "--port", "8102",
+                               "--tap", "model.layers.*.resid",
+                               "--tap", f"model.layers.{STEER_LAYER}.resid | add(steer, alpha={ALPHA})", *common],
+                              logs[8102])
         wait_healthy(tapped, 8102, logs[8102])
         for k, v in enumerate(vectors):
             http_json("POST", "http://127.0.0.1:8102/v1/tapc/vectors", {"name": f"v{k}", "values": v.tolist()})
@@ -344,8 +347,9 @@ def main() -> int:
             problems.append(f"the workers still hold something after every result was fetched: {workers}")
     finally:
         for proc in (vanilla, tapped):
-            proc.terminate()
-            proc.wait(60)
+            if proc is not None:
+                proc.terminate()
+                proc.wait(60)
     v, t = results["vanilla"][1], results["tapc"][1]
     lines = ["| server | requests | finished | aborted | seconds | output tok/s | ratio | untapped prefix-cache hit rate |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
