@@ -5,7 +5,7 @@
 A random Llama checkpoint with realistic init (and a word-level tokenizer over its vocabulary)
 is written; a vanilla server and a tapc server (captures of every layer's residual stream,
 a steering edit with per-request vectors) run side by side, each on its share of the GPU.
-The same request list goes to each, over real HTTP, from `--clients` concurrent clients with
+After 64 untimed warm-up requests, the same request list goes to each, over real HTTP, from `--clients` concurrent clients with
 staggered (Poisson) arrivals: untapped, capturing (all / prompt / generated rows), steered by
 one of three registered vectors (some capturing too), a share streamed, `--abort` of them
 aborted mid-stream (the client closes the connection), and half behind one shared system
@@ -38,6 +38,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEER_LAYER, ALPHA = 1, 4.0
+WARMUP = 64   # requests sent to each server before its timed run
 
 
 @dataclass
@@ -258,7 +259,9 @@ def check(ref: Reference, url: str, done: list[Done]) -> list[str]:
         rows = logits[len(job.prompt) - 1:]
         top2 = rows.topk(2, dim=-1).values
         chosen = rows.gather(1, torch.tensor(d.tokens, device=rows.device)[:, None])[:, 0]
-        margin = 0.02 * rows.std(dim=-1) + 1e-3
+        # Two bf16 steps at the logit's size: vLLM's bf16 logits and HF's, from two kernels'
+        # summation orders, differ by one step at a near tie (the GPU tests use the same margin).
+        margin = 2e-2 * rows.abs().amax(dim=-1) + 1e-3
         bad = ((top2[:, 0] - chosen) > margin) & ((top2[:, 0] - top2[:, 1]) > margin)
         if bad.any():
             k = int(bad.nonzero()[0])
@@ -330,8 +333,15 @@ def main() -> int:
         for k, v in enumerate(vectors):
             http_json("POST", "http://127.0.0.1:8102/v1/tapc/vectors", {"name": f"v{k}", "values": v.tolist()})
         jobs = make_jobs(args.requests, vocab, args.rate, args.abort)
+        # Untimed first: the same kinds of request (other prompts), so neither server's timed
+        # run pays for first-use work (kernel JIT, CUDA-graph sizes, host buffers).
+        warm = make_jobs(WARMUP, vocab, args.rate, 0.0, seed=1)
         results = {}
         for name, url, tap in (("vanilla", "http://127.0.0.1:8101", False), ("tapc", "http://127.0.0.1:8102", True)):
+            warmed, _ = asyncio.run(load(url, model, warm, args.clients, tap))
+            for d in warmed:
+                if d.tid and "capture" in d.job.kind and not d.error:
+                    http_json("GET", f"{url}/v1/tapc/results/{d.tid}")   # fetched: the server holds nothing of it
             done, seconds = asyncio.run(load(url, model, jobs, args.clients, tap))
             results[name] = (done, summary(done, seconds))
         problems = [f"tapc: {e}" for e in results["tapc"][1]["errors"]]
