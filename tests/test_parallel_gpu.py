@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL, engine_args, shutdown
+from gpu_engines import SMALL, Engines, engine_args
 from test_engine_gpu import assert_matches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
@@ -50,9 +50,13 @@ def _steer():
             "inner": (0.5 * rng.standard_normal(SMALL["intermediate_size"])).tolist()}
 
 
+SIZES = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+
+
 @pytest.fixture(scope="module")
 def llama_engines(checkpoints):
-    """size name -> a tapped engine; started one after another, stopped at the module's end."""
+    """size name -> a tapped engine, started when a test first asks for it (so `-k` runs start
+    only the engines their tests use), stopped at the module's end."""
     from tapc import VLLM
 
     import cloudpickle
@@ -60,14 +64,17 @@ def llama_engines(checkpoints):
     # the workers do not import this test module: its blocks travel by value
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     path = checkpoints("llama")
-    started = {}
+    engines = Engines()
+
+    class Started:
+        def __getitem__(self, name):
+            return engines.get(name, lambda: VLLM(path, taps=TAPS, blocks={"inner_block": _pass}, **engine_args(),
+                                                  **SIZES[name]))
+
     try:
-        for name, sizes in (("tp1", {}), ("tp2", {"tensor_parallel_size": 2}), ("pp2", {"pipeline_parallel_size": 2})):
-            started[name] = VLLM(path, taps=TAPS, blocks={"inner_block": _pass}, **engine_args(), **sizes)
-        yield started
+        yield Started()
     finally:
-        for llm in started.values():
-            shutdown(llm)
+        engines.close()
 
 
 def _pass(ctx, x):
