@@ -1,0 +1,198 @@
+"""Where decode's host time goes: a sampling profile of vLLM's engine-core process and of the
+caller's while one engine decodes, for vanilla vLLM and tapc variants, with tok/s beside.
+
+    python3 benchmarks/profile_step.py --shape moe --out profile_moe.md            # V1 runner
+    python3 benchmarks/profile_step.py --shape 8b --runner v1 --out profile_8b.md
+
+At batch 1 a decode step takes a few milliseconds of GPU time, and vLLM prepares the next step on
+the host meanwhile; host work added per step (tapc's table fill, copies, bookkeeping) shows in
+tok/s only once the host is the slower of the two. This says which functions take that time.
+
+A thread in each process reads every other thread's Python stack (`sys._current_frames`) every
+`--interval` ms while one timed `generate` runs (after an untimed one of the same kind).
+Reported per variant and thread: samples, the functions most often on the stack (inclusive),
+tapc's functions apart, and the most frequent innermost frames. A thread waiting (on the GPU,
+a queue, a socket) is sampled too: its innermost frame says so. Same engines, prompts and
+workload as benchmarks/bench_moe.py (Qwen3-30B-A3B shape, dummy weights) or bench_engine.py
+(Llama-3.1-8B shape).
+
+The engine-core side runs through `collective_rpc` with this module's functions, sent by value:
+VLLM_ALLOW_INSECURE_SERIALIZATION=1 is set for that. The entry point is guarded: vLLM spawns
+its processes, which import this file again.
+"""
+import argparse
+import collections
+import os
+import platform
+import sys
+import threading
+import time
+
+from bench_engine import LLAMA_31_8B, prompts, started
+from bench_moe import ENGINE, QWEN3_30B_A3B, RESID, ROUTER, model_dir
+
+IDLE = {"wait", "select", "poll", "recv", "recv_into", "_wait_for_tstate_lock", "acquire", "sleep", "get",
+        "dequeue", "acquire_read", "epoll", "_recv", "wait_for"}
+
+
+class Sampler:
+    """Every `interval` seconds, the Python stack of every other thread of this process."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.samples: collections.Counter = collections.Counter()     # thread -> samples
+        self.inclusive: collections.Counter = collections.Counter()   # (thread, function) -> samples on stack
+        self.innermost: collections.Counter = collections.Counter()   # (thread, function) -> samples on top
+        self.names: dict[int, str] = {}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="tapc-sampler", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self.done.wait(self.interval):
+            self.names.update({t.ident: t.name for t in threading.enumerate()})
+            for tid, frame in sys._current_frames().items():
+                if tid == me:
+                    continue
+                seen = []
+                while frame is not None:
+                    seen.append(_label(frame.f_code))
+                    frame = frame.f_back
+                self.samples[tid] += 1
+                self.innermost[(tid, seen[0])] += 1
+                for fn in set(seen):
+                    self.inclusive[(tid, fn)] += 1
+
+    def stop(self, top: int = 25) -> dict:
+        """Plain data (it crosses processes): per thread with samples, its counts."""
+        self.done.set()
+        self.thread.join()
+        out = {}
+        for tid, n in self.samples.items():
+            def best(counter, keep=lambda fn: True):
+                return [(fn, c) for (t, fn), c in counter.most_common() if t == tid and keep(fn)][:top]
+            idle = sum(c for (t, fn), c in self.innermost.items() if t == tid and fn.rsplit(".", 1)[-1] in IDLE)
+            out[f"{self.names.get(tid, tid)}"] = {
+                "samples": n, "idle": idle, "inclusive": best(self.inclusive),
+                "tapc": best(self.inclusive, lambda fn: fn.startswith("tapc")), "innermost": best(self.innermost)}
+        # busiest first: every thread is sampled at every tick, so order by samples not waiting
+        return dict(sorted(out.items(), key=lambda kv: kv[1]["idle"] - kv[1]["samples"]))
+
+
+def _label(code) -> str:
+    """module-ish path and function: `tapc/engine/fill.fill_step`, `vllm/v1/worker/....execute_model`."""
+    path = code.co_filename
+    for root in ("site-packages/", "/tapc/", "/benchmarks/"):
+        if root in path:
+            tail = path.split(root, 1)[1]
+            path = ("tapc/" if root == "/tapc/" else "") + tail
+            break
+    else:
+        path = os.path.basename(path)
+    return f"{path.removesuffix('.py')}.{code.co_name}"
+
+
+def _start_sampler(worker, interval: float) -> None:
+    worker._tapc_sampler = Sampler(interval)
+
+
+def _stop_sampler(worker) -> dict:
+    return worker._tapc_sampler.stop()
+
+
+def _table(rows: list[tuple[str, int]], total: int) -> list[str]:
+    return [f"| `{fn}` | {c / total:.1%} |" for fn, c in rows]
+
+
+def report_thread(name: str, got: dict) -> list[str]:
+    n = got["samples"]
+    lines = [f"#### thread `{name}`: {n} samples, {got['idle'] / n:.0%} waiting", "",
+             "| on the stack (inclusive) | share |", "|---|---:|", *_table(got["inclusive"], n), ""]
+    if got["tapc"]:
+        lines += ["| tapc's functions (inclusive) | share |", "|---|---:|", *_table(got["tapc"], n), ""]
+    lines += ["| innermost | share |", "|---|---:|", *_table(got["innermost"][:12], n), ""]
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=("moe", "8b"), default="moe")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (moe: 24 of 48; 8b: 32)")
+    ap.add_argument("--runner", choices=("v1", "v2"), default=None, help="8b only (moe runs on V1)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--generate", type=int, default=1024, help="tokens per request: enough samples at batch 1")
+    ap.add_argument("--interval", type=float, default=2.0, help="ms between samples")
+    ap.add_argument("--threads", type=int, default=3, help="busiest threads reported per process")
+    ap.add_argument("--out", default="profile_step.md")
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    import cloudpickle
+    import torch
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+    from gpu_engines import model_runner, shutdown
+
+    from tapc import VLLM
+    from tapc.api import TapRequest
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"))
+    if args.shape == "moe":
+        layers = args.layers or 24
+        path, taps, runner = model_dir(QWEN3_30B_A3B, layers), [RESID, *ROUTER], "v1"
+        asks = {"tapc, nothing asked": None, "tapc, residual": TapRequest(capture=RESID),
+                "tapc, router": TapRequest(capture=ROUTER)}
+    else:
+        layers = args.layers or LLAMA_31_8B["num_hidden_layers"]
+        path, taps, runner = model_dir(LLAMA_31_8B, layers), [RESID], args.runner or "v2"
+        asks = {"tapc, nothing asked": None, "tapc, residual": TapRequest(capture=RESID)}
+    with model_runner(runner):
+        vanilla = started("vanilla", lambda: LLM(path, gpu_memory_utilization=0.42, **common))
+        tapped = started("tapc", lambda: VLLM(path, taps=taps, gpu_memory_utilization=0.42, **common))
+    sp = SamplingParams(max_tokens=args.generate, temperature=0.0, ignore_eos=True)
+    variants = {"vanilla": lambda ps: vanilla.generate(ps, sp, use_tqdm=False)}
+    for name, ask in asks.items():
+        variants[name] = lambda ps, ask=ask: tapped.generate(ps, sp, taps=ask, use_tqdm=False)
+    engines = {"vanilla": vanilla}
+    lines = [f"# profile_step: {torch.cuda.get_device_name()}, vLLM {vllm.__version__}, torch {torch.__version__}, "
+             f"Python {platform.python_version()}", "",
+             f"{args.shape} shape, {layers} layers, {runner.upper()} runner, decode batch {args.batch} "
+             f"({args.prompt} prompt tokens, {args.generate} generated), a sample every {args.interval} ms.", "",
+             "| variant | tok/s | ratio to vanilla |", "|---|---:|---:|"]
+    details, base = [], None
+    for i, (name, gen) in enumerate(variants.items()):
+        engine = engines.get(name, tapped)
+        inner = getattr(engine, "llm", engine)
+        gen(prompts(args.batch, args.prompt, seed=100 + i))   # untimed: the same kind of run first
+        inner.collective_rpc(_start_sampler, args=(args.interval / 1e3,))
+        here = Sampler(args.interval / 1e3)
+        t0 = time.perf_counter()
+        outs = gen(prompts(args.batch, args.prompt, seed=200 + i))
+        dt = time.perf_counter() - t0
+        api = here.stop()
+        core = inner.collective_rpc(_stop_sampler)[0]
+        assert not [o for o in outs if getattr(o, "error", None) is not None], f"{name}: a request failed"
+        tok_s = args.batch * args.generate / dt
+        base = base or tok_s
+        lines.append(f"| {name} | {tok_s:.1f} | {tok_s / base:.3f}x |")
+        print(f"{name}: {tok_s:.1f} tok/s", flush=True)
+        details += [f"## {name}", ""]
+        for where, threads in (("engine-core process", core), ("caller's process", api)):
+            details += [f"### {where}", ""]
+            for tname, got in list(threads.items())[: args.threads]:
+                details += report_thread(tname, got)
+    for engine in (vanilla, tapped):
+        shutdown(engine)
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines + [""] + details) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
