@@ -204,37 +204,66 @@ def http_json(method: str, url: str, body=None):
 
 
 class Reference:
-    """HF transformers on the checkpoint: residual stream per layer and logits, with steering."""
+    """HF transformers on the checkpoint: residual stream per layer and logits, with steering.
+    Sequences run in batches (right-padded: causal attention keeps every real position's
+    activations what they are alone, up to the batched kernels' rounding)."""
 
-    def __init__(self, path: str, vectors):
+    TOKENS = 32768   # padded tokens per batch
+
+    def __init__(self, path: str, vectors, device: str = "cuda"):
         import torch
         import transformers
 
-        self.torch = torch
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-        self.vectors = [torch.tensor(v, dtype=torch.bfloat16, device="cuda") for v in vectors]
+        self.torch, self.device = torch, device
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+        self.vectors = [torch.tensor(v, dtype=torch.bfloat16, device=device) for v in vectors]
 
-    def run(self, tokens: list[int], vector: int):
+    def run(self, seqs: list[tuple[list[int], int, bool]]) -> list[tuple[dict, object]]:
+        """For each (tokens, steering vector or -1, residual wanted): ({key: [tokens, hidden]
+        float32 on the CPU} or {}, logits [tokens, vocab] float32 on the device)."""
+        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
+        out: list = [None] * len(seqs)
+        batch: list[int] = []
+        for i in order:
+            if batch and (len(batch) + 1) * len(seqs[i][0]) > self.TOKENS:
+                self._batch([seqs[j] for j in batch], batch, out)
+                batch = []
+            batch.append(i)
+        if batch:
+            self._batch([seqs[j] for j in batch], batch, out)
+        return out
+
+    def _batch(self, seqs, where: list[int], out: list) -> None:
         torch = self.torch
-        seen = {}
+        width = max(len(t) for t, _, _ in seqs)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        steer = torch.zeros((len(seqs), 1, self.model.config.hidden_size), dtype=torch.bfloat16, device=self.device)
+        for b, (tokens, vector, _) in enumerate(seqs):
+            ids[b, :len(tokens)] = torch.tensor(tokens)
+            if vector >= 0:
+                steer[b, 0] = ALPHA * self.vectors[vector]
+        layers: list = []
 
         def hook(i):
             def f(mod, args, out):
                 h = out[0] if isinstance(out, tuple) else out
-                seen[f"model.layers.{i}.resid"] = h[0].float().cpu()
-                if vector >= 0 and i == STEER_LAYER:
-                    h = h + ALPHA * self.vectors[vector]
+                layers.append(h)
+                if i == STEER_LAYER:   # + 0 on the rows not steered
+                    h = h + steer
                     return (h, *out[1:]) if isinstance(out, tuple) else h
             return f
 
         handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.model.model.layers)]
         try:
             with torch.no_grad():
-                logits = self.model(torch.tensor([tokens], device="cuda")).logits[0].float()
+                logits = self.model(ids.to(self.device)).logits.float()
         finally:
             for h in handles:
                 h.remove()
-        return seen, logits
+        for b, (tokens, _, resid) in enumerate(seqs):
+            n = len(tokens)
+            seen = {f"model.layers.{i}.resid": h[b, :n].float().cpu() for i, h in enumerate(layers)} if resid else {}
+            out[where[b]] = (seen, logits[b, :n])
 
 
 def check(ref: Reference, url: str, done: list[Done]) -> list[str]:
@@ -244,17 +273,21 @@ def check(ref: Reference, url: str, done: list[Done]) -> list[str]:
 
     from tapc.engine.positions import expected_rows, select
 
-    problems = []
+    problems, todo = [], []
     for d in done:
         job = d.job
         if d.error or d.aborted:
             continue
-        where = f"request {job.i} ({job.kind}, {job.positions}, stream={job.stream})"
         if len(d.tokens) != job.max_tokens:
-            problems.append(f"{where}: {len(d.tokens)} tokens of {job.max_tokens}")
+            problems.append(f"request {job.i}: {len(d.tokens)} tokens of {job.max_tokens}")
             continue
+        todo.append(d)
+    refs = ref.run([((d.job.prompt + d.tokens)[:-1], d.job.vector if "steer" in d.job.kind else -1,
+                     "capture" in d.job.kind) for d in todo])
+    for d, (seen, logits) in zip(todo, refs):
+        job = d.job
+        where = f"request {job.i} ({job.kind}, {job.positions}, stream={job.stream})"
         seq = job.prompt + d.tokens
-        seen, logits = ref.run(seq[:-1], job.vector if "steer" in job.kind else -1)
         # greedy under its own edits: each token HF's top choice, but for near ties
         rows = logits[len(job.prompt) - 1:]
         top2 = rows.topk(2, dim=-1).values
