@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from tapc.engine.config import engine_kwargs, require_cuda
 from tapc.engine.requests import TapRequest
 from tapc.plan import TapPlan
+from tapc.runtime import import_blocks
 from tapc.planner import build_plan
 from tapc.session import Taps, TapSession
 from tapc.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
@@ -97,5 +98,6 @@ def spec_arguments(spec, overrides: dict) -> tuple[str, list[str], dict]:
 
     spec = spec if isinstance(spec, Spec) else load_spec(spec)
     params = spec.param_values()
-    return spec.model, [t.text for t in spec.taps], dict(params=params or None, capture_dtype=spec.capture.dtype,
-                                                         **{**spec.engine, **overrides})
+    blocks = import_blocks(spec.blocks, f"{spec.path}: blocks") or None   # blocks= in overrides wins
+    return spec.model, [t.text for t in spec.taps], {"params": params or None, "capture_dtype": spec.capture.dtype,
+                                                     "blocks": blocks, **spec.engine, **overrides}

@@ -113,6 +113,13 @@ def _harvest_gpus(args, spec) -> int:
     return 1 if m.failed else 0
 
 
+def _named_block(text: str) -> tuple[str, str]:
+    name, eq, path = text.partition("=")
+    if not (eq and name and path):
+        raise TapcError(f"tapc serve: --block {text!r}: give NAME=package.module:function")
+    return name, path
+
+
 def _serve(args, rest: list[str]) -> int:
     import shlex
 
@@ -121,17 +128,22 @@ def _serve(args, rest: list[str]) -> int:
     engine, rest = sizes(rest)   # the plan is built for these: they go to the plan, not past it
     if args.target.endswith((".yaml", ".yml")):
         from tapc.api import spec_arguments
+        from tapc.specfile import load_spec
 
-        if args.tap:
-            raise TapcError("tapc serve: give a spec or --tap, not both (the spec's taps are the plan)")
-        model, taps, kwargs = spec_arguments(args.target, engine)
+        if args.tap or args.block:
+            raise TapcError("tapc serve: give a spec or --tap/--block, not both (the spec's taps are the plan)")
+        spec = load_spec(args.target)
+        model, taps, kwargs = spec_arguments(spec, engine)
         kwargs.pop("params")       # the server loads them from the spec
+        kwargs.pop("blocks")       # each worker imports them, by the spec's paths
         argv = serve_argv(model, taps, capture_dtype=kwargs.pop("capture_dtype"), spec_path=args.target,
-                          engine=kwargs, extra=rest)
+                          engine=kwargs, extra=rest, blocks=spec.blocks)
     else:
         if not args.tap:
             raise TapcError("tapc serve: give a spec .yaml, or a model and its taps (--tap ...)")
-        argv = serve_argv(args.target, args.tap, capture_dtype=args.capture_dtype, engine=engine, extra=rest)
+        blocks = dict(_named_block(b) for b in args.block)
+        argv = serve_argv(args.target, args.tap, capture_dtype=args.capture_dtype, engine=engine, extra=rest,
+                          blocks=blocks)
     if args.print:
         print(shlex.join(["vllm", *argv]))
         return 0
@@ -178,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "Requests ask for taps in vllm_xargs (docs/serving.md).", epilog=f"Docs: {DOCS}.")
     sv.add_argument("target", help="a spec .yaml, or a model (with --tap)")
     sv.add_argument("--tap", action="append", default=[], help="a tap string (repeat); not with a spec")
+    sv.add_argument("--block", action="append", default=[], metavar="NAME=MODULE:FUNCTION",
+                    help="the function of a tap's block `point -> NAME`, imported by the server (repeat)")
     sv.add_argument("--capture-dtype", default=None, help="dtype captures are kept in (default: the model's)")
     sv.add_argument("--print", action="store_true", help="print the vllm serve command instead of running it")
     args, rest = parser.parse_known_args(argv)

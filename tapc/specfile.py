@@ -11,6 +11,7 @@ its documentation (docs/spec.md shows a full file). Every error names the key pa
       - model.layers.10.resid | add(steer, alpha=4.0)
     params:
       steer: {file: vectors.safetensors, key: layer10}
+    blocks: {probe: my_probes:record}     # for taps `point -> probe`
     capture: {positions: all, dtype: bfloat16}
     output: {dir: ./acts, shard_tokens: 1000000}
 """
@@ -80,6 +81,8 @@ class Spec:
     "vLLM engine arguments (EngineArgs fields), passed to the engine as they are."
     params: dict = field(default_factory=dict)
     "Engine-wide parameter values: a number, a list of numbers, or a TensorFile."
+    blocks: dict = field(default_factory=dict)
+    "Python blocks of the taps (`point -> name`), by name: 'package.module:function', imported where the engine runs."
     capture: CaptureOptions = CaptureOptions()
     "Capture options for every request (a request may override them)."
     output: OutputSink | None = None
@@ -155,7 +158,11 @@ def spec_from_dict(data, base: Path = Path("."), name: str = "spec") -> Spec:
         output = dataclasses.replace(output, dir=str(base / output.dir))
     params = {k: _param(v, base, f"{name}: params.{k}") for k, v in _typed(data.get("params") or {}, dict,
                                                                            f"{name}: params").items()}
-    return Spec(model=model, taps=parse_taps(taps), engine=engine, params=params, capture=capture,
+    blocks = _typed(data.get("blocks") or {}, dict, f"{name}: blocks")
+    for k, v in blocks.items():
+        if not (isinstance(k, str) and isinstance(v, str) and v.count(":") == 1 and all(v.split(":"))):
+            raise SpecError(f"{name}: blocks.{k} is {v!r}; name a block's function as 'package.module:function'")
+    return Spec(model=model, taps=parse_taps(taps), engine=engine, params=params, blocks=blocks, capture=capture,
                 output=output, path=name)
 
 

@@ -64,8 +64,9 @@ def test_the_plugin_entry_point_is_found_without_installing_tapc():
 # ----------------------------------------------------------------------------- the plugin in an app
 
 
-def stand_in_app(taps=TAPS, api_key=None):
-    """An app with tapc's plugin whose /v1/completions runs the toy engine like vLLM's handler."""
+def stand_in_app(taps=TAPS, api_key=None, blocks=None):
+    """An app with tapc's plugin whose /v1/completions runs the toy engine like vLLM's handler;
+    `blocks` (name -> import path) registered on the toy worker as the server's worker does."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
     from vllm import SamplingParams
@@ -111,7 +112,11 @@ def stand_in_app(taps=TAPS, api_key=None):
         from vllm.entrypoints.serve.utils.server_utils import AuthenticationMiddleware
 
         app.add_middleware(AuthenticationMiddleware, tokens=[api_key])
-    app.state.tapc = TapcServer(toy, TapSession(plan))
+    if blocks:
+        from tapc.runtime import import_blocks
+
+        hooks.points.runtime.register(import_blocks(blocks, "the engine's plan"))
+    app.state.tapc = TapcServer(toy, TapSession(plan, blocks=blocks or ()))
     return app, hooks
 
 
@@ -257,3 +262,47 @@ def test_the_wire_as_text_round_trips_and_refuses_blocks():
                                            TapRequest(blocks={"probe": lambda ctx, x: None}), "r"))
     with pytest.raises(ProtocolError, match="per-request blocks do not travel as text"):
         with_blocks.to_text()
+
+
+def saving_probe(ctx, x):
+    """A block the tests below name by import path (`test_serving_cpu:saving_probe`)."""
+    ctx.save("x", x.clone())
+
+
+def _served_config(argv: list[str]) -> dict:
+    return json.loads(argv[argv.index("--additional-config") + 1])["tapc"]
+
+
+def test_blocks_are_named_by_import_path_and_run_for_every_served_request(tmp_path, capsys):
+    """`tapc serve --block NAME=module:function` (or a spec's `blocks:`) puts the path in the
+    plan's config, never code; the server's worker imports it and runs it for every tapped
+    request, whose saved values come back with its captures. Names the plan lacks and paths
+    that do not import are refused before vLLM starts."""
+    import shlex
+
+    import torch
+
+    path = "test_serving_cpu:saving_probe"
+    taps = ["model.layers.0.resid", "model.layers.0.resid -> probe"]
+    assert main(["serve", LLAMA, *[a for t in taps for a in ("--tap", t)], "--block", f"probe={path}", "--print"]) == 0
+    assert _served_config(shlex.split(capsys.readouterr().out))["blocks"] == {"probe": path}
+    spec = tmp_path / "serve.yaml"
+    spec.write_text(f"model: {LLAMA}\ntaps: {json.dumps(taps)}\nblocks: {{probe: '{path}'}}\n")
+    assert main(["serve", str(spec), "--print"]) == 0
+    assert _served_config(shlex.split(capsys.readouterr().out))["blocks"] == {"probe": path}
+    for block, words in ((f"prob={path}", "blocks= names prob, which no tap of the plan runs"),
+                         ("probe=test_serving_cpu:nothing", "'test_serving_cpu' has no 'nothing'"),
+                         ("probe=no_such_module:f", "cannot import 'no_such_module'"),
+                         ("probe=test_serving_cpu", "name it as 'package.module:function'")):
+        assert main(["serve", LLAMA, *[a for t in taps for a in ("--tap", t)], "--block", block, "--print"]) == 2
+        assert words in capsys.readouterr().err
+
+    app, _ = stand_in_app(taps, blocks={"probe": path})
+    prompt = np.random.default_rng(5).integers(0, 50, 7).tolist()
+    with client(app) as c:
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "vllm_xargs": xargs(capture="*")})
+        assert r.status_code == 200, r.text
+        got = fetch(c, r.headers["x-tapc-id"])
+    seen = torch.cat([got[k] for k in sorted((k for k in got if k.startswith("saved/x/")), key=lambda k: int(k.split("/")[-1]))])
+    assert seen.shape[0] == len(prompt) + 3 and torch.equal(seen, got["model.layers.0.resid"]), \
+        "the block saw each of the request's rows at its point, as the capture there"

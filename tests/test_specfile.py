@@ -68,6 +68,8 @@ BAD = [
     ("model: x\ntaps: [a.output]\nparams: {v: true}", "params.v must be a number"),
     ("model: x\ntaps: [a.output]\nparams: {v: [1, b]}", "params.v must be a non-empty list of numbers"),
     ("model: x\ntaps: [a.output]\noutput: {shard_tokens: 3}", "output: missing `dir`"),
+    ("model: x\ntaps: [a.output]\nblocks: {probe: probes.record}", "blocks.probe is 'probes.record'; name a block's function as 'package.module:function'"),
+    ("model: x\ntaps: [a.output]\nblocks: [probes:record]", "blocks must be a mapping"),
     ("model: 3\ntaps: [a.output]", "model must be str"),
     ("- just a list", "a spec is a mapping"),
     ("model: x\ntaps: [a.output\n", "not valid YAML (line"),
@@ -91,3 +93,21 @@ def test_bad_tap_in_spec_names_its_line(tmp_path):
 def test_missing_spec_file(tmp_path):
     with pytest.raises(SpecError, match="no such spec file"):
         load_spec(tmp_path / "none.yaml")
+
+
+def test_blocks_by_import_path(tmp_path):
+    """`blocks:` names each block's function by import path; VLLM.from_spec imports them (in
+    this process) and a path that does not lead to a function is an error naming the block."""
+    from tapc.api import spec_arguments
+    from tapc.errors import TapcError
+
+    spec = load_spec(write(tmp_path, f"""
+        model: {CONFIGS / 'llama'}
+        taps: ["model.layers.0.resid -> probe"]
+        blocks: {{probe: 'textwrap:dedent'}}
+    """))
+    assert spec.blocks == {"probe": "textwrap:dedent"}
+    assert spec_arguments(spec, {})[2]["blocks"] == {"probe": textwrap.dedent}
+    bad = dataclasses.replace(spec, blocks={"probe": "textwrap:_whitespace_only_re"})
+    with pytest.raises(TapcError, match=r"spec.yaml: blocks: block 'probe' \(textwrap:_whitespace_only_re\) is a Pattern, not a function"):
+        spec_arguments(bad, {})

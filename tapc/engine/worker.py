@@ -30,6 +30,7 @@ from tapc.engine.runner_v1 import V1Adapter
 from tapc.engine.runner_v2 import V2Adapter
 from tapc.errors import EngineError
 from tapc.plan import TapPlan
+from tapc.runtime import import_blocks
 
 
 class TapWorker(Worker):
@@ -51,6 +52,8 @@ class TapWorker(Worker):
         self.tapc_allocated = torch.cuda.memory_allocated(self.device) - before
         install(runner.get_model(), layout, buffers)
         points = EnginePoints(layout, buffers, _tp_all_gather) if layout.blocks or layout.engine else None
+        if points is not None and config.get("blocks"):   # a server's blocks, by import path (tapc serve)
+            points.runtime.register(import_blocks(config["blocks"], "the engine's plan"))
         self.tapc_has_blocks = any(t.action == "block" for t in plan.taps)
         self.tapc = RunnerHooks(layout, buffers, Arena(register=_register), points, inline=not _on_api_node())
         self.tapc_adapter = adapter_cls(runner, self.tapc)

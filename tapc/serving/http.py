@@ -63,7 +63,8 @@ def server_for(engine_client, args):
         from tapc.specfile import load_spec
 
         params = load_spec(tapc["spec"]).param_values() or None
-    return TapcServer(engine_client, TapSession(TapPlan.from_json(tapc["plan"]), params))
+    # the plan's blocks run on the workers, which import them (worker.py): requests need not send any
+    return TapcServer(engine_client, TapSession(TapPlan.from_json(tapc["plan"]), params, tapc.get("blocks") or ()))
 
 
 def error(status: int, message: str):

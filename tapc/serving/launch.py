@@ -25,15 +25,23 @@ ENTRY = "tapc = tapc.serving.http:TapcEndpoints"
 
 
 def serve_argv(model: str, taps: list[str], *, capture_dtype: str | None = None, spec_path: str | None = None,
-               engine: dict | None = None, extra: list[str] = ()) -> list[str]:
-    """`vllm serve`'s arguments (after the program name) for this plan."""
+               engine: dict | None = None, extra: list[str] = (), blocks: dict[str, str] | None = None) -> list[str]:
+    """`vllm serve`'s arguments (after the program name) for this plan. `blocks`: the plan's
+    Python blocks by import path ('package.module:function'); each worker imports them."""
     from tapc.api import plan_for
     from tapc.engine.config import engine_kwargs
+    from tapc.runtime import import_blocks
+    from tapc.session import TapSession
 
     plan, kwargs = plan_for(model, taps, capture_dtype, dict(engine or {}))
     args = engine_kwargs(plan, kwargs)
     if spec_path is not None:   # the server loads the spec's parameter values from it
         args["additional_config"]["tapc"]["spec"] = os.path.abspath(spec_path)
+    if blocks:
+        # here first, so that a name the plan lacks or a path that does not import is said
+        # before vLLM starts (the server's Python is this one)
+        TapSession(plan, blocks=import_blocks(blocks, "tapc serve"))
+        args["additional_config"]["tapc"]["blocks"] = dict(blocks)
     return ["serve", model, *flags(args), *extra]
 
 
