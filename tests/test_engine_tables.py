@@ -52,13 +52,19 @@ def device_step(layout: Layout, table: np.ndarray, padded: int, pools: list[torc
         pools[int(layout.cap_group[c])][torch.from_numpy(table[c, rows].astype(np.int64))] = acts[c][rows]
 
 
+@pytest.mark.parametrize("few", [0, 8], ids=["whole-batch", "per-request"])
 @pytest.mark.parametrize("seed", range(4))
-def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_the_rows_at_covers(seed):
+def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_the_rows_at_covers(seed, few,
+                                                                                                   monkeypatch):
     """Random requests (capture subsets, positions, bound parameters, untapped ones) over
     random steps (chunked prefill, decode, batch order shuffled, padding): each request's host
     storage ends with the activations of its selected positions, in order, each once; and in
     every step an edit's table names the request's slot on exactly the rows its `at` covers,
-    for the requests that bind it (every request for a literal edit), and nothing else."""
+    for the requests that bind it (every request for a literal edit), and nothing else. Both
+    of the fill's paths (`fill.FEW`: whole-batch arrays, or request by request)."""
+    from tapc.engine import fill
+
+    monkeypatch.setattr(fill, "FEW", few)
     rng = np.random.default_rng(seed)
     plan = toy_plan(PLAN_TAPS, rows=256)
     layout = Layout(plan)
