@@ -45,11 +45,19 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
     return t.view(-1).view(torch.uint8).numpy()
 
 
-def _write_tensors(fd: int, tensors: list[torch.Tensor], offset: int) -> None:
+def _write_tensors(fd: int, tensors: list[torch.Tensor], offset: int, observe=None) -> None:
     """The tensors' bytes, one after the other, from `offset`. A tensor whose rows are apart in
     memory (one key of a capture block holding several) is copied contiguous first: a copy is
-    one torch call, a row-by-row iovec list a Python object per row."""
-    _pwritev_all(fd, [memoryview(_bytes(t)) for t in tensors], offset)
+    one torch call, a row-by-row iovec list a Python object per row. `observe(t)` sees each
+    once contiguous: reductions over it then read memory in order (min / max over a strided
+    key took 2.4 times as long on the CPU)."""
+    views = []
+    for t in tensors:
+        t = t.contiguous()
+        if observe is not None:
+            observe(t)
+        views.append(memoryview(_bytes(t)))
+    _pwritev_all(fd, views, offset)
 
 
 def _pwritev_all(fd: int, views: list[memoryview], offset: int) -> None:
@@ -70,8 +78,9 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 
 
 class SafetensorsShard:
-    def __init__(self, path: Path, columns: list[Column], cap: int, metadata: dict[str, str]):
-        self.path, self.columns, self.cap, self.metadata = path, columns, cap, metadata
+    def __init__(self, path: Path, columns: list[Column], cap: int, metadata: dict[str, str], observe=None):
+        """`observe(name, rows)`: each piece of a column as it is written (the writer's statistics)."""
+        self.path, self.columns, self.cap, self.metadata, self.observe = path, columns, cap, metadata, observe
         self.partial = path.with_name(path.name + ".partial")
         self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self.base, self.offsets = self._header(self.fd, cap)
@@ -104,7 +113,9 @@ class SafetensorsShard:
         if not self.waiting:
             return
         for c in self.columns:
-            _write_tensors(self.fd, self.waiting[c.name], self.base + self.offsets[c.name] + self.flushed * c.row_bytes)
+            see = None if self.observe is None else (lambda t, name=c.name: self.observe(name, t))
+            _write_tensors(self.fd, self.waiting[c.name], self.base + self.offsets[c.name] + self.flushed * c.row_bytes,
+                           see)
         self.waiting, self.flushed = {}, self.rows
 
     def finish(self) -> None:
@@ -135,9 +146,9 @@ class ArrowShard:
 
     BATCH_BYTES = 64 << 20   # a record batch is appended when this much is waiting
 
-    def __init__(self, path: Path, columns: list[Column], cap: int, metadata: dict[str, str]):
+    def __init__(self, path: Path, columns: list[Column], cap: int, metadata: dict[str, str], observe=None):
         pa = require_arrow()
-        self.path, self.columns, self.cap = path, columns, cap
+        self.path, self.columns, self.cap, self.observe = path, columns, cap, observe
         self.partial = path.with_name(path.name + ".partial")
         self.schema = arrow_schema(columns)
         self.sink = pa.OSFile(str(self.partial), "wb")
@@ -163,6 +174,9 @@ class ArrowShard:
             return
         arrays = []
         for c, field in zip(self.columns, self.schema):
+            if self.observe is not None:
+                for w in self.waiting:
+                    self.observe(c.name, w[c.name])
             t = torch.cat([w[c.name] for w in self.waiting]).to(c.dtype)
             flat = pa.array(t.contiguous().view(-1).numpy())
             n = len(t)

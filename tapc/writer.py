@@ -104,9 +104,9 @@ class Layout:
     def file(self, n: int) -> str:
         return f"data-{n:05d}.arrow" if self.format == "arrow" else f"shard-{n:05d}.safetensors"
 
-    def open(self, n: int):
+    def open(self, n: int, observe=None):
         kind = ArrowShard if self.format == "arrow" else SafetensorsShard
-        return kind(self.folder / self.file(n), self.columns(), self.cap, self.metadata)
+        return kind(self.folder / self.file(n), self.columns(), self.cap, self.metadata, observe)
 
 
 @dataclass
@@ -137,6 +137,7 @@ class Writer:
         self.q: queue.Queue = queue.Queue(maxsize=depth)
         self.pending: dict[int, Done] = {}
         self.file = None
+        self.key_of = dict(zip(layout.names, layout.keys))   # column name -> tapc key
         self._new_record(list(start))
         self.thread = threading.Thread(target=self._run, name="tapc-harvest-writer", daemon=True)
         self.thread.start()
@@ -219,12 +220,10 @@ class Writer:
         at = self.skip   # a restart: rows of this request the last committed shard already has
         while at < n:
             if self.file is None:
-                self.file = self.layout.open(self.shard_no)
+                self.file = self.layout.open(self.shard_no, self._observe)
             take = min(n - at, self.layout.cap - self.file.rows)
             part = {c: v[at: at + take] for c, v in cols.items()}
-            self.file.write(part)
-            for k, name in zip(self.layout.keys, self.layout.names):
-                self.stats[k].add(part[name])
+            self.file.write(part)   # its keys' statistics are taken as the file writes them (`_observe`)
             at += take
             self.record.rows += take
             if self.progress is not None:
@@ -265,6 +264,11 @@ class Writer:
         for j, c in enumerate(("token_ids", "request", "position")):
             cols[c] = torch.from_numpy(index[:, j].copy())   # a copy: numpy's column view of one row keeps its stride
         return cols
+
+    def _observe(self, name: str, rows: torch.Tensor) -> None:
+        key = self.key_of.get(name)
+        if key is not None:
+            self.stats[key].add(rows)
 
     def _new_record(self, start: list[int]) -> None:
         self.record = ShardRecord(self.layout.file(self.shard_no), 0, start, start)
