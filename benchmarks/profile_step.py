@@ -11,7 +11,8 @@ tok/s only once the host is the slower of the two. This says which functions tak
 A thread in each process reads every other thread's Python stack (`sys._current_frames`) every
 `--interval` ms while one timed `generate` runs (after an untimed one of the same kind).
 Reported per variant and thread: samples, the functions most often on the stack (inclusive),
-tapc's functions apart, and the most frequent innermost frames. A thread waiting (on the GPU,
+tapc's functions apart, and the most frequent innermost frames; and for the tapped engine, the
+wall time per call of tapc's per-step hooks in the worker (`schedule`, `begin_step`, `end_step`). A thread waiting (on the GPU,
 a queue, a socket) is sampled too: its innermost frame says so. Same engines, prompts and
 workload as benchmarks/bench_moe.py (Qwen3-30B-A3B shape, dummy weights) or bench_engine.py
 (Llama-3.1-8B shape).
@@ -93,12 +94,42 @@ def _label(code) -> str:
     return f"{path.removesuffix('.py')}.{code.co_name}"
 
 
+class HookTimer:
+    """Wall time and calls of tapc's per-step hooks (runner.py `RunnerHooks`) in a worker, by
+    wrapping the bound methods the runner adapter calls; `stop` puts them back."""
+
+    HOOKS = ("schedule", "begin_step", "end_step")
+
+    def __init__(self, hooks):
+        self.hooks, self.spent = hooks, {name: [0, 0.0] for name in self.HOOKS}
+        for name in self.HOOKS:
+            setattr(hooks, name, self._timed(name, getattr(hooks, name)))
+
+    def _timed(self, name, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[name][0] += 1
+                self.spent[name][1] += time.perf_counter() - t0
+        return timed
+
+    def stop(self) -> dict:
+        for name in self.HOOKS:
+            del self.hooks.__dict__[name]   # the class's methods again
+        return {name: {"calls": n, "us_per_call": s / n * 1e6 if n else 0.0} for name, (n, s) in self.spent.items()}
+
+
 def _start_sampler(worker, interval: float) -> None:
     worker._tapc_sampler = Sampler(interval)
+    hooks = getattr(worker, "tapc", None)   # a tapped engine's worker (engine/worker.py)
+    worker._tapc_timer = HookTimer(hooks) if hooks is not None else None
 
 
 def _stop_sampler(worker) -> dict:
-    return worker._tapc_sampler.stop()
+    timer = worker._tapc_timer
+    return {"threads": worker._tapc_sampler.stop(), "hooks": timer.stop() if timer is not None else {}}
 
 
 def _table(rows: list[tuple[str, int]], total: int) -> list[str]:
@@ -176,13 +207,17 @@ def main():
         outs = gen(prompts(args.batch, args.prompt, seed=200 + i))
         dt = time.perf_counter() - t0
         api = here.stop()
-        core = inner.collective_rpc(_stop_sampler)[0]
+        got = inner.collective_rpc(_stop_sampler)[0]
+        core = got["threads"]
         assert not [o for o in outs if getattr(o, "error", None) is not None], f"{name}: a request failed"
         tok_s = args.batch * args.generate / dt
         base = base or tok_s
         lines.append(f"| {name} | {tok_s:.1f} | {tok_s / base:.3f}x |")
         print(f"{name}: {tok_s:.1f} tok/s", flush=True)
         details += [f"## {name}", ""]
+        if got["hooks"]:
+            details += ["| tapc hook (worker) | calls | us per call |", "|---|---:|---:|",
+                        *[f"| `{h}` | {v['calls']} | {v['us_per_call']:.1f} |" for h, v in got["hooks"].items()], ""]
         for where, threads in (("engine-core process", core), ("caller's process", api)):
             details += [f"### {where}", ""]
             for tname, got in list(threads.items())[: args.threads]:
