@@ -13,11 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tapc.blockpaths import import_blocks
 from tapc.engine.config import engine_kwargs, require_cuda
 from tapc.engine.requests import TapRequest
 from tapc.plan import TapPlan
 from tapc.planner import build_plan
-from tapc.runtime import import_blocks
 from tapc.session import Taps, TapSession
 from tapc.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 

@@ -31,34 +31,8 @@ from typing import Any, Callable
 import torch
 
 from tapc.engine.protocol import BlockFailure, encode_value
-from tapc.errors import TapcError
 
 Block = Callable[["BlockContext", torch.Tensor], "torch.Tensor | None"]
-
-
-def import_blocks(paths: dict[str, str], where: str) -> dict[str, Block]:
-    """Blocks named by import path, `package.module:function` (a spec's `blocks:`, a server's
-    plan), imported where they run: no code travels with requests. Errors name the block, the
-    path and what failed."""
-    import importlib
-
-    out = {}
-    for name, path in paths.items():
-        module, sep, attr = path.partition(":") if isinstance(path, str) else ("", "", "")
-        if not (sep and module and attr):
-            raise TapcError(f"{where}: block {name!r} is {path!r}; name it as 'package.module:function'")
-        try:
-            fn = importlib.import_module(module)
-            for part in attr.split("."):
-                fn = getattr(fn, part)
-        except ImportError as e:
-            raise TapcError(f"{where}: block {name!r} ({path}): cannot import {module!r}: {e}") from None
-        except AttributeError:
-            raise TapcError(f"{where}: block {name!r} ({path}): {module!r} has no {attr!r}") from None
-        if not callable(fn):
-            raise TapcError(f"{where}: block {name!r} ({path}) is a {type(fn).__name__}, not a function")
-        out[name] = fn
-    return out
 
 
 @dataclass(frozen=True)

@@ -72,18 +72,25 @@ class Taps(dict):
         raise KeyError(f"{key!r} was not captured for this request; it has {have}")
 
 
+def plan_blocks(plan: TapPlan, names: Iterable[str] = ()) -> set[str]:
+    """The names of the plan's blocks; `EngineError` if `names` (blocks given to the engine)
+    has one the plan does not run."""
+    known = {t.block for t in plan.taps if t.action == "block"}
+    unknown = set(names) - known
+    if unknown:
+        raise EngineError(f"blocks= names {', '.join(sorted(unknown))}, which no tap of the plan runs "
+                          f"(the plan's blocks: {', '.join(sorted(known)) or 'none'})")
+    return known
+
+
 class TapSession:
     """`plan`: the engine's plan; `params`: engine-wide parameter values (checked now, so a bad
     one fails at construction); `blocks`: names of the blocks registered on the engine."""
 
     def __init__(self, plan: TapPlan, params: dict | None = None, blocks: Iterable[str] = ()):
         self.plan = plan
-        self.block_names = {t.block for t in plan.taps if t.action == "block"}
+        self.block_names = plan_blocks(plan, blocks)
         self.engine_blocks = set(blocks)
-        unknown = self.engine_blocks - self.block_names
-        if unknown:
-            raise EngineError(f"blocks= names {', '.join(sorted(unknown))}, which no tap of the plan runs "
-                              f"(the plan's blocks: {', '.join(sorted(self.block_names)) or 'none'})")
         self.params = dict(params or {})
         if self.params:
             check_engine_params(plan, self.params, "engine params")

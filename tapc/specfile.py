@@ -25,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from tapc.blockpaths import FORM as BLOCK_FORM, split_path
 from tapc.edits import POSITIONS
 from tapc.errors import SpecError
 from tapc.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
@@ -160,8 +161,8 @@ def spec_from_dict(data, base: Path = Path("."), name: str = "spec") -> Spec:
                                                                            f"{name}: params").items()}
     blocks = _typed(data.get("blocks") or {}, dict, f"{name}: blocks")
     for k, v in blocks.items():
-        if not (isinstance(k, str) and isinstance(v, str) and v.count(":") == 1 and all(v.split(":"))):
-            raise SpecError(f"{name}: blocks.{k} is {v!r}; name a block's function as 'package.module:function'")
+        if not isinstance(k, str) or split_path(v) is None:
+            raise SpecError(f"{name}: blocks.{k} is {v!r}; name a block's function as {BLOCK_FORM}")
     return Spec(model=model, taps=parse_taps(taps), engine=engine, params=params, blocks=blocks, capture=capture,
                 output=output, path=name)
 

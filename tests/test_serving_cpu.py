@@ -113,7 +113,7 @@ def stand_in_app(taps=TAPS, api_key=None, blocks=None):
 
         app.add_middleware(AuthenticationMiddleware, tokens=[api_key])
     if blocks:
-        from tapc.runtime import import_blocks
+        from tapc.blockpaths import import_blocks
 
         hooks.points.runtime.register(import_blocks(blocks, "the engine's plan"))
     app.state.tapc = TapcServer(toy, TapSession(plan, blocks=blocks or ()))

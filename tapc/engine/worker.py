@@ -18,6 +18,7 @@ import pickle
 import torch
 from vllm.v1.worker.gpu_worker import Worker
 
+from tapc.blockpaths import import_blocks
 from tapc.engine import patches
 from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
@@ -30,7 +31,6 @@ from tapc.engine.runner_v1 import V1Adapter
 from tapc.engine.runner_v2 import V2Adapter
 from tapc.errors import EngineError
 from tapc.plan import TapPlan
-from tapc.runtime import import_blocks
 
 
 class TapWorker(Worker):

@@ -30,8 +30,8 @@ def serve_argv(model: str, taps: list[str], *, capture_dtype: str | None = None,
     Python blocks by import path ('package.module:function'); each worker imports them."""
     from tapc.api import plan_for
     from tapc.engine.config import engine_kwargs
-    from tapc.runtime import import_blocks
-    from tapc.session import TapSession
+    from tapc.blockpaths import import_blocks
+    from tapc.session import plan_blocks
 
     plan, kwargs = plan_for(model, taps, capture_dtype, dict(engine or {}))
     args = engine_kwargs(plan, kwargs)
@@ -40,7 +40,7 @@ def serve_argv(model: str, taps: list[str], *, capture_dtype: str | None = None,
     if blocks:
         # here first, so that a name the plan lacks or a path that does not import is said
         # before vLLM starts (the server's Python is this one)
-        TapSession(plan, blocks=import_blocks(blocks, "tapc serve"))
+        plan_blocks(plan, import_blocks(blocks, "tapc serve"))
         args["additional_config"]["tapc"]["blocks"] = dict(blocks)
     return ["serve", model, *flags(args), *extra]
 
