@@ -82,8 +82,13 @@ def write_model(path: str, hidden: int, layers: int, vocab: int) -> None:
                                          unk_token="t2").save_pretrained(path)
 
 
-def make_jobs(n: int, vocab: int, rate: float, abort: float, seed: int = 0) -> list[Job]:
+KINDS = ("untapped", "capture", "steer", "steer+capture")
+MIX = (0.4, 0.2, 0.25, 0.15)   # the share of each kind in the default load
+
+
+def make_jobs(n: int, vocab: int, rate: float, abort: float, seed: int = 0, mix=MIX) -> list[Job]:
     rng = random.Random(seed)
+    bounds = np.cumsum(mix) / sum(mix)
     system = [rng.randrange(3, vocab) for _ in range(256)]
     jobs, t = [], 0.0
     for i in range(n):
@@ -91,7 +96,7 @@ def make_jobs(n: int, vocab: int, rate: float, abort: float, seed: int = 0) -> l
         own = [rng.randrange(3, vocab) for _ in range(rng.randrange(8, 200))]
         prompt = system + own if i % 2 == 0 else own
         r = rng.random()
-        kind = "untapped" if r < 0.4 else "capture" if r < 0.6 else "steer" if r < 0.85 else "steer+capture"
+        kind = KINDS[min(int(np.searchsorted(bounds, r, side="right")), len(KINDS) - 1)]
         job = Job(i, prompt, rng.randrange(16, 96), kind, at=t,
                   positions=rng.choice(["all", "prompt", "generated"]), vector=rng.randrange(3))
         job.stream = rng.random() < 0.25
@@ -335,12 +340,17 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--rate", type=float, default=200.0, help="mean arrivals per second")
     ap.add_argument("--abort", type=float, default=0.05, help="share of requests aborted mid-stream")
+    ap.add_argument("--mix", default=",".join(map(str, MIX)),
+                    help=f"shares of {', '.join(KINDS)} (e.g. 1,0,0,0: untapped traffic alone)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--out", default=None, help="write the summary table (markdown) here")
     args = ap.parse_args()
     if args.quick:
         args.requests, args.hidden, args.layers = 300, 512, 4
+    mix = [float(x) for x in args.mix.split(",")]
+    if len(mix) != len(KINDS) or min(mix) < 0 or sum(mix) <= 0:
+        ap.error(f"--mix {args.mix}: give {len(KINDS)} shares >= 0 ({', '.join(KINDS)}), not all 0")
     vocab = 2048
     work = tempfile.mkdtemp(prefix="bench-serve-")
     model = os.path.join(work, "model")
@@ -365,10 +375,10 @@ def main() -> int:
         wait_healthy(tapped, 8102, logs[8102])
         for k, v in enumerate(vectors):
             http_json("POST", "http://127.0.0.1:8102/v1/tapc/vectors", {"name": f"v{k}", "values": v.tolist()})
-        jobs = make_jobs(args.requests, vocab, args.rate, args.abort)
+        jobs = make_jobs(args.requests, vocab, args.rate, args.abort, mix=mix)
         # Untimed first: the same kinds of request (other prompts), so neither server's timed
         # run pays for first-use work (kernel JIT, CUDA-graph sizes, host buffers).
-        warm = make_jobs(WARMUP, vocab, args.rate, 0.0, seed=1)
+        warm = make_jobs(WARMUP, vocab, args.rate, 0.0, seed=1, mix=mix)
         results = {}
         for name, url, tap in (("vanilla", "http://127.0.0.1:8101", False), ("tapc", "http://127.0.0.1:8102", True)):
             warmed, _ = asyncio.run(load(url, model, warm, args.clients, tap))
@@ -407,7 +417,8 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"bench_serve ({'quick' if args.quick else 'full'}, {args.hidden} wide, {args.layers} layers, "
-                    f"{args.clients} clients, {args.requests} requests)\n\n{text}\n")
+                    f"{args.clients} clients, {args.requests} requests; shares of "
+                    f"{', '.join(f'{k} {m:g}' for k, m in zip(KINDS, mix))})\n\n{text}\n")
     return 1 if problems else 0
 
 

@@ -3,6 +3,7 @@ caller's while one engine decodes, for vanilla vLLM and tapc variants, with tok/
 
     python3 benchmarks/profile_step.py --shape moe --out profile_moe.md            # V1 runner
     python3 benchmarks/profile_step.py --shape 8b --runner v1 --out profile_8b.md
+    python3 benchmarks/profile_step.py --shape 8b --tp 2 --batch 64 --generate 256 --out profile_tp2.md
 
 At batch 1 a decode step takes a few milliseconds of GPU time, and vLLM prepares the next step on
 the host meanwhile; host work added per step (tapc's table fill, copies, bookkeeping) shows in
@@ -12,8 +13,10 @@ A thread in each process reads every other thread's Python stack (`sys._current_
 `--interval` ms while one timed `generate` runs (after an untimed one of the same kind).
 Reported per variant and thread: samples, the functions most often on the stack (inclusive),
 tapc's functions apart, and the most frequent innermost frames; and for the tapped engine, the
-wall time per call of tapc's per-step hooks in the worker (`schedule`, `begin_step`, `end_step`). A thread waiting (on the GPU,
-a queue, a socket) is sampled too: its innermost frame says so. Same engines, prompts and
+wall time per call of tapc's per-step hooks in the worker (`schedule`, `begin_step`, `end_step`);
+and the GPU's own kernel and copy time per step (CUPTI, through torch's profiler) beside the wall
+time per step, which says which side bounds the step. A thread waiting (on a queue, a socket)
+is sampled too: its innermost frame says so; one waiting inside a CUDA call looks busy. Same engines, prompts and
 workload as benchmarks/bench_moe.py (Qwen3-30B-A3B shape, dummy weights) or bench_engine.py
 (Llama-3.1-8B shape).
 
@@ -121,15 +124,41 @@ class HookTimer:
         return {name: {"calls": n, "us_per_call": s / n * 1e6 if n else 0.0} for name, (n, s) in self.spent.items()}
 
 
+class DeviceTimer:
+    """The GPU's own time over the run, from CUPTI's records of every kernel and copy (torch's
+    profiler, device activity only): with the wall time it says whether the GPU or the host is
+    the slower side of the step, which the host's samples cannot (a host call that waits for the
+    GPU looks busy)."""
+
+    def __init__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.prof = profile(activities=[ProfilerActivity.CUDA])
+        self.prof.start()
+
+    def stop(self) -> dict:
+        self.prof.stop()
+        kernels = copies = 0.0
+        for e in self.prof.key_averages():
+            us = e.self_device_time_total
+            if e.key.startswith(("Memcpy", "Memset")):
+                copies += us
+            else:
+                kernels += us
+        return {"kernels_ms": kernels / 1e3, "copies_ms": copies / 1e3}
+
+
 def _start_sampler(worker, interval: float) -> None:
     worker._tapc_sampler = Sampler(interval)
     hooks = getattr(worker, "tapc", None)   # a tapped engine's worker (engine/worker.py)
     worker._tapc_timer = HookTimer(hooks) if hooks is not None else None
+    worker._tapc_device = DeviceTimer()
 
 
 def _stop_sampler(worker) -> dict:
     timer = worker._tapc_timer
-    return {"threads": worker._tapc_sampler.stop(), "hooks": timer.stop() if timer is not None else {}}
+    return {"threads": worker._tapc_sampler.stop(), "hooks": timer.stop() if timer is not None else {},
+            "device": worker._tapc_device.stop()}
 
 
 def _table(rows: list[tuple[str, int]], total: int) -> list[str]:
@@ -152,6 +181,7 @@ def main():
     ap.add_argument("--layers", type=int, default=None, help="decoder layers (moe: 24 of 48; 8b: 32)")
     ap.add_argument("--runner", choices=("v1", "v2"), default=None, help="8b only (moe runs on V1)")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of both engines (2: the 2-GPU kind)")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--generate", type=int, default=1024, help="tokens per request: enough samples at batch 1")
     ap.add_argument("--interval", type=float, default=2.0, help="ms between samples")
@@ -173,7 +203,7 @@ def main():
     from tapc.api import TapRequest
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"))
+    common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"), tensor_parallel_size=args.tp)
     if args.shape == "moe":
         layers = args.layers or 24
         path, taps, runner = model_dir(QWEN3_30B_A3B, layers), [RESID, *ROUTER], "v1"
@@ -195,7 +225,10 @@ def main():
              f"Python {platform.python_version()}", "",
              f"{args.shape} shape, {layers} layers, {runner.upper()} runner, decode batch {args.batch} "
              f"({args.prompt} prompt tokens, {args.generate} generated), a sample every {args.interval} ms.", "",
-             "| variant | tok/s | ratio to vanilla |", "|---|---:|---:|"]
+             "GPU time: CUPTI's kernel and copy times summed over the run (streams that overlap count "
+             "twice), per step; wall: the run's time per step.", "",
+             "| variant | tok/s | ratio to vanilla | wall ms/step | GPU kernels ms/step | GPU copies ms/step |",
+             "|---|---:|---:|---:|---:|---:|"]
     details, base = [], None
     for i, (name, gen) in enumerate(variants.items()):
         engine = engines.get(name, tapped)
@@ -207,18 +240,25 @@ def main():
         outs = gen(prompts(args.batch, args.prompt, seed=200 + i))
         dt = time.perf_counter() - t0
         api = here.stop()
-        got = inner.collective_rpc(_stop_sampler)[0]
+        ranks = inner.collective_rpc(_stop_sampler)   # one reply per GPU, rank 0 first
+        got = ranks[0]
         core = got["threads"]
         assert not [o for o in outs if getattr(o, "error", None) is not None], f"{name}: a request failed"
         tok_s = args.batch * args.generate / dt
         base = base or tok_s
-        lines.append(f"| {name} | {tok_s:.1f} | {tok_s / base:.3f}x |")
+        steps = args.generate
+        kernels = max(r["device"]["kernels_ms"] for r in ranks)   # the busiest GPU
+        copies = max(r["device"]["copies_ms"] for r in ranks)
+        lines.append(f"| {name} | {tok_s:.1f} | {tok_s / base:.3f}x | {dt / steps * 1e3:.3f} | "
+                     f"{kernels / steps:.3f} | {copies / steps:.3f} |")
         print(f"{name}: {tok_s:.1f} tok/s", flush=True)
         details += [f"## {name}", ""]
         if got["hooks"]:
-            details += ["| tapc hook (worker) | calls | us per call |", "|---|---:|---:|",
-                        *[f"| `{h}` | {v['calls']} | {v['us_per_call']:.1f} |" for h, v in got["hooks"].items()], ""]
-        for where, threads in (("engine-core process", core), ("caller's process", api)):
+            details += ["| tapc hook (worker) | GPU | calls | us per call |", "|---|---:|---:|---:|",
+                        *[f"| `{h}` | {rank} | {v['calls']} | {v['us_per_call']:.1f} |"
+                          for rank, r in enumerate(ranks) for h, v in r["hooks"].items()], ""]
+        worker = "engine-core process" if args.tp == 1 else "GPU 0's worker process"
+        for where, threads in ((worker, core), ("caller's process", api)):
             details += [f"### {where}", ""]
             for tname, got in list(threads.items())[: args.threads]:
                 details += report_thread(tname, got)

@@ -23,7 +23,7 @@ import torch
 from tapc.engine.arena import Arena
 from tapc.engine.protocol import WireRequest
 from tapc.engine.requests import TapRequest, check
-from tapc.engine.buffers import ParamTables
+from tapc.engine.buffers import Buffers, ParamTables, _UvaTable
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.memcpy import copy_segments
 from tapc.engine.runner_v1 import V1Adapter
@@ -127,29 +127,24 @@ def toy_plan(taps, rows: int = 64, slots: int = 8):
     return build_plan("toy", taps, max_num_batched_tokens=rows, max_num_seqs=slots, tree=toy_tree())
 
 
-class ToyBuffers:
-    """`Buffers` on the CPU: the same tables and pools, copies done at once."""
+class ToyBuffers(Buffers):
+    """`Buffers` on the CPU: the same tables, pools and table upload; `slots` parameter slots;
+    copies done at once, with no streams."""
 
     def __init__(self, layout, rows: int, slots: int):
         self.layout = layout
+        self.rows = rows
         self.slots = slots
         self.table = torch.full((layout.num_tables, rows), -1, dtype=torch.int32)
+        self._clean = rows
+        self._uva = [_UvaTable(layout.num_tables * rows, torch.device("cpu")) for _ in range(2)]
+        self._next = 0
         self.pools = [torch.zeros(len(g.caps) * rows, g.width, dtype=getattr(torch, g.dtype)) for g in layout.groups]
         self.params = ParamTables(layout.edits, slots, torch.device("cpu"), layout.localize)
         self.logit_params = ParamTables(layout.logit_edits, slots, torch.device("cpu"))
         self.logit_rows = torch.full((len(layout.logit_edits), slots), -1, dtype=torch.int32)
-        self._host = np.empty((layout.num_tables, rows), dtype=np.int32)
         self.nonfinite_values = 0
         self.counting = False
-
-    def host_table(self, padded):
-        return self._host[:, :padded]
-
-    def upload(self, padded):
-        self.table[:, :padded] = torch.from_numpy(self._host[:, :padded].copy())
-
-    def reset(self):
-        self.table.fill_(-1)
 
     def copy_out(self, segments, used):
         if self.counting:

@@ -9,7 +9,7 @@ import gc
 import numpy as np
 import pytest
 import torch
-from engine_toy import HIDDEN, LAYERS, Req, ToyModel, collect, hooks_for, run, toy_plan, toy_vllm, wire_for
+from engine_toy import HIDDEN, LAYERS, Req, Scheduler, ToyModel, collect, hooks_for, run, toy_plan, toy_vllm, wire_for
 
 from tapc.engine.positions import select
 from tapc.engine.protocol import Ask, WireRequest
@@ -213,6 +213,55 @@ def test_untapped_batches_own_no_rows_and_copy_nothing():
     assert not hooks.by_id and not hooks.records
     assert (hooks.buffers.table == -1).all(), "the step's tables own no row"
     assert all((p == 0).all() for p in hooks.buffers.pools), "no pool row written"
+
+
+@RUNNERS
+def test_steps_that_own_no_row_upload_no_table_once_the_device_tables_own_none(runner_kind, monkeypatch):
+    """Untapped steps skip the table upload only while the device's tables already own no row
+    among the step's rows: the first untapped step after a tapped one clears them, a wider
+    untapped step clears its wider rows, and a tapped request that joins later is served whole."""
+    plan = toy_plan(TAPS)
+    runner, hooks = hooks_for(plan, ToyModel(), runner=runner_kind)
+    buffers = hooks.buffers
+    uploads, seen = [], []
+    upload, begin = buffers.upload, hooks.begin_step
+
+    def counted(padded, owns_rows=True):
+        uploads.append((padded, owns_rows))
+        upload(padded, owns_rows)
+
+    def watched(batch):
+        begin(batch)
+        tapped = any(rid in hooks.records for rid in batch.req_ids)
+        seen.append((batch.padded, tapped, bool((buffers.table[:, :batch.padded] == -1).all())))
+
+    monkeypatch.setattr(buffers, "upload", counted)
+    monkeypatch.setattr(hooks, "begin_step", watched)
+    rng = np.random.default_rng(5)
+    sched = Scheduler(runner, budget=64)   # one scheduler: finished requests leave V1's batch
+
+    def serve(*reqs):
+        for r in reqs:
+            sched.add(r)
+        while sched.busy():
+            sched.step()
+
+    untapped = lambda rid, n, m: Req(rid, rng.integers(0, 50, n).tolist(), m, None)
+    serve(untapped("u0", 9, 3))
+    assert uploads == [], "the tables start owning no row: nothing to upload"
+    tapped = Req("t", rng.integers(0, 50, 21).tolist(), 3, wire_for(plan, TapRequest(capture="*"), "t"))
+    serve(tapped)
+    assert uploads and all(owns for _, owns in uploads)
+    check(tapped, collect(hooks, [tapped], TapSession(plan))["t"].taps, "all")
+    uploads.clear()
+    seen.clear()
+    serve(untapped("u1", 5, 4))      # prefill at 8 rows, then decode at 8
+    serve(untapped("u2", 30, 2))     # a wider prefill: 32 rows
+    assert all(clean for _, tapped, clean in seen if not tapped), f"an untapped step saw rows owned: {seen}"
+    assert [p for p, _ in uploads] == [8, 32] and not any(owns for _, owns in uploads), uploads
+    late = Req("t2", rng.integers(0, 50, 7).tolist(), 4, wire_for(plan, TapRequest(capture="*"), "t2"))
+    serve(untapped("u3", 6, 6), late)
+    check(late, collect(hooks, [late], TapSession(plan))["t2"].taps, "all")
 
 
 def test_worker_side_request_error_is_reported_at_collect():

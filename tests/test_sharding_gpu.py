@@ -43,7 +43,7 @@ def _install_hooks(worker, keys):
 
     def keep(key, t):
         if key not in seen:
-            seen[key] = t.detach().float().reshape(t.shape[0], -1).cpu().numpy()
+            seen[key] = t.detach().float().reshape(t.shape[0], -1).cpu().tolist()   # lists: vLLM's RPC reply carries no ndarray
 
     for key in keys:
         p = parse_key(key)
@@ -78,7 +78,7 @@ def _run(path, tokens, keys, tp):
     llm.generate([{"prompt_token_ids": tokens}], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
     got = dict(llm.collective_rpc(_take))
     shutdown(llm)   # its GPU memory back before the next engine profiles its own
-    return {k: [torch.from_numpy(got[r][k][:len(tokens)]) for r in range(tp)] for k in keys}
+    return {k: [torch.tensor(got[r][k][:len(tokens)]) for r in range(tp)] for k in keys}
 
 
 @pytest.mark.parametrize("arch,kv", [("llama", 4), ("llama", 1), ("qwen3", 4)])

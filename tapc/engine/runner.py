@@ -64,8 +64,12 @@ class RunnerHooks:
         self._step = None
 
     def begin_step(self, batch: StepBatch) -> None:
-        self._step = fill_step(self.layout, self.buffers.host_table(batch.padded), self.records, batch)
-        self.buffers.upload(batch.padded)
+        owns = bool(self.layout.always) or any(rid in self.records for rid in batch.req_ids)
+        if owns or not self.buffers.clean(batch.padded):
+            self._step = fill_step(self.layout, self.buffers.host_table(batch.padded), self.records, batch)
+            self.buffers.upload(batch.padded, owns_rows=owns)
+        else:
+            self._step = None
         if self.points is not None:
             self.points.begin_step(self.records, batch, self.unadmitted)
 
