@@ -4,8 +4,10 @@ pipeline_parallel_size=2 equal the same engine's at size 1 on the same weights; 
 replicated and a sharded edit) gives TP=1's greedy tokens; a request that fails on one GPU fails
 as a whole, the others in its batch return, and every GPU's chunks go back.
 
-Three engines (each TP=2 start is about 85 s): the TP=1 reference, TP=2 and PP=2, all with the
-same taps on the small Llama checkpoint of tests/gpu_engines.py. TP=1 against HF transformers is
+Engines (each TP=2 start is about 85 s), started as the tests first ask for them: the TP=1
+reference, TP=2 and PP=2 on the small Llama checkpoint of tests/gpu_engines.py, and the same
+three on its Qwen3 checkpoint. The whole module is about 10 minutes on the 2-GPU machine: split
+it with `-k qwen3` / `-k "not qwen3"` under a shorter limit. TP=1 against HF transformers is
 tests/test_engine_gpu.py's."""
 import gc
 import os
@@ -235,20 +237,21 @@ def test_a_block_at_a_sharded_point_sees_whole_rows_and_its_edit_is_tp1s(llama_e
         _tie_or_same(r, g, name)
 
 
-def test_qwen3_at_tp2_captures_and_steers_as_on_one_gpu(qwen3_engines):
+@pytest.mark.parametrize("name", ["tp2", "pp2"])
+def test_qwen3_on_two_gpus_captures_and_steers_as_on_one_gpu(qwen3_engines, name):
     """Qwen3 (per-head q/k norms, head_dim apart from hidden/heads): the replicated and sharded
-    points of TP=2 equal TP=1's, plain and steered, and greedy tokens under the edits are TP=1's
-    but at a bf16 tie."""
+    points at TP=2, and every point at PP=2 (each stage its own layers), equal TP=1's, plain and
+    steered, and greedy tokens under the edits are TP=1's but at a bf16 tie."""
     params = _steer()
     plain = _run(qwen3_engines["tp1"], {})
     for steered in ({}, params):
-        ref, got = _run(qwen3_engines["tp1"], steered), _run(qwen3_engines["tp2"], steered)
+        ref, got = _run(qwen3_engines["tp1"], steered), _run(qwen3_engines[name], steered)
         for r, g in zip(ref, got):
             assert r.error is None and g.error is None, (r.error, g.error)
             rows, logit_rows = _same_rows(r, g)
-            for key in qwen3_engines["tp2"].plan.capture_keys:
+            for key in qwen3_engines[name].plan.capture_keys:
                 n = logit_rows if key == "logits" else rows
-                assert_matches(g.taps[key][:n], r.taps[key][:n].float(), f"qwen3 tp2 {key}{' steered' if steered else ''}")
-            _tie_or_same(r, g, "qwen3 tp2")
+                assert_matches(g.taps[key][:n], r.taps[key][:n].float(), f"qwen3 {name} {key}{' steered' if steered else ''}")
+            _tie_or_same(r, g, f"qwen3 {name}")
     assert any(list(p.outputs[0].token_ids) != list(r.outputs[0].token_ids) for p, r in zip(plain, ref)), \
         "the edits change no token: this test would prove nothing"
