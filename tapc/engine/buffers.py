@@ -104,7 +104,8 @@ class Buffers:
         with torch.cuda.stream(self._copy_stream):
             self._copy_stream.wait_event(ready)
             copy_segments(segments, self._snaps, self._batch)
-            self._nonfinite_host.copy_(self._nonfinite, non_blocking=True)
+            if self._counting:
+                self._nonfinite_host.copy_(self._nonfinite, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record(self._copy_stream)
 
