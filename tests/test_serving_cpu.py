@@ -306,3 +306,42 @@ def test_blocks_are_named_by_import_path_and_run_for_every_served_request(tmp_pa
     seen = torch.cat([got[k] for k in sorted((k for k in got if k.startswith("saved/x/")), key=lambda k: int(k.split("/")[-1]))])
     assert seen.shape[0] == len(prompt) + 3 and torch.equal(seen, got["model.layers.0.resid"]), \
         "the block saw each of the request's rows at its point, as the capture there"
+
+
+def test_results_encode_as_safetensors_reads_them_with_every_dtype_and_the_metadata():
+    """The streamed results (a header, then each tensor's own bytes) are what safetensors loads:
+    values, dtypes and shapes of captures and saved tensors, metadata; a non-contiguous capture
+    is written in its logical order; a dtype safetensors has no name for is refused by name."""
+    import torch
+    from safetensors import safe_open
+
+    from tapc.errors import RequestError
+    from tapc.serving.server import Stored, encode, tensor_bytes
+
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(7, 12, generator=g)
+    taps = {"model.layers.0.resid": torch.randn(5, 16, generator=g).to(torch.bfloat16),
+            "model.layers.1.mlp.act_fn.output": wide[:, ::2],     # not contiguous
+            "logits": torch.randn(3, 33, generator=g, dtype=torch.float64).float(),
+            "samples": torch.randint(0, 1000, (3,), generator=g)}
+    saved = {"probe": [torch.randn(2, 4, generator=g).half(), {"note": 1}, torch.tensor(True)],
+             "ids": [torch.randint(-5, 5, (4,), dtype=torch.int32, generator=g), torch.tensor(7, dtype=torch.uint8)]}
+    head, tensors = encode(Stored(taps, saved, RequestError("boom at layer 3")))
+    data = head + b"".join(bytes(tensor_bytes(t)) for t in tensors)
+    got = load_safetensors(data)
+    want = {**taps, "saved/probe/0": saved["probe"][0], "saved/probe/2": saved["probe"][2],
+            "saved/ids/0": saved["ids"][0], "saved/ids/1": saved["ids"][1]}
+    assert set(got) == set(want)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert torch.equal(got[k], v), k
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".safetensors") as f:
+        f.write(data)
+        f.flush()
+        with safe_open(f.name, "pt") as st:
+            meta = st.metadata()
+    assert meta["error"] == "boom at layer 3" and json.loads(meta["saved"]) == {"probe": {"1": {"note": 1}}}
+    with pytest.raises(RequestError, match="saved/c/0: dtype torch.complex64"):
+        encode(Stored({}, {"c": [torch.zeros(2, dtype=torch.complex64)]}, None))

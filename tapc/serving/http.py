@@ -5,7 +5,8 @@ Routes, all under `/v1/` so that vLLM's `--api-key` guards them as it guards its
     POST   /v1/tapc/vectors          {"name": ..., "values": [...]}: a vector requests name
     GET    /v1/tapc/vectors          the registered names and sizes
     GET    /v1/tapc/plan             the plan (TapPlan JSON): what requests may capture and bind
-    GET    /v1/tapc/results/{id}     a finished request's captures, safetensors bytes (once)
+    GET    /v1/tapc/results/{id}     a finished request's captures, safetensors bytes (once), streamed
+                                     from the captures' own memory
     GET    /v1/tapc/held             what requests hold on the workers now (all zero when idle)
 and a middleware on vLLM's `/v1/completions` and `/v1/chat/completions`: a body with
 `vllm_xargs["tapc"]` is checked and rewritten (server.py `admit`; a bad one gets HTTP 400 with
@@ -21,7 +22,7 @@ import json
 import logging
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tapc.errors import RequestError
 
@@ -29,6 +30,7 @@ log = logging.getLogger("tapc")
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 HEADER = b"x-tapc-id"
+CHUNK = 1 << 20   # bytes of a capture handed to the transport at a time (it buffers what the socket has not taken)
 
 
 class TapcEndpoints:
@@ -122,7 +124,7 @@ def router() -> APIRouter:
 
     @r.get("/v1/tapc/results/{tid}")
     async def results(request: Request, tid: str, wait: float = 60.0):
-        from tapc.serving.server import encode
+        from tapc.serving.server import encode, tensor_bytes
 
         server = server_of(request)
         if server is None:
@@ -132,10 +134,24 @@ def router() -> APIRouter:
             return error(404, f"tapc: no results for {tid!r} (not a tapped request, fetched already, still "
                               f"running after {wait:g} s, or kept longer than {server.keep_s:g} s)")
         headers = {"x-tapc-error": stored.error.__class__.__name__} if stored.error is not None else {}
-        data = encode(stored)
-        del stored             # the last views of its capture chunks: they go back to the workers now
-        server.collector.flush()
-        return Response(data, media_type="application/octet-stream", headers=headers)
+        head, tensors = encode(stored)
+        del stored
+        size = len(head) + sum(t.numel() * t.element_size() for t in tensors)
+
+        async def body():
+            try:
+                yield head
+                while tensors:
+                    data = tensor_bytes(tensors.pop(0))
+                    for at in range(0, len(data), CHUNK):   # the transport takes a slice at a time
+                        yield data[at:at + CHUNK]
+                    del data
+            finally:
+                tensors.clear()            # the last views of its capture chunks:
+                server.collector.flush()   # they go back to the workers now
+
+        return StreamingResponse(body(), media_type="application/octet-stream",
+                                 headers={**headers, "content-length": str(size)})
 
     return r
 

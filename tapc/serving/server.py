@@ -138,20 +138,48 @@ class TapcServer:
         return int(v.size)
 
 
-def encode(stored: Stored) -> bytes:
-    """A request's results as safetensors bytes: each capture under its key, each saved tensor
-    under `saved/<name>/<i>`; the metadata holds `error` and the saved values that are not
-    tensors (JSON)."""
+def encode(stored: Stored) -> tuple[bytes, list]:
+    """A request's results in the safetensors format, as its header and the tensors whose bytes
+    follow it in that order: each capture under its key, each saved tensor under
+    `saved/<name>/<i>`; the metadata holds `error` and the saved values that are not tensors
+    (JSON). The response streams the tensors' own bytes (`tensor_bytes`): a capture of every
+    layer over a long prompt is gigabytes, which one `bytes` would hold twice and copy on the
+    server's event loop."""
     import torch
-    from safetensors.torch import save
 
     tensors = {k: t.contiguous() for k, t in stored.taps.items()}
     other = {}
     for name, values in stored.saved.items():
         for i, v in enumerate(values):
             if isinstance(v, torch.Tensor):
-                tensors[f"saved/{name}/{i}"] = v.contiguous()
+                tensors[f"saved/{name}/{i}"] = v.detach().cpu().contiguous()
             else:
                 other.setdefault(name, {})[str(i)] = v
     meta = {"error": "" if stored.error is None else str(stored.error), "saved": json.dumps(other, default=repr)}
-    return save(tensors, metadata=meta)
+    header, offset, names = {"__metadata__": meta}, 0, _dtype_names()
+    for name, t in tensors.items():
+        if t.dtype not in names:
+            raise RequestError(f"{name}: dtype {t.dtype} has no safetensors name")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)   # the format's alignment of the data that follows
+    return len(text).to_bytes(8, "little") + text, list(tensors.values())
+
+
+def tensor_bytes(t) -> memoryview:
+    """A contiguous CPU tensor's bytes, not copied."""
+    import torch
+
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _dtype_names() -> dict:
+    """torch dtype -> its name in a safetensors header."""
+    import torch
+
+    return {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+            torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8",
+            torch.bool: "BOOL"}
