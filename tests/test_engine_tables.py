@@ -142,12 +142,12 @@ def test_store_keeps_rows_in_order_when_it_grows_past_its_first_chunk():
     rows = torch.randn(80, 2, 3, generator=torch.Generator().manual_seed(0))   # row r of the request
     done = 0
     for n in (6, 6, 3, 0, 17):
-        views = st.reserve(n)
-        src = rows[done: done + n].reshape(-1, 3)
-        assert sum(v.shape[0] for v in views) == src.shape[0]
-        for v in views:
-            v.copy_(src[: v.shape[0]])
-            src = src[v.shape[0]:]
+        places = st.reserve(n)
+        src = rows[done: done + n]
+        assert sum(k for _, _, k in places) == n
+        for chunk, lo, k in places:
+            chunk[lo: lo + k] = src[:k]
+            src = src[k:]
         done += n
     assert len(st.chunks) > 1, "it grew"
     assert torch.equal(torch.cat([c[:n] for c, n in st.filled()]), rows[:done]), "every row where it belongs, in order"

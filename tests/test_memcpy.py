@@ -1,4 +1,6 @@
 """A step's capture copies issued in one batch, or one by one when the batch declines."""
+import ctypes
+
 import numpy as np
 import pytest
 import torch
@@ -28,22 +30,45 @@ def check(pool, a, b):
 
 def test_a_declined_batch_falls_back_to_one_copy_each():
     segments, pool, a, b = segments_and_pool()
-    copy_segments(segments, [pool], lambda dsts, srcs: False)
+    copy_segments(segments, [pool], lambda dsts, srcs, sizes: False)
     check(pool, a, b)
 
 
 def test_an_issued_batch_is_the_only_copy():
-    """The batch gets every block; its copies (here: of pool + 1, to tell them apart) are the
-    ones that land, with no fallback copy after them."""
+    """The batch gets every block by address, as the driver would; its copies (here: from a
+    pool + 1 at the same offsets, to tell them apart) are the ones that land, with no fallback
+    copy after them."""
     segments, pool, a, b = segments_and_pool()
+    other = pool + 1
 
-    def batch(dsts, srcs):
-        for d, s in zip(dsts, srcs):
-            d.copy_(s + 1)
+    def batch(dsts, srcs, sizes):
+        for d, s, n in zip(dsts, srcs, sizes):
+            assert pool.data_ptr() <= s and s + n <= pool.data_ptr() + pool.numel() * pool.element_size()
+            ctypes.memmove(d, other.data_ptr() + (s - pool.data_ptr()), n)
         return True
 
     copy_segments(segments, [pool], batch)
-    check(pool + 1, a, b)
+    check(other, a, b)
+
+
+def test_blocks_that_straddle_chunks_go_to_both_by_address():
+    """A store that grows mid-step: the block lands in its first chunk's last rows and its new
+    chunk's first, in order, through the batch's addresses and through the fallback alike."""
+    for batch in (None, "memmove"):
+        torch.manual_seed(1)
+        pool = torch.randn(12, 5)
+        st = Store(0, np.array([0, 1]), 5, torch.float32, cpu_alloc, first=2)
+        st.reserve(1)   # one row written before this step: one left in the first chunk
+
+        def memmove(dsts, srcs, sizes):
+            for d, s, n in zip(dsts, srcs, sizes):
+                ctypes.memmove(d, s, n)
+            return True
+
+        copy_segments([Segment(st, 2, 3)], [pool], memmove if batch else None)
+        assert len(st.chunks) == 2, "it grew"
+        got = torch.cat([c[:n] for c, n in st.filled()])[1:].reshape(-1, 5)
+        torch.testing.assert_close(got, pool[2:8], rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -29,6 +29,7 @@ class Store:
         self.caps_key = caps.tobytes()  # compared for every request at every step: bytes are cheap
         self.width = width
         self.dtype = dtype
+        self.row_bytes = caps.size * width * torch.empty((), dtype=dtype).element_size()   # one row, every capture
         self.alloc = alloc
         self.chunks: list[torch.Tensor] = []
         self.rows = 0                  # rows written
@@ -43,18 +44,16 @@ class Store:
         chunk = self.alloc(rows, self.caps.size, self.width, self.dtype)
         self.chunks.append(chunk)
         self._last_base = self.room                       # first row of the last chunk
-        self._last_flat = chunk.view(-1, self.width)      # it as `[rows * captures, width]`
         self.room += rows
 
-    def reserve(self, n: int) -> list[torch.Tensor]:
-        """Where the next n rows go: views `[rows_i * captures, width]` of the chunks, in order
-        (two when they straddle a chunk boundary). This runs for every capturing request at
-        every step: the usual case, rows that fit in the last chunk, is one slice."""
-        k = self.caps.size
+    def reserve(self, n: int) -> list[tuple[torch.Tensor, int, int]]:
+        """Where the next n rows go: (chunk, its first row, rows), in order (two when they
+        straddle a chunk boundary). This runs for every capturing request at every step: the
+        usual case, rows that fit in the last chunk, is one tuple and makes no tensor."""
         if self._last_base <= self.rows and self.rows + n <= self.room:
-            lo = (self.rows - self._last_base) * k
+            lo = self.rows - self._last_base
             self.rows += n
-            return [self._last_flat[lo: lo + n * k]]
+            return [(self.chunks[-1], lo, n)]
         if self.failed is not None:
             return []
         if self.room - self.rows < n:
@@ -71,7 +70,7 @@ class Store:
         for chunk in self.chunks:
             lo, hi = max(start - base, 0), min(start + left - base, chunk.shape[0])
             if lo < hi:
-                out.append(chunk[lo:hi].view(-1, self.width))
+                out.append((chunk, lo, hi - lo))
                 start, left = start + hi - lo, left - (hi - lo)
             base += chunk.shape[0]
             if left == 0:
