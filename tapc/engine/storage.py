@@ -29,7 +29,7 @@ class Store:
         self.caps_key = caps.tobytes()  # compared for every request at every step: bytes are cheap
         self.width = width
         self.dtype = dtype
-        self.row_bytes = caps.size * width * torch.empty((), dtype=dtype).element_size()   # one row, every capture
+        self.row_bytes = caps.size * width * dtype.itemsize   # one row, every capture
         self.alloc = alloc
         self.chunks: list[torch.Tensor] = []
         self.rows = 0                  # rows written
