@@ -145,12 +145,16 @@ class ToyBuffers(Buffers):
         self.logit_rows = torch.full((len(layout.logit_edits), slots), -1, dtype=torch.int32)
         self.nonfinite_values = 0
         self.counting = False
+        self.copies = 0                 # steps that copied captures out
+        self.waited: list[int] = []     # the steps (their copy number) a collect waited for
 
     def copy_out(self, segments, used):
         if self.counting:
             for pool, n in zip(self.pools, used):
                 self.nonfinite_values += int(torch.isfinite(pool[:n]).logical_not_().sum())
         copy_segments(segments, self.pools)
+        self.copies += 1
+        return ToyEvent(self.copies, self.waited)
 
     def count_nonfinite(self, on):
         self.counting, self.nonfinite_values = on, 0 if on else self.nonfinite_values
@@ -158,8 +162,15 @@ class ToyBuffers(Buffers):
     def nonfinite(self):
         return self.nonfinite_values if self.counting else None
 
-    def wait_copies(self):
-        pass
+
+@dataclass
+class ToyEvent:
+    """A step's copy-out event (copies are done at once here): which step a wait was for."""
+    step: int
+    waited: list
+
+    def synchronize(self):
+        self.waited.append(self.step)
 
 
 class ToyRunner:

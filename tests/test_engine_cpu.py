@@ -264,6 +264,24 @@ def test_steps_that_own_no_row_upload_no_table_once_the_device_tables_own_none(r
     check(late, collect(hooks, [late], TapSession(plan))["t2"].taps, "all")
 
 
+def test_a_collect_waits_for_its_requests_own_last_copies_not_the_newest_steps():
+    """Collecting a request that finished while others run waits on the copy-out of its own last
+    step (whose copies are long done), not on the newest step's: the host is not held until the
+    newest forward ends. Its captures are whole."""
+    plan = toy_plan(TAPS)
+    runner, hooks = hooks_for(plan, ToyModel())
+    rng = np.random.default_rng(8)
+    short = Req("a", rng.integers(0, 50, 5).tolist(), 2, wire_for(plan, TapRequest(capture="*"), "a"))
+    long = Req("b", rng.integers(0, 50, 6).tolist(), 8, wire_for(plan, TapRequest(capture="*"), "b"))
+    run(runner, [short, long], budget=64)   # both prefill in step 1; "a" finishes at step 2, "b" at 8
+    assert hooks.buffers.copies == 8
+    got = collect(hooks, [short], TapSession(plan))
+    assert hooks.buffers.waited == [2], hooks.buffers.waited
+    check(short, got["a"].taps, "all")
+    collect(hooks, [long], TapSession(plan))
+    assert hooks.buffers.waited == [2, 8], hooks.buffers.waited
+
+
 def test_worker_side_request_error_is_reported_at_collect():
     plan = toy_plan(TAPS)
     runner, hooks = hooks_for(plan, ToyModel())

@@ -90,7 +90,8 @@ class Buffers:
         self.table.fill_(-1)
         self._clean = self.rows
 
-    def copy_out(self, segments: list[Segment], used: list[int]) -> None:
+    def copy_out(self, segments: list[Segment], used: list[int]) -> torch.cuda.Event:
+        """Start the step's copies to host memory; the event is recorded once they are done."""
         compute = torch.cuda.current_stream()
         if self._copied is not None:
             compute.wait_event(self._copied)
@@ -108,11 +109,7 @@ class Buffers:
                 self._nonfinite_host.copy_(self._nonfinite, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record(self._copy_stream)
-
-    def wait_copies(self) -> None:
-        """Block until every capture enqueued so far is in host memory."""
-        if self._copied is not None:
-            self._copied.synchronize()
+        return self._copied
 
     def count_nonfinite(self, on: bool) -> None:
         """Count from now on (from 0), or stop counting."""
@@ -122,8 +119,10 @@ class Buffers:
         self._counting = on
 
     def nonfinite(self) -> int | None:
-        """Non-finite values in every capture copied since counting began (after `wait_copies`:
-        no sync here, which would wait for the steps queued since); None when not counting."""
+        """Non-finite values in the captures copied since counting began, at least through the
+        copies whose events have completed (a running total, copied to the host after each
+        step's captures: no sync here, which would wait for the steps queued since); None when
+        not counting."""
         return int(self._nonfinite_host) if self._counting else None
 
 

@@ -77,7 +77,9 @@ class RunnerHooks:
         if self.points is not None:  # boundary ops in later (dummy) forwards must see no rows
             self.points.runtime.begin_step([])
         if self._step is not None and self._step[0]:
-            self.buffers.copy_out(*self._step)
+            copied = self.buffers.copy_out(*self._step)
+            for seg in self._step[0]:
+                seg.store.copied = copied
         self._step = None
 
     def reset(self) -> None:
@@ -160,7 +162,6 @@ class RunnerHooks:
         are in the arena (protocol.StoreResult), and the engine points' rows, saved values and
         block error. The record is dropped; the chunks now belong to the API, which gives each
         back (`release`) when the caller no longer uses it."""
-        self.buffers.wait_copies()
         out: dict[str, Result] = {}
         for tid in ids:
             if tid in self.errors:
@@ -171,6 +172,10 @@ class RunnerHooks:
                 out[tid] = Result(tid, error="the engine has no captures for this request (it never ran, or was "
                                              "collected already)")
                 continue
+            # Its own last copies, not every step's: a collect while others run (a server, a
+            # harvest) would otherwise hold the host until the newest forward is done.
+            for copied in {id(st.copied): st.copied for st in rec.stores if st.copied is not None}.values():
+                copied.synchronize()
             if not rec.finished:  # vLLM tells the worker only with its next step
                 self._release(rec)
                 self.records.pop(rec.rid, None)

@@ -35,6 +35,7 @@ class Store:
         self.rows = 0                  # rows written
         self.room = 0                  # rows allocated
         self.failed: str | None = None  # why it stopped capturing (no room to grow)
+        self.copied = None             # the event of its last step's copies to host memory
         # The first allocation is made now, when the request is admitted, so that no room for it
         # is an error of this request before it runs (see Arena).
         self._grow(first)
