@@ -73,7 +73,7 @@ class AsyncVLLM:
         prepared = self.session.prepare(sampling_params if sampling_params is not None else SamplingParams(),
                                         self.session.check(taps, where), where)
         await self._setup()
-        self.collector.flush()        # chunks the caller dropped go back before more run
+        self.collector.flush(now=True)   # chunks the caller dropped go back before more run
         stream = self.engine.generate(salted(prompt, prepared.salt), prepared.params, request_id, **kwargs)
         done = False
         try:
@@ -135,10 +135,14 @@ class AsyncVLLM:
 
 
 class Collector:
-    """Batches the engine round trips of many concurrent requests: one `tapc_release` of the
-    chunks callers dropped, then one `tapc_collect` of every request that finished (awaited
-    with `result`) or was abandoned (`drop`: its result is discarded) since the last round.
-    Runs as one task on the event loop, started on demand."""
+    """Batches the engine round trips of many concurrent requests: one `tapc_collect` of every
+    request that finished (awaited with `result`) or was abandoned (`drop`: its result is
+    discarded) since the last round, carrying the chunks callers dropped back to the workers.
+    Every round trip is a call the engine makes between two steps of everyone's requests.
+    Chunks dropped with no request to collect wait up to `RELEASE_DELAY_S` for one, then go in a
+    `tapc_release` of their own. Runs as one task on the event loop, started on demand."""
+
+    RELEASE_DELAY_S = 0.02
 
     def __init__(self, engine, session: TapSession):
         self.engine, self.session = engine, session
@@ -148,6 +152,7 @@ class Collector:
         self.idle = asyncio.Event()
         self.idle.set()
         self.task: asyncio.Task | None = None
+        self._later: asyncio.TimerHandle | None = None   # the release round `flush` scheduled
 
     def result(self, tid: str) -> asyncio.Future:
         """The collected `Result` of a finished request, at the next round."""
@@ -161,8 +166,19 @@ class Collector:
         self.dropped.append(tid)
         self._kick()
 
-    def flush(self) -> None:
-        """Give back the chunks callers dropped, at the next round (started now if any)."""
+    def flush(self, now: bool = False) -> None:
+        """Give back the chunks callers dropped: at the next round, started `now`, else with the
+        next collect or on their own within `RELEASE_DELAY_S`."""
+        if not self.session.arena.pending:
+            return
+        if now:
+            self._cancel_later()
+            self._kick()
+        elif self._later is None:
+            self._later = asyncio.get_running_loop().call_later(self.RELEASE_DELAY_S, self._release_round)
+
+    def _release_round(self) -> None:
+        self._later = None
         if self.session.arena.pending:
             self._kick()
 
@@ -171,17 +187,19 @@ class Collector:
         import gc
 
         gc.collect()   # captures the caller dropped in reference cycles note their chunks now
-        self.flush()
+        self.flush(now=True)
         while not self.idle.is_set() or self.wake.is_set():
             await self.idle.wait()
             await asyncio.sleep(0)
 
     def close(self) -> None:
+        self._cancel_later()
         if self.task is not None:
             self.task.cancel()
 
     async def aclose(self) -> None:
         """Cancel the task and wait for it to end."""
+        self._cancel_later()
         task, self.task = self.task, None
         if task is not None and not task.done():
             task.cancel()
@@ -209,14 +227,19 @@ class Collector:
             if not self.wake.is_set():
                 self.idle.set()
 
+    def _cancel_later(self) -> None:
+        if self._later is not None:
+            self._later.cancel()
+            self._later = None
+
     async def _round(self, waiting: dict[str, asyncio.Future], dropped: list[str]) -> None:
         chunks = self.session.released()
-        if chunks:
-            await self.engine.collective_rpc("tapc_release", args=(chunks,))
         ids = [*waiting, *dropped]
         if not ids:
+            if chunks:
+                await self.engine.collective_rpc("tapc_release", args=(chunks,))
             return
-        got = self.session.results(await self.engine.collective_rpc("tapc_collect", args=(ids,)))
+        got = self.session.results(await self.engine.collective_rpc("tapc_collect", args=(ids, chunks)))
         for tid, fut in waiting.items():
             result = got.pop(tid, None)
             if fut.cancelled():          # its generate was cancelled while it waited
@@ -226,5 +249,4 @@ class Collector:
                 fut.set_result(result)
         for result in got.values():      # the dropped ones
             self.session.discard(result)
-        if self.session.arena.pending:   # what was discarded goes back at once
-            self.wake.set()
+        self.flush()                     # what was discarded goes back soon

@@ -67,7 +67,7 @@ class ToyAsyncLLM:
     async def collective_rpc(self, method, args=()):
         self.rpcs.append(method)
         await asyncio.sleep(0)
-        worker = {"tapc_collect": lambda ids: self.hooks.collect(ids).to_wire(), "tapc_release": self.hooks.release,
+        worker = {"tapc_collect": lambda ids, release=(): self.hooks.collect(ids, release).to_wire(), "tapc_release": self.hooks.release,
                   "tapc_held": self.hooks.held}
         return [over_the_wire(worker[method](*args))]
 

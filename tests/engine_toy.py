@@ -526,7 +526,7 @@ class ToyLLM:
 
     def collective_rpc(self, method, args=()):
         self.rpcs.append(method)
-        worker = {"tapc_collect": lambda ids: self.hooks.collect(ids).to_wire(), "tapc_release": self.hooks.release,
+        worker = {"tapc_collect": lambda ids, release=(): self.hooks.collect(ids, release).to_wire(), "tapc_release": self.hooks.release,
                   "tapc_count_nonfinite": self.hooks.buffers.count_nonfinite}
         return [over_the_wire(worker[method](*args))]
 

@@ -83,6 +83,27 @@ def test_concurrent_requests_stream_and_finish_with_their_own_taps():
     asyncio.run(main())
 
 
+def test_chunks_dropped_while_others_run_go_back_with_the_next_collect():
+    """Consumers that drop their captures as they finish, while others still run: the chunks go
+    back inside the next collect's round trip (each is a call the engine makes between steps),
+    not in a release of their own; after settling, nothing is held."""
+    async def main():
+        engine, hooks = toy_async()
+
+        async def run(i: int) -> int:
+            outs = await consume(engine, 6 * i + 1, 2 + 3 * i)   # capture="*", finishing one after another
+            assert outs[-1].error is None and outs[-1].taps
+            return len(outs)
+
+        assert await all_of([run(i) for i in range(8)]) == [2 + 3 * i for i in range(8)]
+        rpcs = engine.engine.rpcs
+        assert rpcs.count("tapc_collect") >= 2, rpcs
+        assert rpcs.count("tapc_release") == 0, f"releases of their own while collects ran: {rpcs}"
+        assert await engine.held() == [IDLE]
+
+    asyncio.run(main())
+
+
 def test_aborted_and_cancelled_requests_give_back_everything():
     """40 tapped requests, each stopped mid-stream one of three ways: its task cancelled, its
     consumer closing the stream, or `engine.abort`. The survivors' captures are whole."""

@@ -157,11 +157,12 @@ class RunnerHooks:
 
     # ---------------------------------------------------------------- to the API
 
-    def collect(self, ids: list[str]) -> CollectReply:
+    def collect(self, ids: list[str], release: list[tuple[str, int]] = ()) -> CollectReply:
         """The results of the given tapc ids: per group of captures of one width, where its rows
         are in the arena (protocol.StoreResult), and the engine points' rows, saved values and
         block error. The record is dropped; the chunks now belong to the API, which gives each
-        back (`release`) when the caller no longer uses it."""
+        back (`release`, or with a later collect) when the caller no longer uses it."""
+        self.release(release)
         out: dict[str, Result] = {}
         for tid in ids:
             if tid in self.errors:

@@ -59,9 +59,10 @@ class TapWorker(Worker):
         self.tapc_adapter = adapter_cls(runner, self.tapc)
         self.tapc_patches = patches.apply(runner, self.tapc_adapter, points, breaks=bool(layout.blocks))
 
-    def tapc_collect(self, ids: list[str]) -> dict:
-        """The results of these tapc ids, as a `protocol.CollectReply` in wire form."""
-        return self.tapc.collect(ids).to_wire()
+    def tapc_collect(self, ids: list[str], release: list[tuple[str, int]] = ()) -> dict:
+        """The results of these tapc ids, as a `protocol.CollectReply` in wire form, after giving
+        back the chunks in `release` (one round trip for both)."""
+        return self.tapc.collect(ids, release).to_wire()
 
     def tapc_count_nonfinite(self, on: bool) -> None:
         """Count the NaN / inf values of the captures as they are copied out (a harvest's
