@@ -141,12 +141,16 @@ def feed(llm, prompts: Iterator[tuple[int, list[int]]], sampling_params, ask: Ta
 
 
 def _collect(llm, outs: list, live: dict) -> list[Done]:
-    """The captures of finished requests, from the engine: one `tapc_collect` for all."""
-    llm._give_back()
+    """The captures of finished requests, from the engine: one `tapc_collect` for all, which
+    carries back the chunks the writer has dropped."""
     metas = [live.pop(o.request_id) for o in outs]
     prepared = [m[2] for m in metas]
     wanted = llm.session.wanted(prepared)
-    replies = llm.llm.collective_rpc("tapc_collect", args=(wanted,)) if wanted else None
+    if wanted:
+        replies = llm.llm.collective_rpc("tapc_collect", args=(wanted, llm.session.released()))
+    else:
+        replies = None
+        llm._give_back()
     # counted on the GPU as the captures were copied out (the harvest turned counting on): 0
     # means every value so far is finite; None, a worker that does not count
     suspect = replies is None or any(r.get("nonfinite") != 0 for r in replies)
