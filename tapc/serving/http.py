@@ -142,7 +142,10 @@ def router() -> APIRouter:
             try:
                 yield head
                 while tensors:
-                    data = tensor_bytes(tensors.pop(0))
+                    t = tensors.pop(0)
+                    # a strided capture is copied in a thread, not on the event loop
+                    data = tensor_bytes(t) if t.is_contiguous() else await asyncio.to_thread(tensor_bytes, t)
+                    del t
                     for at in range(0, len(data), CHUNK):   # the transport takes a slice at a time
                         yield data[at:at + CHUNK]
                     del data

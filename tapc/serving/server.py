@@ -147,12 +147,12 @@ def encode(stored: Stored) -> tuple[bytes, list]:
     server's event loop."""
     import torch
 
-    tensors = {k: t.contiguous() for k, t in stored.taps.items()}
+    tensors = dict(stored.taps)
     other = {}
     for name, values in stored.saved.items():
         for i, v in enumerate(values):
             if isinstance(v, torch.Tensor):
-                tensors[f"saved/{name}/{i}"] = v.detach().cpu().contiguous()
+                tensors[f"saved/{name}/{i}"] = v.detach().cpu()
             else:
                 other.setdefault(name, {})[str(i)] = v
     meta = {"error": "" if stored.error is None else str(stored.error), "saved": json.dumps(other, default=repr)}
@@ -170,10 +170,11 @@ def encode(stored: Stored) -> tuple[bytes, list]:
 
 
 def tensor_bytes(t) -> memoryview:
-    """A contiguous CPU tensor's bytes, not copied."""
+    """A CPU tensor's bytes in row-major order: its own memory when it is contiguous, else a
+    copy (a capture that shares its storage rows with others of its group is strided)."""
     import torch
 
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _dtype_names() -> dict:
