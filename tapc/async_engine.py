@@ -187,8 +187,8 @@ class Collector:
         import gc
 
         gc.collect()   # captures the caller dropped in reference cycles note their chunks now
-        self.flush(now=True)
-        while not self.idle.is_set() or self.wake.is_set():
+        while not self.idle.is_set() or self.wake.is_set() or self.session.arena.pending:
+            self.flush(now=True)   # what a round discards meanwhile goes now, not after the delay
             await self.idle.wait()
             await asyncio.sleep(0)
 
