@@ -71,6 +71,38 @@ def test_blocks_that_straddle_chunks_go_to_both_by_address():
         torch.testing.assert_close(got, pool[2:8], rtol=0, atol=0)
 
 
+def test_the_batch_hands_the_driver_every_address_size_and_the_stream(monkeypatch):
+    """`BatchCopy` as the driver sees it (a stand-in for cuMemcpyBatchAsync_v2 that copies with
+    memmove): the arrays of destinations, sources and sizes, their count, one attribute set
+    from copy 0, and the current stream; a driver error turns the batch off for good."""
+    from types import SimpleNamespace as NS
+
+    from tapc.engine import memcpy
+
+    monkeypatch.setattr(memcpy.torch.cuda, "current_stream", lambda: NS(cuda_stream=1234))
+    seen = []
+
+    def driver(dsts, srcs, sizes, n, attrs, first, count, stream):
+        seen.append((n, [first[i] for i in range(count)], count, stream.value))
+        for i in range(n):
+            ctypes.memmove(dsts[i], srcs[i], sizes[i])
+        return 0
+
+    segments, pool, a, b = segments_and_pool()
+    copy_segments(segments, [pool], BatchCopy(driver))
+    check(pool, a, b)
+    assert seen == [(2, [0], 1, 1234)]
+
+    def failing(*args):
+        return 1   # CUDA_ERROR_INVALID_VALUE
+
+    segments, pool, a, b = segments_and_pool()
+    batch = BatchCopy(failing)
+    copy_segments(segments, [pool], batch)
+    assert batch.failed
+    check(pool, a, b)   # copied one by one instead
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_driver_batch_copies_device_blocks_into_registered_host_memory():
