@@ -345,3 +345,19 @@ def test_results_encode_as_safetensors_reads_them_with_every_dtype_and_the_metad
     assert meta["error"] == "boom at layer 3" and json.loads(meta["saved"]) == {"probe": {"1": {"note": 1}}}
     with pytest.raises(RequestError, match="saved/c/0: dtype torch.complex64"):
         encode(Stored({}, {"c": [torch.zeros(2, dtype=torch.complex64)]}, None))
+
+
+def test_results_that_cannot_be_sent_are_an_error_that_says_why():
+    """A result holding a tensor safetensors has no dtype for (a block's saved value) gets HTTP
+    500 naming it; the server goes on serving."""
+    import torch
+
+    from tapc.serving.server import Stored
+
+    app, _ = stand_in_app()
+    app.state.tapc._store("bad", Stored({}, {"probe": [torch.zeros(2, dtype=torch.complex64)]}, None))
+    with client(app) as c:
+        r = c.get("/v1/tapc/results/bad")
+        assert r.status_code == 500, r.text
+        assert "saved/probe/0: dtype torch.complex64 has no safetensors name" in r.json()["error"]["message"]
+        assert c.get("/v1/tapc/plan").status_code == 200

@@ -8,7 +8,8 @@ Per step (all stream-ordered on the compute stream, so async scheduling is safe)
    buffers, one copy kernel. The host writes buffer i while the device may still read buffer
    i-1; vLLM keeps at most `depth` steps in flight, so a buffer is never rewritten early. A
    step that owns no row skips it while the device's tables already own none among its rows
-   (it took 96 us of host time a decode step on the MoE shape, where vLLM's step is 2.3 ms).
+   (it took up to 96 us of host time a decode step on the MoE shape, timed with a sampling
+   profiler on, where vLLM's step is 2.3 ms).
 2. the forward's tap ops write capture rows into the pools and edit rows in place.
 3. `copy_out`: the used rows of each pool are copied device-to-device into a snapshot (the next
    forward may overwrite the pools right away), then a side stream copies each request's block

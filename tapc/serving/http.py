@@ -134,8 +134,16 @@ def router() -> APIRouter:
             return error(404, f"tapc: no results for {tid!r} (not a tapped request, fetched already, still "
                               f"running after {wait:g} s, or kept longer than {server.keep_s:g} s)")
         headers = {"x-tapc-error": stored.error.__class__.__name__} if stored.error is not None else {}
-        head, tensors = encode(stored)
+        try:
+            head, tensors = encode(stored)
+        except RequestError as e:   # a block saved a tensor safetensors cannot hold
+            head, tensors, failed = None, [], e
+        else:
+            failed = None
         del stored
+        if failed is not None:
+            server.collector.flush()
+            return error(500, f"tapc: results of {tid!r} cannot be sent: {failed}")
         size = len(head) + sum(t.numel() * t.element_size() for t in tensors)
 
         async def body():
@@ -150,8 +158,8 @@ def router() -> APIRouter:
                         yield data[at:at + CHUNK]
                     del data
             finally:
-                tensors.clear()            # the last views of its capture chunks:
-                server.collector.flush()   # they go back to the workers now
+                tensors.clear()            # the last views of its capture chunks: they go back to
+                server.collector.flush()   # the workers with the next collect, or on their own soon
 
         return StreamingResponse(body(), media_type="application/octet-stream",
                                  headers={**headers, "content-length": str(size)})
