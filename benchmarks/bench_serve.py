@@ -344,6 +344,8 @@ def main() -> int:
                     help=f"shares of {', '.join(KINDS)} (e.g. 1,0,0,0: untapped traffic alone)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--api-server-count", type=int, default=1,
+                    help="API server processes of each server (vLLM's --api-server-count)")
     ap.add_argument("--out", default=None, help="write the summary table (markdown) here")
     args = ap.parse_args()
     if args.quick:
@@ -359,6 +361,8 @@ def main() -> int:
     common = ["--gpu-memory-utilization", "0.35", "--max-model-len", "2048", "--enable-prompt-tokens-details",
               "--attention-backend", os.environ.get("TAPC_ATTENTION_BACKEND", "TRITON_ATTN"),
               "--max-num-seqs", "128"]
+    if args.api_server_count > 1:   # tapc's processes then share vectors and results (serving/results.py)
+        common += ["--api-server-count", str(args.api_server_count)]
     env_py = sys.executable
     logs = {port: os.path.join(work, f"{name}.log") for port, name in ((8101, "vanilla"), (8102, "tapc"))}
     vanilla = start_server([env_py, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", "8101", *common],
@@ -417,8 +421,8 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"bench_serve ({'quick' if args.quick else 'full'}, {args.hidden} wide, {args.layers} layers, "
-                    f"{args.clients} clients, {args.requests} requests; shares of "
-                    f"{', '.join(f'{k} {m:g}' for k, m in zip(KINDS, mix))})\n\n{text}\n")
+                    f"{args.clients} clients, {args.requests} requests, {args.api_server_count} API server "
+                    f"process(es); shares of {', '.join(f'{k} {m:g}' for k, m in zip(KINDS, mix))})\n\n{text}\n")
     return 1 if problems else 0
 
 

@@ -64,9 +64,10 @@ def test_the_plugin_entry_point_is_found_without_installing_tapc():
 # ----------------------------------------------------------------------------- the plugin in an app
 
 
-def stand_in_app(taps=TAPS, api_key=None, blocks=None):
+def stand_in_app(taps=TAPS, api_key=None, blocks=None, shared=None):
     """An app with tapc's plugin whose /v1/completions runs the toy engine like vLLM's handler;
-    `blocks` (name -> import path) registered on the toy worker as the server's worker does."""
+    `blocks` (name -> import path) registered on the toy worker as the server's worker does;
+    `shared`: the folder of several API server processes."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
     from vllm import SamplingParams
@@ -116,7 +117,7 @@ def stand_in_app(taps=TAPS, api_key=None, blocks=None):
         from tapc.blockpaths import import_blocks
 
         hooks.points.runtime.register(import_blocks(blocks, "the engine's plan"))
-    app.state.tapc = TapcServer(toy, TapSession(plan, blocks=blocks or ()))
+    app.state.tapc = TapcServer(toy, TapSession(plan, blocks=blocks or ()), shared=shared)
     return app, hooks
 
 
@@ -316,7 +317,7 @@ def test_results_encode_as_safetensors_reads_them_with_every_dtype_and_the_metad
     from safetensors import safe_open
 
     from tapc.errors import RequestError
-    from tapc.serving.server import Stored, encode, tensor_bytes
+    from tapc.serving.results import Stored, encode, tensor_bytes
 
     g = torch.Generator().manual_seed(0)
     wide = torch.randn(7, 12, generator=g)
@@ -352,12 +353,147 @@ def test_results_that_cannot_be_sent_are_an_error_that_says_why():
     500 naming it; the server goes on serving."""
     import torch
 
-    from tapc.serving.server import Stored
+    from tapc.serving.results import Stored
 
     app, _ = stand_in_app()
-    app.state.tapc._store("bad", Stored({}, {"probe": [torch.zeros(2, dtype=torch.complex64)]}, None))
     with client(app) as c:
+        c.portal.call(app.state.tapc.results.put, "bad", Stored({}, {"probe": [torch.zeros(2, dtype=torch.complex64)]},
+                                                                None))
         r = c.get("/v1/tapc/results/bad")
         assert r.status_code == 500, r.text
         assert "saved/probe/0: dtype torch.complex64 has no safetensors name" in r.json()["error"]["message"]
         assert c.get("/v1/tapc/plan").status_code == 200
+
+
+# ----------------------------------------------------------------------------- several API server processes
+
+
+def test_api_server_processes_share_vectors_and_results_through_their_folder(tmp_path):
+    """With `--api-server-count 2` a client's calls land on either process: a vector registered
+    on one steers a request served by the other, and a result finished on one is fetched from
+    the other, once; an aborted request's error and a result that cannot be sent say so there
+    too. Each process's engine ends holding nothing."""
+    import torch
+
+    from tapc.serving.results import Stored
+
+    a, hooks_a = stand_in_app(shared=str(tmp_path))
+    b, _ = stand_in_app(shared=str(tmp_path))
+    v = np.linspace(-2, 1, HIDDEN)
+    with client(a) as ca, client(b) as cb:
+        assert cb.post("/v1/tapc/vectors", json={"name": "happy", "values": v.tolist()}).status_code == 200
+        assert ca.get("/v1/tapc/vectors").json() == {"vectors": {"happy": HIDDEN}}
+        prompt = np.random.default_rng(11).integers(0, 50, 8).tolist()
+        # layer 2, after the steered layer 1 (a capture listed before an edit of its point sees the
+        # value before it, which the toy's reference does not model)
+        ask = xargs(capture=["model.layers.0.resid", "model.layers.2.resid"], positions="all",
+                    params={"steer": "happy"})
+        r = ca.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "vllm_xargs": ask})
+        assert r.status_code == 200, r.text
+        tid = r.headers["x-tapc-id"]
+        check_rows(as_req(prompt, r.json()["choices"][0]["tokens"]), fetch(cb, tid), "all", [(1, v, 2.0, "all")])
+        assert ca.get(f"/v1/tapc/results/{tid}").status_code == 404, "fetched once, whichever process asks"
+        assert cb.get(f"/v1/tapc/results/{tid}").status_code == 404
+
+        ca.post("/v1/completions", json={"prompt": "boom", "vllm_xargs": xargs(capture="*")})
+        lost = json.loads(a.state.seen[-1]["vllm_xargs"]["tapc"])["id"]
+        assert cb.get(f"/v1/tapc/results/{lost}").headers["x-tapc-error"] == "RequestError"
+
+        bad = "0" * 32
+        ca.portal.call(a.state.tapc.results.put, bad, Stored({}, {"p": [torch.zeros(2, dtype=torch.complex64)]}, None))
+        r = cb.get(f"/v1/tapc/results/{bad}")
+        assert r.status_code == 500 and "saved/p/0: dtype torch.complex64" in r.json()["error"]["message"]
+
+        assert ca.get("/v1/tapc/held").json()["workers"] == [{"running": 0, "uncollected": 0, "chunks": 0,
+                                                               "slots": 0}]
+    assert sorted(os.listdir(tmp_path)) == ["vectors"], "nothing left behind but the vectors"
+
+
+def test_a_fetch_waits_for_a_result_another_process_is_finishing_and_one_claim_wins(tmp_path):
+    import asyncio
+    import threading
+
+    import torch
+
+    from tapc.serving.results import FolderResults, Stored
+
+    async def main():
+        released = []
+        mine, other = (FolderResults(str(tmp_path), 60.0, lambda: released.append(1)) for _ in range(2))
+        tid = "a" * 32
+        mine.begin(tid)
+        waiting = asyncio.create_task(other.take(tid, 5.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done(), "the request is still running: the fetch waits"
+        rows = torch.randn(6, 16).to(torch.bfloat16)
+        await mine.put(tid, Stored({"model.layers.0.resid": rows}, {}, None))
+        got = load_safetensors(await _drain(await waiting))
+        assert torch.equal(got["model.layers.0.resid"], rows) and released == [1]
+        assert await other.take(tid, 0.0) is None and await other.take("b" * 32, 0.2) is None
+        assert await other.take("../../etc/passwd", 0.0) is None, "only tapc ids name files"
+
+        tid = "c" * 32
+        mine.begin(tid)
+        await mine.put(tid, Stored({"x": rows}, {}, None))
+        return tid
+
+    tid = asyncio.run(main())
+    wins = []
+    gate = threading.Barrier(8)
+
+    def claim():
+        gate.wait()
+        reply = asyncio.run(FolderResults(str(tmp_path), 60.0, lambda: None).take(tid, 0.0))
+        if reply is not None:
+            wins.append(asyncio.run(_drain(reply)))
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1 and "x" in load_safetensors(wins[0]), "exactly one of eight fetches gets it"
+
+
+async def _drain(reply):
+    return b"".join([bytes(c) async for c in reply.chunks])
+
+
+def test_the_shared_folder_drops_old_results_and_the_folders_of_servers_that_are_gone(tmp_path):
+    import asyncio
+    import time
+
+    from tapc.serving.results import FolderResults, Stored, shared_folder
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"tapc-serve-{gone.pid}"
+    (stale / "vectors").mkdir(parents=True)
+    folder = shared_folder(str(tmp_path))
+    assert not stale.exists() and folder == str(tmp_path / f"tapc-serve-{os.getppid()}")
+
+    store = FolderResults(folder, keep_s=30.0, released=lambda: None)
+    old, new = "d" * 32, "e" * 32
+    for tid in (old, new):
+        store.begin(tid)
+        asyncio.run(store.put(tid, Stored({}, {}, None)))
+    hour_ago = time.time() - 3600
+    os.utime(os.path.join(folder, old + ".safetensors"), (hour_ago, hour_ago))
+    store._swept = 0.0
+    store._sweep()
+    assert sorted(os.listdir(folder)) == [new + ".safetensors", "vectors"]
+
+
+def test_the_plugin_shares_a_folder_only_with_several_api_servers(monkeypatch, tmp_path):
+    from types import SimpleNamespace as NS
+
+    import tapc.serving.results as results
+    from tapc.serving.http import server_for
+    from tapc.serving.results import FolderResults, MemoryResults
+
+    monkeypatch.setattr(results, "shared_folder", lambda: str(tmp_path))
+    config = {"tapc": {"plan": toy_plan(TAPS).to_json()}}
+    one = server_for(object(), NS(additional_config=config, api_server_count=None))
+    two = server_for(object(), NS(additional_config=config, api_server_count=2))
+    assert isinstance(one.results, MemoryResults) and isinstance(two.results, FolderResults)
+    assert two.results.folder == str(tmp_path)

@@ -6,7 +6,8 @@ Routes, all under `/v1/` so that vLLM's `--api-key` guards them as it guards its
     GET    /v1/tapc/vectors          the registered names and sizes
     GET    /v1/tapc/plan             the plan (TapPlan JSON): what requests may capture and bind
     GET    /v1/tapc/results/{id}     a finished request's captures, safetensors bytes (once), streamed
-                                     from the captures' own memory
+                                     from the captures' own memory (results.py; with several API
+                                     server processes, from the folder they share)
     GET    /v1/tapc/held             what requests hold on the workers now (all zero when idle)
 and a middleware on vLLM's `/v1/completions` and `/v1/chat/completions`: a body with
 `vllm_xargs["tapc"]` is checked and rewritten (server.py `admit`; a bad one gets HTTP 400 with
@@ -17,7 +18,6 @@ gives back what its request held. vLLM's handlers and responses are not patched.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 
@@ -30,7 +30,6 @@ log = logging.getLogger("tapc")
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 HEADER = b"x-tapc-id"
-CHUNK = 1 << 20   # bytes of a capture handed to the transport at a time (it buffers what the socket has not taken)
 
 
 class TapcEndpoints:
@@ -51,6 +50,7 @@ def server_for(engine_client, args):
     """The TapcServer of a `vllm serve` whose `--additional-config` holds tapc's plan (and the
     spec its engine-wide parameters come from), or None where there is none."""
     from tapc.plan import TapPlan
+    from tapc.serving.results import shared_folder
     from tapc.serving.server import TapcServer
     from tapc.session import TapSession
 
@@ -65,8 +65,11 @@ def server_for(engine_client, args):
         from tapc.specfile import load_spec
 
         params = load_spec(tapc["spec"]).param_values() or None
+    # several API server processes (`--api-server-count`) share vectors and results through a folder
+    shared = shared_folder() if (getattr(args, "api_server_count", None) or 1) > 1 else None
     # the plan's blocks run on the workers, which import them (worker.py): requests need not send any
-    return TapcServer(engine_client, TapSession(TapPlan.from_json(tapc["plan"]), params, tapc.get("blocks") or ()))
+    return TapcServer(engine_client, TapSession(TapPlan.from_json(tapc["plan"]), params, tapc.get("blocks") or ()),
+                      shared=shared)
 
 
 def error(status: int, message: str):
@@ -103,7 +106,7 @@ def router() -> APIRouter:
         server = server_of(request)
         if server is None:
             return error(503, "tapc: this server runs no tap plan")
-        return JSONResponse({"vectors": {k: int(v.size) for k, v in server.vectors.items()}})
+        return JSONResponse({"vectors": {k: int(v.size) for k, v in server.results.vectors().items()}})
 
     @r.get("/v1/tapc/plan")
     async def plan(request: Request):
@@ -115,7 +118,9 @@ def router() -> APIRouter:
     @r.get("/v1/tapc/held")
     async def held(request: Request):
         """What requests hold on each worker (TapWorker.tapc_held), after dropped captures went
-        back: all zero on an idle server whose results were fetched."""
+        back: all zero on an idle server whose results were fetched. With several API server
+        processes, this one's dropped captures; the others' go back within their collectors'
+        release delay."""
         server = server_of(request)
         if server is None:
             return error(503, "tapc: this server runs no tap plan")
@@ -124,45 +129,19 @@ def router() -> APIRouter:
 
     @r.get("/v1/tapc/results/{tid}")
     async def results(request: Request, tid: str, wait: float = 60.0):
-        from tapc.serving.server import encode, tensor_bytes
-
         server = server_of(request)
         if server is None:
             return error(503, "tapc: this server runs no tap plan")
-        stored = await server.fetch(tid, min(max(wait, 0.0), 600.0))
-        if stored is None:
-            return error(404, f"tapc: no results for {tid!r} (not a tapped request, fetched already, still "
-                              f"running after {wait:g} s, or kept longer than {server.keep_s:g} s)")
-        headers = {"x-tapc-error": stored.error.__class__.__name__} if stored.error is not None else {}
         try:
-            head, tensors = encode(stored)
+            reply = await server.fetch(tid, min(max(wait, 0.0), 600.0))
         except RequestError as e:   # a block saved a tensor safetensors cannot hold
-            head, tensors, failed = None, [], e
-        else:
-            failed = None
-        del stored
-        if failed is not None:
-            server.collector.flush()
-            return error(500, f"tapc: results of {tid!r} cannot be sent: {failed}")
-        size = len(head) + sum(t.numel() * t.element_size() for t in tensors)
-
-        async def body():
-            try:
-                yield head
-                while tensors:
-                    t = tensors.pop(0)
-                    # a strided capture is copied in a thread, not on the event loop
-                    data = tensor_bytes(t) if t.is_contiguous() else await asyncio.to_thread(tensor_bytes, t)
-                    del t
-                    for at in range(0, len(data), CHUNK):   # the transport takes a slice at a time
-                        yield data[at:at + CHUNK]
-                    del data
-            finally:
-                tensors.clear()            # the last views of its capture chunks: they go back to
-                server.collector.flush()   # the workers with the next collect, or on their own soon
-
-        return StreamingResponse(body(), media_type="application/octet-stream",
-                                 headers={**headers, "content-length": str(size)})
+            return error(500, f"tapc: results of {tid!r} cannot be sent: {e}")
+        if reply is None:
+            return error(404, f"tapc: no results for {tid!r} (not a tapped request, fetched already, still "
+                              f"running after {wait:g} s, or kept longer than {server.results.keep_s:g} s)")
+        headers = {"x-tapc-error": reply.error_type} if reply.error_type else {}
+        return StreamingResponse(reply.chunks, media_type="application/octet-stream",
+                                 headers={**headers, "content-length": str(reply.size)})
 
     return r
 
@@ -218,10 +197,8 @@ class TapcMiddleware:
         try:
             await self.app(scope, receive, send_tapped)
         finally:
-            if state["done"] and state["status"] == 200:
-                asyncio.get_running_loop().create_task(server.finished(tid, seen.usage()))
-            else:
-                server.abandoned(tid)
+            whole = state["done"] and state["status"] == 200
+            server.ended(tid, whole, seen.usage() if whole else None)
 
 
 def _replay(body: bytes, receive):

@@ -9,18 +9,20 @@
   set through the OpenAI API) and, when streamed, `stream_options.include_usage` (the usage
   chunk tells the server how many tokens the request has).
 - `finished(tid, usage)`: after the response went out: the result is collected (batched,
-  async_engine.Collector) and assembled, and kept until the client fetches it.
+  async_engine.Collector), assembled, and kept (results.py) until the client fetches it.
 - `abandoned(tid)`: the response did not complete (the client went away, an error): what the
   request held on the workers goes back.
-- `fetch(tid)`: a finished request's captures as safetensors bytes, once.
+- `fetch(tid)`: a finished request's results, as safetensors bytes, once.
+
+With several API server processes (`--api-server-count`), each runs its own TapcServer over
+one folder they share (`shared`): a vector registered on one and a result finished on one are
+seen by all.
 """
 from __future__ import annotations
 
 import asyncio
-import json
-import time
+import logging
 import uuid
-from dataclasses import dataclass, field
 from types import SimpleNamespace as NS
 
 import numpy as np
@@ -30,29 +32,24 @@ from tapc.engine.protocol import WireRequest
 from tapc.errors import RequestError
 from tapc.prefix import salted
 from tapc.serving.asks import parse_ask
+from tapc.serving.results import FolderResults, MemoryResults, Reply, Stored
 from tapc.session import TapSession
 
-
-@dataclass
-class Stored:
-    """A finished request's results, until fetched."""
-
-    taps: dict
-    saved: dict
-    error: BaseException | None
-    at: float = field(default_factory=time.monotonic)
+log = logging.getLogger("tapc")
 
 
 class TapcServer:
-    """`engine`: vLLM's engine client (its `collective_rpc`); `session`: the plan's session."""
+    """`engine`: vLLM's engine client (its `collective_rpc`); `session`: the plan's session;
+    `shared`: the folder the server's API processes share, where there are several."""
 
-    def __init__(self, engine, session: TapSession, keep_s: float = 600.0):
+    def __init__(self, engine, session: TapSession, keep_s: float = 600.0, shared: str | None = None):
         self.session = session
         self.collector = Collector(engine, session)
-        self.vectors: dict[str, np.ndarray] = {}
-        self.running: dict[str, tuple[WireRequest, asyncio.Event]] = {}
-        self.results: dict[str, Stored] = {}
-        self.keep_s = keep_s       # results not fetched within this long are dropped
+        self.running: dict[str, WireRequest] = {}
+        self._ending: set[asyncio.Task] = set()   # finished/abandoned tasks, referenced until done
+        # results not fetched within keep_s are dropped
+        self.results = (FolderResults(shared, keep_s, self.collector.flush) if shared
+                        else MemoryResults(keep_s, self.collector.flush))
 
     # ---------------------------------------------------------------- requests
 
@@ -60,7 +57,7 @@ class TapcServer:
         """The body vLLM must see, and the request's tapc id (None: it runs untapped)."""
         xargs = body.get("vllm_xargs") or {}
         raw = xargs.get("tapc")
-        ask = parse_ask(raw, self.vectors, where) if raw is not None else None
+        ask = parse_ask(raw, self.results.vectors(), where) if raw is not None else None
         checked = self.session.check(ask, where)
         if checked is None:
             return body, None
@@ -77,50 +74,52 @@ class TapcServer:
         body = salted({**body, "vllm_xargs": {**xargs, "tapc": wire.to_text()}}, salt)
         if body.get("stream"):
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
-        self.running[wire.id] = (wire, asyncio.Event())
+        self.running[wire.id] = wire
+        self.results.begin(wire.id)
         return body, wire.id
+
+    def ended(self, tid: str, whole: bool, usage: dict | None) -> None:
+        """The response of `tid` ended, `whole` (sent complete, status 200) or not: its results
+        are collected, or what it held is given back, in a task of the event loop."""
+        task = asyncio.get_running_loop().create_task(self.finished(tid, usage) if whole else self.abandoned(tid))
+        self._ending.add(task)
+        task.add_done_callback(self._ending.discard)
 
     async def finished(self, tid: str, usage: dict | None) -> None:
         """The response of `tid` went out whole; `usage` is its usage object."""
-        wire, done = self.running.pop(tid)
+        wire = self.running.pop(tid)
         try:
-            if not usage or "prompt_tokens" not in usage or "completion_tokens" not in usage:
-                self.collector.drop(tid)
-                error = RequestError(f"request {tid}: its response carried no usage, so its rows cannot be counted")
-                self._store(tid, Stored({}, {}, error))
-                return
-            result = await self.collector.result(tid)
-            # What assembly reads of vLLM's output: how many prompt and generated tokens there were.
-            out = NS(request_id=tid, prompt_token_ids=range(usage["prompt_tokens"]),
-                     outputs=[NS(token_ids=range(usage["completion_tokens"]))])
-            self.session.finish(out, wire, result)
-            self._store(tid, Stored(dict(out.taps), out.saved, out.error))
-        finally:
-            done.set()
+            stored = await self._assemble(tid, wire, usage)
+        except Exception as e:   # a defect here: its fetch hears of it rather than waiting out its time
+            log.exception("tapc: the results of request %s could not be assembled", tid)
+            stored = Stored({}, {}, RequestError(f"request {tid}: its results could not be assembled: {e!r}"))
+        await self.results.put(tid, stored)
 
-    def abandoned(self, tid: str) -> None:
+    async def _assemble(self, tid: str, wire: WireRequest, usage: dict | None) -> Stored:
+        if not usage or "prompt_tokens" not in usage or "completion_tokens" not in usage:
+            self.collector.drop(tid)
+            return Stored({}, {}, RequestError(f"request {tid}: its response carried no usage, so its rows "
+                                               "cannot be counted"))
+        result = await self.collector.result(tid)
+        # What assembly reads of vLLM's output: how many prompt and generated tokens there were.
+        out = NS(request_id=tid, prompt_token_ids=range(usage["prompt_tokens"]),
+                 outputs=[NS(token_ids=range(usage["completion_tokens"]))])
+        self.session.finish(out, wire, result)
+        return Stored(dict(out.taps), out.saved, out.error)
+
+    async def abandoned(self, tid: str) -> None:
         """The response of `tid` did not complete: vLLM aborted the request; free what it held."""
         if self.running.pop(tid, None) is None:
             return
         self.collector.drop(tid)
-        self._store(tid, Stored({}, {}, RequestError(f"request {tid}: its response did not complete (aborted); "
-                                                     "its taps are dropped")))
+        await self.results.put(tid, Stored({}, {}, RequestError(f"request {tid}: its response did not complete "
+                                                                "(aborted); its taps are dropped")))
 
-    async def fetch(self, tid: str, wait_s: float) -> Stored | None:
-        """The results of `tid` (waiting up to `wait_s` for a request still running), once; None:
-        unknown (never tapped, fetched already, or dropped after `keep_s`)."""
-        if tid in self.running:
-            try:
-                await asyncio.wait_for(asyncio.shield(self.running[tid][1].wait()), wait_s)
-            except asyncio.TimeoutError:
-                return None
-        return self.results.pop(tid, None)
-
-    def _store(self, tid: str, stored: Stored) -> None:
-        cutoff = time.monotonic() - self.keep_s
-        for old in [t for t, s in self.results.items() if s.at < cutoff]:
-            del self.results[old]
-        self.results[tid] = stored
+    async def fetch(self, tid: str, wait_s: float) -> Reply | None:
+        """The results of `tid`, ready to send (waiting up to `wait_s` for a request still
+        running), once; None: unknown (never tapped, fetched already, or dropped after
+        `keep_s`). RequestError: they cannot be sent (results.py `encode`)."""
+        return await self.results.take(tid, wait_s)
 
     # ---------------------------------------------------------------- vectors
 
@@ -134,53 +133,6 @@ class TapcServer:
             raise RequestError(f"vector {name!r}: values must be a list of numbers") from None
         if v.ndim != 1 or v.size == 0 or not np.isfinite(v).all():
             raise RequestError(f"vector {name!r}: values must be a non-empty list of finite numbers")
-        self.vectors[name] = v
+        self.results.add_vector(name, v)
         return int(v.size)
 
-
-def encode(stored: Stored) -> tuple[bytes, list]:
-    """A request's results in the safetensors format, as its header and the tensors whose bytes
-    follow it in that order: each capture under its key, each saved tensor under
-    `saved/<name>/<i>`; the metadata holds `error` and the saved values that are not tensors
-    (JSON). The response streams the tensors' own bytes (`tensor_bytes`): a capture of every
-    layer over a long prompt is gigabytes, which one `bytes` would hold twice and copy on the
-    server's event loop."""
-    import torch
-
-    tensors = dict(stored.taps)
-    other = {}
-    for name, values in stored.saved.items():
-        for i, v in enumerate(values):
-            if isinstance(v, torch.Tensor):
-                tensors[f"saved/{name}/{i}"] = v.detach().cpu()
-            else:
-                other.setdefault(name, {})[str(i)] = v
-    meta = {"error": "" if stored.error is None else str(stored.error), "saved": json.dumps(other, default=repr)}
-    header, offset, names = {"__metadata__": meta}, 0, _dtype_names()
-    for name, t in tensors.items():
-        if t.dtype not in names:
-            raise RequestError(f"{name}: dtype {t.dtype} has no safetensors name")
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)   # the format's alignment of the data that follows
-    return len(text).to_bytes(8, "little") + text, list(tensors.values())
-
-
-def tensor_bytes(t) -> memoryview:
-    """A CPU tensor's bytes in row-major order: its own memory when it is contiguous, else a
-    copy (a capture that shares its storage rows with others of its group is strided)."""
-    import torch
-
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def _dtype_names() -> dict:
-    """torch dtype -> its name in a safetensors header."""
-    import torch
-
-    return {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
-            torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8",
-            torch.bool: "BOOL"}

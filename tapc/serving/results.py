@@ -1,0 +1,357 @@
+"""Where a served request's results wait for their fetch, and the form they travel in.
+
+A plain `vllm serve` runs one API server process: it admits, collects and answers every
+request, so results wait in its memory (`MemoryResults`) and stream from the captures' own
+arena memory. With `--api-server-count N`, vLLM runs N API server processes behind one port,
+and a client's completion and its `GET /v1/tapc/results/{id}` (or a vector's registration and
+the request naming it) may land on different ones. Then results and vectors wait in a folder
+all of them share (`FolderResults`: /dev/shm/tapc-serve-<pid of the process that started
+them>): the process that served the request writes its result there as one safetensors file,
+and whichever process gets the fetch claims the file by renaming it (so once, by one) and
+streams it.
+
+Results travel as safetensors (`encode`): each capture under its key, each tensor a block
+saved under `saved/<name>/<i>`, the error and the other saved values in the metadata.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import mmap
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tapc.errors import RequestError
+
+CHUNK = 1 << 20   # bytes handed to the transport at a time (it buffers what the socket has not taken)
+
+
+@dataclass
+class Stored:
+    """A finished request's results, until fetched."""
+
+    taps: dict
+    saved: dict
+    error: BaseException | None
+    at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Reply:
+    """A result ready to go out: its size in bytes, the class of the error its request ended
+    with ('' if none), and its bytes, in order."""
+
+    size: int
+    error_type: str
+    chunks: AsyncIterator
+
+
+class MemoryResults:
+    """Results and vectors in this process: the one API server of a plain `vllm serve`.
+    `released` is called once a result's captures are dropped (their chunks can go back)."""
+
+    def __init__(self, keep_s: float, released: Callable[[], None]):
+        self.keep_s = keep_s       # results not fetched within this long are dropped
+        self._released = released
+        self._vectors: dict[str, np.ndarray] = {}
+        self._running: dict[str, asyncio.Event] = {}
+        self._done: dict[str, Stored] = {}
+
+    def vectors(self) -> dict[str, np.ndarray]:
+        return self._vectors
+
+    def add_vector(self, name: str, v: np.ndarray) -> None:
+        self._vectors[name] = v
+
+    def begin(self, tid: str) -> None:
+        """`tid` was admitted: a fetch waits for it."""
+        self._running[tid] = asyncio.Event()
+
+    async def put(self, tid: str, stored: Stored) -> None:
+        cutoff = time.monotonic() - self.keep_s
+        for old in [t for t, s in self._done.items() if s.at < cutoff]:
+            del self._done[old]
+        self._done[tid] = stored
+        done = self._running.pop(tid, None)
+        if done is not None:
+            done.set()
+
+    async def take(self, tid: str, wait_s: float) -> Reply | None:
+        """The result of `tid` (waiting up to `wait_s` for a request still running), once; None:
+        unknown (never tapped, fetched already, or dropped after `keep_s`). RequestError: it
+        cannot be sent (a block saved a tensor safetensors has no dtype for)."""
+        if tid in self._running:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._running[tid].wait()), wait_s)
+            except asyncio.TimeoutError:
+                return None
+        stored = self._done.pop(tid, None)
+        if stored is None:
+            return None
+        error_type = _error_type(stored)
+        try:
+            head, tensors = encode(stored)
+        except RequestError:
+            stored = None
+            self._released()
+            raise
+        stored = None   # its tensors are in `tensors` now, which the stream empties as it goes
+        size = len(head) + sum(t.numel() * t.element_size() for t in tensors)
+        return Reply(size, error_type, self._stream(head, tensors))
+
+    async def _stream(self, head: bytes, tensors: list):
+        try:
+            yield head
+            while tensors:
+                t = tensors.pop(0)
+                # a strided capture is copied in a thread, not on the event loop
+                data = tensor_bytes(t) if t.is_contiguous() else await asyncio.to_thread(tensor_bytes, t)
+                del t
+                for at in range(0, len(data), CHUNK):
+                    yield data[at:at + CHUNK]
+                del data
+        finally:
+            tensors.clear()     # the last views of its capture chunks: they go back to the
+            self._released()    # workers with the next collect, or on their own soon
+
+
+class FolderResults:
+    """Results and vectors in a folder the API server processes of one `vllm serve` share:
+    `<tid>.running` while a request runs, then `<tid>.safetensors` (or `<tid>.error`, the
+    reason it cannot be sent), claimed by the process that gets its fetch; `vectors/<name as
+    hex>.npy`. Writing a result copies it once into the folder (RAM under /dev/shm); its
+    capture chunks go back as soon as it is written."""
+
+    POLL_S = 0.01   # how often a fetch looks for a result another process is finishing
+
+    def __init__(self, folder: str, keep_s: float, released: Callable[[], None]):
+        self.folder = folder
+        self.keep_s = keep_s
+        self._released = released
+        self._vdir = os.path.join(folder, "vectors")
+        os.makedirs(self._vdir, exist_ok=True)
+        self._cache: dict[str, tuple[int, np.ndarray]] = {}   # vector name -> (mtime_ns, values)
+        self._local: dict[str, asyncio.Event] = {}            # this process's running requests
+        self._swept = 0.0
+
+    # ------------------------------------------------------------------ vectors
+
+    def vectors(self) -> dict[str, np.ndarray]:
+        out = {}
+        with os.scandir(self._vdir) as entries:
+            for entry in entries:
+                if not entry.name.endswith(".npy"):
+                    continue
+                name, stamp = bytes.fromhex(entry.name[:-4]).decode(), entry.stat().st_mtime_ns
+                cached = self._cache.get(name)
+                if cached is None or cached[0] != stamp:
+                    try:
+                        cached = self._cache[name] = (stamp, np.load(entry.path))
+                    except FileNotFoundError:   # replaced while listed: the next look sees the new one
+                        continue
+                out[name] = cached[1]
+        return out
+
+    def add_vector(self, name: str, v: np.ndarray) -> None:
+        path = os.path.join(self._vdir, name.encode().hex() + ".npy")
+        _write_atomic(path, lambda f: np.save(f, v))
+
+    # ------------------------------------------------------------------ results
+
+    def begin(self, tid: str) -> None:
+        open(self._path(tid, ".running"), "wb").close()
+        self._local[tid] = asyncio.Event()
+
+    async def put(self, tid: str, stored: Stored) -> None:
+        try:
+            await asyncio.to_thread(self._write, tid, stored)
+        finally:
+            _remove(self._path(tid, ".running"))
+            done = self._local.pop(tid, None)
+            if done is not None:
+                done.set()
+        self._released()
+
+    def _write(self, tid: str, stored: Stored) -> None:
+        try:
+            head, tensors = encode(stored)
+        except RequestError as e:
+            why = str(e).encode()
+            _write_atomic(self._path(tid, ".error"), lambda f: f.write(why))
+        else:
+            def write(f):
+                f.write(head)
+                for t in tensors:
+                    f.write(tensor_bytes(t))
+            _write_atomic(self._path(tid, ".safetensors"), write)
+            tensors.clear()
+        stored.taps.clear()    # written: whoever still holds the Stored holds no capture chunk
+        stored.saved.clear()
+        self._sweep()
+
+    async def take(self, tid: str, wait_s: float) -> Reply | None:
+        """As `MemoryResults.take`, whichever API server process served `tid`."""
+        if not re.fullmatch(r"[0-9a-f]{32}", tid):   # tapc ids are uuid4 hex: nothing else names a file here
+            return None
+        deadline = time.monotonic() + wait_s
+        while True:
+            got = self._claim(tid)
+            if got is not None:
+                return got
+            if not os.path.exists(self._path(tid, ".running")):
+                return self._claim(tid)   # written between the claim and this look, or unknown
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            local = self._local.get(tid)
+            if local is not None:
+                try:
+                    await asyncio.wait_for(asyncio.shield(local.wait()), left)
+                except asyncio.TimeoutError:
+                    return None
+            else:
+                await asyncio.sleep(min(self.POLL_S, left))
+
+    def _claim(self, tid: str) -> Reply | None:
+        mine = self._path(tid, f".taken-{os.getpid()}")
+        try:
+            os.rename(self._path(tid, ".safetensors"), mine)
+        except FileNotFoundError:
+            try:
+                os.rename(self._path(tid, ".error"), mine)
+            except FileNotFoundError:
+                return None
+            with open(mine, "rb") as f:
+                why = f.read().decode()
+            os.unlink(mine)
+            raise RequestError(why)
+        with open(mine, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+        os.unlink(mine)   # the mapping keeps its pages until closed
+        n = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8:8 + n]).get("__metadata__", {})
+        return Reply(size, meta.get("error_type", ""), _stream_mapped(data))
+
+    def _sweep(self) -> None:
+        """Drop results, errors and markers older than `keep_s` (a fetch that never came, a
+        process that died mid-request); at most once a second."""
+        now = time.time()
+        if now - self._swept < 1.0:
+            return
+        self._swept = now
+        with os.scandir(self.folder) as entries:
+            for entry in entries:
+                if entry.is_file() and entry.stat().st_mtime < now - self.keep_s:
+                    _remove(entry.path)
+
+    def _path(self, tid: str, suffix: str) -> str:
+        return os.path.join(self.folder, tid + suffix)
+
+
+async def _stream_mapped(data: mmap.mmap):
+    try:
+        for at in range(0, len(data), CHUNK):
+            yield data[at:at + CHUNK]
+    finally:
+        data.close()
+
+
+def shared_folder(root: str | None = None) -> str:
+    """The folder the API server processes of this `vllm serve` share: named for their parent
+    (the process that started them, the same for all), under /dev/shm where there is one.
+    Folders of servers that are gone are removed on the way."""
+    if root is None:
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    for name in os.listdir(root):
+        m = re.fullmatch(r"tapc-serve-(\d+)", name)
+        if m and not _alive(int(m.group(1))):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    folder = os.path.join(root, f"tapc-serve-{os.getppid()}")
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's: alive
+        return True
+    return True
+
+
+def _write_atomic(path: str, write: Callable) -> None:
+    """Write through a temporary file renamed into place: a reader sees all of it or nothing."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _error_type(stored: Stored) -> str:
+    return "" if stored.error is None else type(stored.error).__name__
+
+
+def encode(stored: Stored) -> tuple[bytes, list]:
+    """A request's results in the safetensors format, as its header and the tensors whose bytes
+    follow it in that order: each capture under its key, each saved tensor under
+    `saved/<name>/<i>`; the metadata holds `error` (and `error_type`, its class) and the saved
+    values that are not tensors (JSON). The bytes go out as the tensors' own (`tensor_bytes`):
+    a capture of every layer over a long prompt is gigabytes, which one `bytes` would hold
+    twice and copy on the server's event loop."""
+    import torch
+
+    tensors = dict(stored.taps)
+    other = {}
+    for name, values in stored.saved.items():
+        for i, v in enumerate(values):
+            if isinstance(v, torch.Tensor):
+                tensors[f"saved/{name}/{i}"] = v.detach().cpu()
+            else:
+                other.setdefault(name, {})[str(i)] = v
+    meta = {"error": "" if stored.error is None else str(stored.error), "error_type": _error_type(stored),
+            "saved": json.dumps(other, default=repr)}
+    header, offset, names = {"__metadata__": meta}, 0, _dtype_names()
+    for name, t in tensors.items():
+        if t.dtype not in names:
+            raise RequestError(f"{name}: dtype {t.dtype} has no safetensors name")
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)   # the format's alignment of the data that follows
+    return len(text).to_bytes(8, "little") + text, list(tensors.values())
+
+
+def tensor_bytes(t) -> memoryview:
+    """A CPU tensor's bytes in row-major order: its own memory when it is contiguous, else a
+    copy (a capture that shares its storage rows with others of its group is strided)."""
+    import torch
+
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _dtype_names() -> dict:
+    """torch dtype -> its name in a safetensors header."""
+    import torch
+
+    return {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+            torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8",
+            torch.bool: "BOOL"}
