@@ -9,7 +9,9 @@ After 64 untimed warm-up requests, the same request list goes to each, over real
 staggered (Poisson) arrivals: untapped, capturing (all / prompt / generated rows), steered by
 one of three registered vectors (some capturing too), a share streamed, `--abort` of them
 aborted mid-stream (the client closes the connection), and half behind one shared system
-prompt. The vanilla server gets the same prompts and lengths without taps.
+prompt. The vanilla server gets the same prompts and lengths without taps. `--mix` sets the
+shares of the four kinds; several mixes run one after the other on the same two servers (one
+server start, minutes of GPU time, for all), each with prompts of its own.
 
 Checked for every finished request of the tapc server, against HF transformers on the same
 weights (teacher-forced on the tokens the request went through, with the request's own
@@ -333,6 +335,31 @@ def summary(done: list[Done], seconds: float) -> dict:
             "hit_rate": sum(d.cached for d in untapped) / max(1, sum(d.prompt_tokens for d in untapped))}
 
 
+def table_rows(mix: str, v: dict, t: dict) -> list[str]:
+    return [f"| {mix} | {name} | {s['requests']} | {s['finished']} | {s['aborted']} | {s['seconds']:.1f} | "
+            f"{s['tok_s']:.0f} | {s['tok_s'] / v['tok_s']:.3f}x | {s['hit_rate']:.3f} |"
+            for name, s in (("vanilla vllm serve", v), ("tapc serve", t))]
+
+
+def report(args, rows: list[str], problems: list[str], final: bool) -> None:
+    """The table so far (after each mix, so a run cut short keeps what it measured)."""
+    lines = [f"shares of {', '.join(KINDS)} per mix", "",
+             "| mix | server | requests | finished | aborted | seconds | output tok/s | ratio | "
+             "untapped prefix-cache hit rate |", "|---|---|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]
+    if final:
+        lines.append(f"checks: {'all passed' if not problems else f'{len(problems)} problems'}")
+    else:
+        lines.append(f"(running: {len(problems)} problems so far)")
+    lines += [f"- {p}" for p in problems[:50]]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"bench_serve ({'quick' if args.quick else 'full'}, {args.hidden} wide, {args.layers} layers, "
+                    f"{args.clients} clients, {args.requests} requests a mix, {args.api_server_count} API server "
+                    f"process(es))\n\n{text}\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="300 requests on a 4-layer, 512-wide model (< 5 min)")
@@ -340,8 +367,9 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--rate", type=float, default=200.0, help="mean arrivals per second")
     ap.add_argument("--abort", type=float, default=0.05, help="share of requests aborted mid-stream")
-    ap.add_argument("--mix", default=",".join(map(str, MIX)),
-                    help=f"shares of {', '.join(KINDS)} (e.g. 1,0,0,0: untapped traffic alone)")
+    ap.add_argument("--mix", nargs="+", default=[",".join(map(str, MIX))],
+                    help=f"shares of {', '.join(KINDS)} (e.g. 1,0,0,0: untapped traffic alone); several "
+                         "mixes run one after the other on the same two servers")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--api-server-count", type=int, default=1,
@@ -350,9 +378,12 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.requests, args.hidden, args.layers = 300, 512, 4
-    mix = [float(x) for x in args.mix.split(",")]
-    if len(mix) != len(KINDS) or min(mix) < 0 or sum(mix) <= 0:
-        ap.error(f"--mix {args.mix}: give {len(KINDS)} shares >= 0 ({', '.join(KINDS)}), not all 0")
+    mixes = []
+    for text in args.mix:
+        mix = [float(x) for x in text.split(",")]
+        if len(mix) != len(KINDS) or min(mix) < 0 or sum(mix) <= 0:
+            ap.error(f"--mix {text}: give {len(KINDS)} shares >= 0 ({', '.join(KINDS)}), not all 0")
+        mixes.append(mix)
     vocab = 2048
     work = tempfile.mkdtemp(prefix="bench-serve-")
     model = os.path.join(work, "model")
@@ -368,6 +399,8 @@ def main() -> int:
     vanilla = start_server([env_py, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", "8101", *common],
                            logs[8101])
     tapped = None
+    rows: list[str] = []
+    problems: list[str] = []
     try:
         # One after the other: vLLM's memory profile at start fails when another process on the
         # GPU changes its memory use meanwhile.
@@ -379,24 +412,34 @@ def main() -> int:
         wait_healthy(tapped, 8102, logs[8102])
         for k, v in enumerate(vectors):
             http_json("POST", "http://127.0.0.1:8102/v1/tapc/vectors", {"name": f"v{k}", "values": v.tolist()})
-        jobs = make_jobs(args.requests, vocab, args.rate, args.abort, mix=mix)
-        # Untimed first: the same kinds of request (other prompts), so neither server's timed
-        # run pays for first-use work (kernel JIT, CUDA-graph sizes, host buffers).
-        warm = make_jobs(WARMUP, vocab, args.rate, 0.0, seed=1, mix=mix)
-        results = {}
-        for name, url, tap in (("vanilla", "http://127.0.0.1:8101", False), ("tapc", "http://127.0.0.1:8102", True)):
+        # Untimed first: every kind of request (other prompts), so neither server's timed runs
+        # pay for first-use work (kernel JIT, CUDA-graph sizes, host buffers).
+        warm = make_jobs(WARMUP, vocab, args.rate, 0.0, seed=1)
+        for url, tap in (("http://127.0.0.1:8101", False), ("http://127.0.0.1:8102", True)):
             warmed, _ = asyncio.run(load(url, model, warm, args.clients, tap))
             for d in warmed:
                 if d.tid and "capture" in d.job.kind and not d.error:
                     http_json("GET", f"{url}/v1/tapc/results/{d.tid}")   # fetched: the server holds nothing of it
-            done, seconds = asyncio.run(load(url, model, jobs, args.clients, tap))
-            results[name] = (done, summary(done, seconds))
-        problems = [f"tapc: {e}" for e in results["tapc"][1]["errors"]]
-        problems += [f"vanilla: {e}" for e in results["vanilla"][1]["errors"]]
-        lost = len(jobs) - len(results["tapc"][0])
-        if lost:
-            problems.append(f"{lost} requests lost")
-        problems += check(Reference(model, vectors), "http://127.0.0.1:8102", results["tapc"][0])
+        ref = None
+        for m, mix in enumerate(mixes):
+            # prompts of its own for each mix (the first as before): no mix is served from the
+            # cache an earlier one filled
+            jobs = make_jobs(args.requests, vocab, args.rate, args.abort, seed=0 if m == 0 else 100 + m, mix=mix)
+            results = {}
+            for name, url, tap in (("vanilla", "http://127.0.0.1:8101", False),
+                                   ("tapc", "http://127.0.0.1:8102", True)):
+                done, seconds = asyncio.run(load(url, model, jobs, args.clients, tap))
+                results[name] = (done, summary(done, seconds))
+            found = [f"tapc: {e}" for e in results["tapc"][1]["errors"]]
+            found += [f"vanilla: {e}" for e in results["vanilla"][1]["errors"]]
+            lost = len(jobs) - len(results["tapc"][0])
+            if lost:
+                found.append(f"{lost} requests lost")
+            ref = ref or Reference(model, vectors)   # after the first timed runs: its GPU memory is not theirs
+            found += check(ref, "http://127.0.0.1:8102", results["tapc"][0])
+            problems += [f"mix {args.mix[m]}: {p}" for p in found]
+            rows += table_rows(args.mix[m], results["vanilla"][1], results["tapc"][1])
+            report(args, rows, problems, final=False)
         http_json("GET", "http://127.0.0.1:8102/health")
         _, held = http_json("GET", "http://127.0.0.1:8102/v1/tapc/held")
         workers = json.loads(held)["workers"]
@@ -407,22 +450,7 @@ def main() -> int:
             if proc is not None:
                 proc.terminate()
                 proc.wait(60)
-    v, t = results["vanilla"][1], results["tapc"][1]
-    lines = ["| server | requests | finished | aborted | seconds | output tok/s | ratio | untapped prefix-cache hit rate |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, s in (("vanilla vllm serve", v), ("tapc serve", t)):
-        lines.append(f"| {name} | {s['requests']} | {s['finished']} | {s['aborted']} | {s['seconds']:.1f} | "
-                     f"{s['tok_s']:.0f} | {s['tok_s'] / v['tok_s']:.3f}x | {s['hit_rate']:.3f} |")
-    lines.append("")
-    lines.append(f"checks: {'all passed' if not problems else f'{len(problems)} problems'}")
-    lines += [f"- {p}" for p in problems[:50]]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(f"bench_serve ({'quick' if args.quick else 'full'}, {args.hidden} wide, {args.layers} layers, "
-                    f"{args.clients} clients, {args.requests} requests, {args.api_server_count} API server "
-                    f"process(es); shares of {', '.join(f'{k} {m:g}' for k, m in zip(KINDS, mix))})\n\n{text}\n")
+    report(args, rows, problems, final=True)
     return 1 if problems else 0
 
 

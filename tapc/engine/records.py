@@ -16,7 +16,8 @@ class Record:
         self.rid = rid                 # vLLM's request id
         self.id = wire.id              # tapc's id for it
         self.prompt_len = prompt_len
-        self.positions = wire.ask.positions
+        # hashable (a word or a tuple): the step fill groups requests by it
+        self.positions = wire.ask.positions if isinstance(wire.ask.positions, str) else tuple(wire.ask.positions)
         self.params = wire.ask.params
         wrong = [k for k in wire.ask.capture if k not in layout.plan_captures]
         if wrong:
