@@ -7,12 +7,16 @@
                             taps=tc.ask(capture=["model.layers.3.resid"], params={"steer": "happy"}))
     captures = tc.results(tid)                                   # {key: torch.Tensor}, read once
 
+With `ask(..., inline=True)` the results come in the response itself: `tc.inline(resp)` (or,
+streamed, `tc.inline(chunk)` of the chunk that has them) reads them.
+
 `ask(...)` is the `extra_body` of any `openai` call (`vllm_xargs`, docs/serving.md), so the plain
 client works too: `client.chat.completions.create(..., extra_body=tc.ask(...))`, with the
 request's tapc id in the response's `x-tapc-id` header (`with_raw_response`).
 """
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Sequence
 
@@ -33,13 +37,16 @@ class TapcClient:
         self._auth = {"Authorization": f"Bearer {api_key}"}
 
     @staticmethod
-    def ask(capture: str | Sequence[str] = (), positions: str | Sequence[int] = "all", params: dict | None = None) -> dict:
+    def ask(capture: str | Sequence[str] = (), positions: str | Sequence[int] = "all", params: dict | None = None,
+            inline: bool = False) -> dict:
         """A request's taps as `extra_body`: `params` values are numbers, lists of numbers, or
-        the names of registered vectors."""
+        the names of registered vectors; `inline`: its results come in its response."""
         params = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in (params or {}).items()}
         capture = [capture] if isinstance(capture, str) else list(capture)
         ask = {"capture": capture, "positions": positions if isinstance(positions, str) else list(positions),
                "params": params}
+        if inline:
+            ask["inline"] = True
         return {"vllm_xargs": {"tapc": json.dumps(ask)}}
 
     def register(self, name: str, vector) -> int:
@@ -64,17 +71,24 @@ class TapcClient:
     def results(self, tid: str, wait: float = 60.0) -> dict:
         """A finished request's captures (and blocks' saved tensors under `saved/<name>/<i>`),
         once. A request whose taps failed raises `RequestError` with the server's words."""
-        from safetensors.torch import load
-
         r = self._http.get(f"{self._base}/tapc/results/{tid}", params={"wait": wait}, headers=self._auth)
         if r.status_code != 200:
             raise TapcError(f"tapc results {tid}: HTTP {r.status_code}: {_message(r)}")
-        data = r.content
-        tensors = load(data)
-        error = _metadata(data).get("error")
-        if error:
-            raise RequestError(error)
-        return tensors
+        return _load(r.content)
+
+    def inline(self, response) -> dict:
+        """The results a request asked for inline, from its completion (or the streamed chunk
+        that carries them: the last before the stream ends), as `results` gives them; results
+        too large to come inline are fetched."""
+        got = response.get("tapc") if isinstance(response, dict) else (response.model_extra or {}).get("tapc")
+        if not got:
+            raise TapcError("this response carries no inline tapc results (ask with inline=True; streamed, "
+                            "they are in the chunk before the stream ends)")
+        if "error" in got:
+            raise RequestError(got["error"])
+        if "fetch" in got:
+            return self.results(got["id"])
+        return _load(base64.b64decode(got["safetensors"]))
 
     def _json(self, method: str, path: str, body=None) -> dict:
         r = self._http.request(method, f"{self._base}{path}", json=body, headers=self._auth)
@@ -88,6 +102,16 @@ def _message(r) -> str:
         return r.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         return r.text
+
+
+def _load(data: bytes) -> dict:
+    from safetensors.torch import load
+
+    tensors = load(data)
+    error = _metadata(data).get("error")
+    if error:
+        raise RequestError(error)
+    return tensors
 
 
 def _metadata(data: bytes) -> dict:

@@ -143,27 +143,47 @@ def as_req(prompt, tokens):
     return NS(rid="r", prompt=prompt, tokens=list(prompt) + list(tokens))
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["by-id", "inline"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_tapped_completion_brings_its_captures_by_id(stream):
+def test_a_tapped_completion_brings_its_captures(stream, inline):
+    """By id from the results route, once; or, asked `inline`, in the response itself: under
+    `tapc` in its JSON, or streamed in one more event (no choices) just before [DONE]."""
+    import base64
+
     app, hooks = stand_in_app()
     prompt = np.random.default_rng(3).integers(0, 50, 9).tolist()
     with client(app) as c:
         r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "stream": stream,
-                                            "vllm_xargs": xargs(capture=["model.layers.*.resid"], positions="all")})
+                                            "vllm_xargs": xargs(capture=["model.layers.*.resid"], positions="all",
+                                                                **({"inline": True} if inline else {}))})
         assert r.status_code == 200, r.text
         tid = r.headers["x-tapc-id"]
         if stream:
-            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
+            events = [json.loads(line[6:]) for line in lines[:-1]]
+            assert lines[-1] == "data: [DONE]"
             tokens = [e["choices"][0]["token"] for e in events if e["choices"]]
-            assert events[-1]["usage"]["completion_tokens"] == 5, "tapc asked vLLM for the usage chunk"
+            with_usage = [e for e in events if e.get("usage")]
+            assert with_usage[-1]["usage"]["completion_tokens"] == 5, "tapc asked vLLM for the usage chunk"
+            got = events[-1].get("tapc")
+            assert (got is not None) == inline and (not inline or events[-1]["choices"] == []), \
+                "inline results are the last event before [DONE], with no choices"
         else:
-            tokens = r.json()["choices"][0]["tokens"]
+            body = r.json()
+            assert int(r.headers["content-length"]) == len(r.content)
+            tokens, got = body["choices"][0]["tokens"], body.get("tapc")
+            assert (got is not None) == inline
         sent = app.state.seen[-1]
         assert isinstance(sent["vllm_xargs"]["tapc"], str) and "cache_salt" in sent, \
             "the wire as text; a capture of prompt rows reads no shared cache"
-        taps = fetch(c, tid)
+        if inline:
+            assert got["id"] == tid
+            taps = load_safetensors(base64.b64decode(got["safetensors"]))
+        else:
+            taps = fetch(c, tid)
         check_rows(as_req(prompt, tokens), taps, "all")
-        assert c.get(f"/v1/tapc/results/{tid}").status_code == 404, "results are fetched once"
+        assert c.get(f"/v1/tapc/results/{tid}", params={"wait": 0}).status_code == 404, \
+            "results are fetched once; inline ones are not kept"
         untapped = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
         assert untapped.status_code == 200 and "x-tapc-id" not in untapped.headers
         assert "cache_salt" not in app.state.seen[-1]
@@ -177,6 +197,7 @@ def test_a_tapped_completion_brings_its_captures_by_id(stream):
     ({"vllm_xargs": {"tapc": "{nope"}}, "vllm_xargs.tapc is not JSON"),
     ({"vllm_xargs": xargs(capture="*", blocks={"probe": "code"})}, "unknown field(s) blocks"),
     ({"vllm_xargs": xargs(params={"steer": "happy"})}, "names vector 'happy', which is not registered"),
+    ({"vllm_xargs": xargs(capture="*", inline="yes")}, "inline must be true or false, got 'yes'"),
     ({"vllm_xargs": xargs(params={"steer": [1.0, 2.0]})}, "parameter 'steer' (vector) must be 16 numbers"),
     ({"n": 2, "vllm_xargs": xargs(capture="*")}, "taps with n=2 choices are not supported"),
     ({"prompt": [[1, 2], [3]], "vllm_xargs": xargs(capture="*")}, "a tapped completion takes one prompt, got 2"),
@@ -497,3 +518,27 @@ def test_the_plugin_shares_a_folder_only_with_several_api_servers(monkeypatch, t
     two = server_for(object(), NS(additional_config=config, api_server_count=2))
     assert isinstance(one.results, MemoryResults) and isinstance(two.results, FolderResults)
     assert two.results.folder == str(tmp_path)
+
+
+# ----------------------------------------------------------------------------- results inline
+
+
+def test_results_too_large_to_come_inline_wait_for_their_fetch(monkeypatch):
+    """Over the inline limit the response says why and where they are; the Python client
+    fetches them, so `tc.inline` reads either kind."""
+    import tapc.serving.server as server
+    from tapc.client import TapcClient
+
+    app, _ = stand_in_app()
+    prompt = [5, 3, 5, 8, 9, 7, 9, 3]
+    with client(app) as c:
+        tc = TapcClient("http://testserver/v1", http_client=c)
+        ask = tc.ask(capture=["model.layers.2.resid"], positions="all", inline=True)
+        resp, tid = tc.complete(model="toy", prompt=prompt, max_tokens=3, taps=ask)
+        small = tc.inline(resp)
+        check_rows(as_req(prompt, resp.choices[0].tokens), small, "all")
+        monkeypatch.setattr(server, "INLINE_MAX", 100)
+        resp, tid = tc.complete(model="toy", prompt=prompt, max_tokens=3, taps=ask)
+        assert resp.model_extra["tapc"]["fetch"] == f"/v1/tapc/results/{tid}"
+        assert "more than the 100 a response carries inline" in resp.model_extra["tapc"]["why"]
+        check_rows(as_req(prompt, resp.choices[0].tokens), tc.inline(resp), "all")

@@ -4,8 +4,9 @@
     {"capture": ["model.layers.3.resid"], "positions": "generated", "params": {"steer": "happy", "alpha": 4.0}}
 
 `capture` and `positions` as in `TapRequest`; in `params` a string names a vector registered
-on the server (`POST /v1/tapc/vectors`), a number or a list of numbers is the value itself.
-No code: blocks are named in the server's plan, never sent.
+on the server (`POST /v1/tapc/vectors`), a number or a list of numbers is the value itself;
+`inline: true` brings the results back in the response itself (http.py) rather than from the
+results route. No code: blocks are named in the server's plan, never sent.
 """
 from __future__ import annotations
 
@@ -15,11 +16,12 @@ from collections.abc import Mapping
 from tapc.engine.requests import TapRequest
 from tapc.errors import RequestError
 
-FIELDS = ("capture", "positions", "params")
+FIELDS = ("capture", "positions", "params", "inline")
 
 
-def parse_ask(text, vectors: Mapping, where: str) -> TapRequest:
-    """`vllm_xargs["tapc"]` as a TapRequest (checked against the plan later, by the session)."""
+def parse_ask(text, vectors: Mapping, where: str) -> tuple[TapRequest, bool]:
+    """`vllm_xargs["tapc"]` as a TapRequest (checked against the plan later, by the session)
+    and whether its results go inline."""
     if not isinstance(text, str):
         raise RequestError(f"{where}: vllm_xargs.tapc must be a JSON string (vLLM's vllm_xargs holds strings, "
                            f"numbers and lists), got a {type(text).__name__}")
@@ -45,4 +47,7 @@ def parse_ask(text, vectors: Mapping, where: str) -> TapRequest:
                                    f"(POST /v1/tapc/vectors; registered: {known})")
             value = vectors[value]
         bound[name] = value
-    return TapRequest(capture=d.get("capture", ()), positions=d.get("positions", "all"), params=bound)
+    inline = d.get("inline", False)
+    if not isinstance(inline, bool):
+        raise RequestError(f"{where}: vllm_xargs.tapc inline must be true or false, got {inline!r}")
+    return TapRequest(capture=d.get("capture", ()), positions=d.get("positions", "all"), params=bound), inline

@@ -14,7 +14,10 @@ and a middleware on vLLM's `/v1/completions` and `/v1/chat/completions`: a body 
 `RequestError`'s words, and vLLM never sees it), its response carries the request's tapc id
 in the `x-tapc-id` header (streamed responses too: headers go first), and once the response
 went out whole the results are collected; a response that did not (the client went away)
-gives back what its request held. vLLM's handlers and responses are not patched.
+gives back what its request held. A request that asked for its results inline gets them in
+its response, under `tapc` (server.py `inline`): a JSON response's body is held until they are
+in; a stream gets them in one more event before `data: [DONE]`. vLLM's handlers and responses
+are not patched: the middleware adds to what they send.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ log = logging.getLogger("tapc")
 
 COMPLETIONS = ("/v1/completions", "/v1/chat/completions")
 HEADER = b"x-tapc-id"
+DONE = b"data: [DONE]"   # the last event of a streamed completion
 
 
 class TapcEndpoints:
@@ -183,22 +187,58 @@ class TapcMiddleware:
         if tid is None:
             return await self.app(scope, receive, send)
         seen = Usage(stream)
-        state = {"status": 0, "done": False}
+        state = {"status": 0, "done": False, "ended": False}
+        inline = tid in server.inlined
+        held = []   # the start of a non-streamed inline response: its length changes
+
+        async def results() -> dict:
+            state["ended"] = True
+            return await server.inline(tid, seen.usage())
 
         async def send_tapped(message):
             if message["type"] == "http.response.start":
                 state["status"] = message["status"]
                 message = {**message, "headers": [*message.get("headers", []), (HEADER, tid.encode())]}
+                if inline and not stream and state["status"] == 200:
+                    held.append(message)
+                    return
             elif message["type"] == "http.response.body":
-                seen.feed(message.get("body", b""))
+                chunk = message.get("body", b"")
                 state["done"] = not message.get("more_body", False)
+                if not (inline and state["status"] == 200):
+                    seen.feed(chunk)
+                elif not stream:
+                    seen.feed(chunk)
+                    if not state["done"]:
+                        return
+                    start, body = _with_results(held.pop(), seen.body, await results())
+                    await send(start)
+                    message = {**message, "body": body}
+                elif DONE in chunk:
+                    # the results go in one more event, after the usage event, before [DONE]
+                    before, _, after = chunk.partition(DONE)
+                    seen.feed(before)
+                    event = {**seen.event, "choices": [], "usage": None, "tapc": await results()}
+                    message = {**message, "body": before + b"data: " + json.dumps(event).encode() + b"\n\n" + DONE + after}
+                else:
+                    seen.feed(chunk)
             await send(message)
 
         try:
             await self.app(scope, receive, send_tapped)
         finally:
-            whole = state["done"] and state["status"] == 200
-            server.ended(tid, whole, seen.usage() if whole else None)
+            if not state["ended"]:
+                whole = state["done"] and state["status"] == 200
+                server.ended(tid, whole, seen.usage() if whole else None)
+
+
+def _with_results(start: dict, body: bytes, results: dict) -> tuple[dict, bytes]:
+    """A JSON response (its start and body) with the request's results under `tapc`."""
+    data = json.loads(body)
+    data["tapc"] = results
+    body = json.dumps(data).encode()
+    headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+    return {**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]}, body
 
 
 def _replay(body: bytes, receive):
@@ -223,6 +263,7 @@ class Usage:
         self.stream = stream
         self.body = bytearray()
         self.last = None
+        self.event: dict = {}   # the last event that carried a usage (its id, object, created, model)
 
     def feed(self, chunk: bytes) -> None:
         if not self.stream:
@@ -232,9 +273,10 @@ class Usage:
             return
         for line in chunk.split(b"\n"):
             if line.startswith(b"data: {") and b'"usage"' in line:
-                usage = json.loads(line[6:]).get("usage")
-                if usage:
-                    self.last = usage
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    self.last = event["usage"]
+                    self.event = {k: event[k] for k in ("id", "object", "created", "model") if k in event}
 
     def usage(self) -> dict | None:
         if self.stream:

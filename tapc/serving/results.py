@@ -340,6 +340,12 @@ def encode(stored: Stored) -> tuple[bytes, list]:
     return len(text).to_bytes(8, "little") + text, list(tensors.values())
 
 
+def safetensors_bytes(stored: Stored) -> bytes:
+    """A small result as one safetensors `bytes` (the inline form; large ones stream)."""
+    head, tensors = encode(stored)
+    return head + b"".join(tensor_bytes(t) for t in tensors)
+
+
 def tensor_bytes(t) -> memoryview:
     """A CPU tensor's bytes in row-major order: its own memory when it is contiguous, else a
     copy (a capture that shares its storage rows with others of its group is strided)."""

@@ -13,6 +13,8 @@
 - `abandoned(tid)`: the response did not complete (the client went away, an error): what the
   request held on the workers goes back.
 - `fetch(tid)`: a finished request's results, as safetensors bytes, once.
+- `inline(tid, usage)`: instead of `finished`, for a request that asked for its results in its
+  response (`inline: true`): them, base64 safetensors, while the response waits.
 
 With several API server processes (`--api-server-count`), each runs its own TapcServer over
 one folder they share (`shared`): a vector registered on one and a result finished on one are
@@ -21,6 +23,7 @@ seen by all.
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import uuid
 from types import SimpleNamespace as NS
@@ -32,10 +35,12 @@ from tapc.engine.protocol import WireRequest
 from tapc.errors import RequestError
 from tapc.prefix import salted
 from tapc.serving.asks import parse_ask
-from tapc.serving.results import FolderResults, MemoryResults, Reply, Stored
+from tapc.serving.results import FolderResults, MemoryResults, Reply, Stored, safetensors_bytes
 from tapc.session import TapSession
 
 log = logging.getLogger("tapc")
+
+INLINE_MAX = 16 << 20   # bytes of results a response carries inline; larger ones wait for their fetch
 
 
 class TapcServer:
@@ -46,6 +51,7 @@ class TapcServer:
         self.session = session
         self.collector = Collector(engine, session)
         self.running: dict[str, WireRequest] = {}
+        self.inlined: set[str] = set()          # running requests whose results go in their response
         self._ending: set[asyncio.Task] = set()   # finished/abandoned tasks, referenced until done
         # results not fetched within keep_s are dropped
         self.results = (FolderResults(shared, keep_s, self.collector.flush) if shared
@@ -57,7 +63,7 @@ class TapcServer:
         """The body vLLM must see, and the request's tapc id (None: it runs untapped)."""
         xargs = body.get("vllm_xargs") or {}
         raw = xargs.get("tapc")
-        ask = parse_ask(raw, self.results.vectors(), where) if raw is not None else None
+        ask, inline = parse_ask(raw, self.results.vectors(), where) if raw is not None else (None, False)
         checked = self.session.check(ask, where)
         if checked is None:
             return body, None
@@ -75,7 +81,10 @@ class TapcServer:
         if body.get("stream"):
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
         self.running[wire.id] = wire
-        self.results.begin(wire.id)
+        if inline:
+            self.inlined.add(wire.id)
+        else:
+            self.results.begin(wire.id)
         return body, wire.id
 
     def ended(self, tid: str, whole: bool, usage: dict | None) -> None:
@@ -87,13 +96,36 @@ class TapcServer:
 
     async def finished(self, tid: str, usage: dict | None) -> None:
         """The response of `tid` went out whole; `usage` is its usage object."""
+        await self.results.put(tid, await self._result(tid, usage))
+
+    async def inline(self, tid: str, usage: dict | None) -> dict:
+        """The results of `tid`, which asked for them inline, as the `tapc` object its response
+        carries: `{"id", "safetensors": base64}`; or, past `INLINE_MAX` bytes, `{"id", "fetch":
+        route, "why"}` (they wait for that fetch); or `{"id", "error"}` when they cannot be sent."""
+        self.inlined.discard(tid)
+        stored = await self._result(tid, usage)
+        size = sum(t.numel() * t.element_size() for t in stored.taps.values())
+        if size > INLINE_MAX:
+            await self.results.put(tid, stored)
+            return {"id": tid, "fetch": f"/v1/tapc/results/{tid}",
+                    "why": f"its captures are {size} bytes, more than the {INLINE_MAX} a response carries inline"}
+        try:
+            data = await asyncio.to_thread(safetensors_bytes, stored)
+        except RequestError as e:
+            return {"id": tid, "error": f"its results cannot be sent: {e}"}
+        finally:
+            stored.taps.clear()        # its capture chunks can go back
+            stored.saved.clear()
+            self.collector.flush()
+        return {"id": tid, "safetensors": base64.b64encode(data).decode()}
+
+    async def _result(self, tid: str, usage: dict | None) -> Stored:
         wire = self.running.pop(tid)
         try:
-            stored = await self._assemble(tid, wire, usage)
+            return await self._assemble(tid, wire, usage)
         except Exception as e:   # a defect here: its fetch hears of it rather than waiting out its time
             log.exception("tapc: the results of request %s could not be assembled", tid)
-            stored = Stored({}, {}, RequestError(f"request {tid}: its results could not be assembled: {e!r}"))
-        await self.results.put(tid, stored)
+            return Stored({}, {}, RequestError(f"request {tid}: its results could not be assembled: {e!r}"))
 
     async def _assemble(self, tid: str, wire: WireRequest, usage: dict | None) -> Stored:
         if not usage or "prompt_tokens" not in usage or "completion_tokens" not in usage:
@@ -111,6 +143,7 @@ class TapcServer:
         """The response of `tid` did not complete: vLLM aborted the request; free what it held."""
         if self.running.pop(tid, None) is None:
             return
+        self.inlined.discard(tid)
         self.collector.drop(tid)
         await self.results.put(tid, Stored({}, {}, RequestError(f"request {tid}: its response did not complete "
                                                                 "(aborted); its taps are dropped")))
