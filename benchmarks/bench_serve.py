@@ -11,7 +11,8 @@ one of three registered vectors (some capturing too), a share streamed, `--abort
 aborted mid-stream (the client closes the connection), and half behind one shared system
 prompt. The vanilla server gets the same prompts and lengths without taps. `--mix` sets the
 shares of the four kinds; several mixes run one after the other on the same two servers (one
-server start, minutes of GPU time, for all), each with prompts of its own.
+server start, minutes of GPU time, for all), each with prompts of its own. `--inline S`: a
+share S of the capturing requests ask for their captures in the response (checked the same way).
 
 Checked for every finished request of the tapc server, against HF transformers on the same
 weights (teacher-forced on the tokens the request went through, with the request's own
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import random
@@ -54,6 +56,7 @@ class Job:
     stream: bool = False
     abort_after: int = 0         # streamed chunks read before closing the connection (0: never)
     at: float = 0.0              # seconds after the start when it is sent
+    inline: bool = False         # its captures come in its response (else fetched by id)
 
 
 @dataclass
@@ -65,6 +68,7 @@ class Done:
     tid: str | None = None
     error: str | None = None
     aborted: bool = False
+    inline: dict | None = None   # the response's `tapc` object (inline results)
 
 
 def write_model(path: str, hidden: int, layers: int, vocab: int) -> None:
@@ -88,7 +92,7 @@ KINDS = ("untapped", "capture", "steer", "steer+capture")
 MIX = (0.4, 0.2, 0.25, 0.15)   # the share of each kind in the default load
 
 
-def make_jobs(n: int, vocab: int, rate: float, abort: float, seed: int = 0, mix=MIX) -> list[Job]:
+def make_jobs(n: int, vocab: int, rate: float, abort: float, seed: int = 0, mix=MIX, inline: float = 0.0) -> list[Job]:
     rng = random.Random(seed)
     bounds = np.cumsum(mix) / sum(mix)
     system = [rng.randrange(3, vocab) for _ in range(256)]
@@ -104,6 +108,8 @@ def make_jobs(n: int, vocab: int, rate: float, abort: float, seed: int = 0, mix=
         job.stream = rng.random() < 0.25
         if rng.random() < abort:
             job.stream, job.abort_after = True, rng.randrange(1, 8)
+        # by index, not the generator: the other draws stay what they were without --inline
+        job.inline = "capture" in kind and (i * 0.618034) % 1.0 < inline
         jobs.append(job)
     return jobs
 
@@ -115,6 +121,8 @@ def taps_of(job: Job) -> dict | None:
         ask["positions"] = job.positions
     if "steer" in job.kind:
         ask["params"] = {"steer": f"v{job.vector}"}
+    if job.inline:
+        ask["inline"] = True
     return {"tapc": json.dumps(ask)} if ask else None
 
 
@@ -139,6 +147,7 @@ async def send(session, url: str, model: str, job: Job, tapped: bool) -> Done:
                 data = await resp.json()
                 done.tokens = list(data["choices"][0]["token_ids"])
                 usage = data["usage"]
+                done.inline = data.get("tapc")
             else:
                 usage, chunks = None, 0
                 async for line in resp.content:
@@ -149,6 +158,7 @@ async def send(session, url: str, model: str, job: Job, tapped: bool) -> Done:
                         done.tokens += choice.get("token_ids") or []
                         chunks += 1
                     usage = event.get("usage") or usage
+                    done.inline = event.get("tapc") or done.inline
                     if job.abort_after and chunks >= job.abort_after:
                         done.aborted = True
                         resp.close()
@@ -309,8 +319,14 @@ def check(ref: Reference, url: str, done: list[Done]) -> list[str]:
                             f"(HF top {top2[k, 0]:.4f}, chosen {chosen[k]:.4f})")
         if "capture" not in job.kind:
             continue
-        status, data = http_json("GET", f"{url}/v1/tapc/results/{d.tid}")
-        taps = load(data)
+        if job.inline and not (d.inline and ("safetensors" in d.inline or "fetch" in d.inline)):
+            problems.append(f"{where}: asked inline, the response carried {d.inline!r}")
+            continue
+        if job.inline and "safetensors" in d.inline:
+            taps = load(base64.b64decode(d.inline["safetensors"]))
+        else:
+            status, data = http_json("GET", f"{url}/v1/tapc/results/{d.tid}")
+            taps = load(data)
         want = expected_rows(job.positions, len(job.prompt), len(d.tokens))
         pos = np.arange(len(seq) - 1)
         keep = torch.from_numpy(select(job.positions, pos, len(job.prompt)))
@@ -357,7 +373,7 @@ def report(args, rows: list[str], problems: list[str], final: bool) -> None:
         with open(args.out, "w") as f:
             f.write(f"bench_serve ({'quick' if args.quick else 'full'}, {args.hidden} wide, {args.layers} layers, "
                     f"{args.clients} clients, {args.requests} requests a mix, {args.api_server_count} API server "
-                    f"process(es))\n\n{text}\n")
+                    f"process(es), {args.inline:g} of capturing requests inline)\n\n{text}\n")
 
 
 def main() -> int:
@@ -372,6 +388,8 @@ def main() -> int:
                          "mixes run one after the other on the same two servers")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--inline", type=float, default=0.0,
+                    help="share of capturing requests that ask for their captures in the response")
     ap.add_argument("--api-server-count", type=int, default=1,
                     help="API server processes of each server (vLLM's --api-server-count)")
     ap.add_argument("--out", default=None, help="write the summary table (markdown) here")
@@ -424,7 +442,8 @@ def main() -> int:
         for m, mix in enumerate(mixes):
             # prompts of its own for each mix (the first as before): no mix is served from the
             # cache an earlier one filled
-            jobs = make_jobs(args.requests, vocab, args.rate, args.abort, seed=0 if m == 0 else 100 + m, mix=mix)
+            jobs = make_jobs(args.requests, vocab, args.rate, args.abort, seed=0 if m == 0 else 100 + m, mix=mix,
+                             inline=args.inline)
             results = {}
             for name, url, tap in (("vanilla", "http://127.0.0.1:8101", False),
                                    ("tapc", "http://127.0.0.1:8102", True)):
