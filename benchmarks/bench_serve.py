@@ -13,6 +13,8 @@ prompt. The vanilla server gets the same prompts and lengths without taps. `--mi
 shares of the four kinds; several mixes run one after the other on the same two servers (one
 server start, minutes of GPU time, for all), each with prompts of its own. `--inline S`: a
 share S of the capturing requests ask for their captures in the response (checked the same way).
+`--block`: the tapc server also runs a Python block at a layer, named by import path and
+imported by each worker (`tapc serve --block`); the norms it saves are checked against HF's.
 
 Checked for every finished request of the tapc server, against HF transformers on the same
 weights (teacher-forced on the tokens the request went through, with the request's own
@@ -42,6 +44,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEER_LAYER, ALPHA = 1, 4.0
+BLOCK_LAYER = 2   # --block: `probe` at this layer's residual stream, imported by the server by path
 WARMUP = 64   # requests sent to each server before its timed run
 
 
@@ -86,6 +89,12 @@ def write_model(path: str, hidden: int, layers: int, vocab: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1",
                                          unk_token="t2").save_pretrained(path)
+
+
+def probe(ctx, x):
+    """The `--block` block (each worker imports it by path: `benchmarks.bench_serve:probe`): every
+    row's norm at its point, which the check compares with HF's."""
+    ctx.save("norm", x.float().norm(dim=-1).cpu())
 
 
 KINDS = ("untapped", "capture", "steer", "steer+capture")
@@ -283,8 +292,9 @@ class Reference:
             out[where[b]] = (seen, logits[b, :n])
 
 
-def check(ref: Reference, url: str, done: list[Done]) -> list[str]:
-    """Every finished tapc request against HF; the captures fetched from the server."""
+def check(ref: Reference, url: str, done: list[Done], block: bool = False) -> list[str]:
+    """Every finished tapc request against HF; the captures fetched from the server (`block`:
+    and the norms the server's block saved)."""
     import torch
     from safetensors.torch import load
 
@@ -330,6 +340,14 @@ def check(ref: Reference, url: str, done: list[Done]) -> list[str]:
         want = expected_rows(job.positions, len(job.prompt), len(d.tokens))
         pos = np.arange(len(seq) - 1)
         keep = torch.from_numpy(select(job.positions, pos, len(job.prompt)))
+        norms = sorted((k for k in taps if k.startswith("saved/norm/")), key=lambda k: int(k.rsplit("/", 1)[1]))
+        if block and job.positions == "all":   # the block sees every row; with positions "all" HF's are all here
+            got = torch.cat([taps.pop(k) for k in norms]).float()
+            hf = seen[f"model.layers.{BLOCK_LAYER}.resid"].norm(dim=-1).cpu()
+            if got.shape != hf.shape or not torch.allclose(got, hf, rtol=3e-2, atol=1e-2):
+                problems.append(f"{where}: the block's saved norms differ from HF's ({tuple(got.shape)} rows)")
+        for k in norms:
+            taps.pop(k, None)
         for key, got in taps.items():
             if got.shape[0] != want:
                 problems.append(f"{where}: {key} has {got.shape[0]} rows, its positions promise {want}")
@@ -373,7 +391,7 @@ def report(args, rows: list[str], problems: list[str], final: bool) -> None:
         with open(args.out, "w") as f:
             f.write(f"bench_serve ({'quick' if args.quick else 'full'}, {args.hidden} wide, {args.layers} layers, "
                     f"{args.clients} clients, {args.requests} requests a mix, {args.api_server_count} API server "
-                    f"process(es), {args.inline:g} of capturing requests inline)\n\n{text}\n")
+                    f"process(es), {args.inline:g} of capturing requests inline{', a block by path' if args.block else ''})\n\n{text}\n")
 
 
 def main() -> int:
@@ -390,6 +408,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--inline", type=float, default=0.0,
                     help="share of capturing requests that ask for their captures in the response")
+    ap.add_argument("--block", action="store_true",
+                    help="the tapc server also runs a Python block (imported by path) at a layer: every request "
+                         "then has taps, and the graph splits there")
     ap.add_argument("--api-server-count", type=int, default=1,
                     help="API server processes of each server (vLLM's --api-server-count)")
     ap.add_argument("--out", default=None, help="write the summary table (markdown) here")
@@ -425,7 +446,9 @@ def main() -> int:
         wait_healthy(vanilla, 8101, logs[8101])
         tapped = start_server([env_py, "-m", "tapc.cli", "serve", model, "--port", "8102",
                                "--tap", "model.layers.*.resid",
-                               "--tap", f"model.layers.{STEER_LAYER}.resid | add(steer, alpha={ALPHA})", *common],
+                               "--tap", f"model.layers.{STEER_LAYER}.resid | add(steer, alpha={ALPHA})",
+                               *(["--tap", f"model.layers.{BLOCK_LAYER}.resid -> probe",
+                                  "--block", "probe=benchmarks.bench_serve:probe"] if args.block else []), *common],
                               logs[8102])
         wait_healthy(tapped, 8102, logs[8102])
         for k, v in enumerate(vectors):
@@ -455,7 +478,7 @@ def main() -> int:
             if lost:
                 found.append(f"{lost} requests lost")
             ref = ref or Reference(model, vectors)   # after the first timed runs: its GPU memory is not theirs
-            found += check(ref, "http://127.0.0.1:8102", results["tapc"][0])
+            found += check(ref, "http://127.0.0.1:8102", results["tapc"][0], args.block)
             problems += [f"mix {args.mix[m]}: {p}" for p in found]
             rows += table_rows(args.mix[m], results["vanilla"][1], results["tapc"][1])
             report(args, rows, problems, final=False)
