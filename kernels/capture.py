@@ -8,7 +8,8 @@ host bug must not write past the buffer, and the op cannot report it without syn
 
 Variants: `capture_sum` stores a + b (hidden_states + residual: the residual stream) in one
 pass, adding in fp32; a column slice is a strided view of x (strides are respected); the store
-converts to out's dtype.
+converts to out's dtype. `capture` takes integer rows too (an MoE router's expert ids into a
+float32 buffer, exact below 2**24): the conversion is the store's, not a cast kernel before it.
 """
 import torch
 import triton
@@ -45,7 +46,7 @@ def _capture_kernel(
 
 
 def _launch(x: torch.Tensor, y: torch.Tensor | None, dst: torch.Tensor, out: torch.Tensor) -> None:
-    check_activation(x)
+    check_activation(x, integers=y is None)
     if y is not None:
         check_partner(x, y)
     check_row_table(dst, x, "dst")

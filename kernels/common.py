@@ -36,10 +36,11 @@ def warps_for(block: int) -> int:
 # The checks below build their messages only on failure: an eager op call runs them every step.
 
 
-def check_activation(x: torch.Tensor, name: str = "x") -> None:
+def check_activation(x: torch.Tensor, name: str = "x", integers: bool = False) -> None:
+    """`integers`: integer values are fine too (a capture of an MoE router's expert ids)."""
     if x.dim() != 2:
         raise ValueError(f"{name} must be [num_tokens, width], got shape {tuple(x.shape)}")
-    if not x.is_floating_point():
+    if not (x.is_floating_point() or integers and not x.is_complex() and x.dtype != torch.bool):
         raise ValueError(f"{name} must be floating point, got {x.dtype}")
 
 

@@ -59,6 +59,22 @@ def test_capture_converts_on_store(src, dst_dtype):
     check_untouched(out, dst, 37, "capture with conversion")
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
+def test_capture_stores_integer_ids_exactly_in_a_float_buffer(dtype):
+    """An MoE router's expert ids go straight into the float32 pool (the store converts; no
+    cast kernel before it), exactly, ids up to 2**24."""
+    seed("ids", dtype)
+    x = torch.randint(0, 1 << 24, (37, 8), dtype=dtype, device=DEVICE)
+    dst = dst_table(37, 45)
+    out, expected = run_capture(x, dst, torch.float32, 45)
+    assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.nan_to_num(), expected.nan_to_num())
+    assert torch.equal(out[dst[:37][~skipped_rows(37)].long()].long(), x[~skipped_rows(37)].long()), \
+        "each kept row's ids, exactly"
+    check_untouched(out, dst, 37, "capture of integer ids")
+    with pytest.raises(ValueError, match="must be floating point"):
+        capture_sum(x, x, dst, out)
+
+
 @pytest.mark.parametrize("columns", [slice(3, 3 + 123), slice(1, None, 2)], ids=["slice", "step2"])
 def test_capture_reads_strided_views(columns):
     seed("strided", columns)

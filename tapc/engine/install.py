@@ -16,8 +16,9 @@ backend splits the graph at (config.py lists it in the splitting ops).
 An MoE router (`<runner>.router`, tree.py) is not a module: its `select_experts` is wrapped
 instead of a forward, and its tables are registered on the runner that holds it. It runs inside
 vLLM's fused-MoE op, eagerly while graphs are captured, so its ops are captured with the op's
-kernels; the expert ids (int32) go to the capture op as float32 (exact for any expert count a
-model has) and are stored back as int32.
+kernels. The expert ids (int32) go to a float32 buffer (exact for any expert count a model
+has), converted by the capture kernel's store (no cast kernel per layer and step), and are
+stored back as int32.
 
 Sites: `input` (the module's activation argument, edited before the call), `output` (the
 tensor, or element k of a tuple; a vLLM linear returns (out, bias), `.output` is out) and
@@ -109,8 +110,6 @@ def _bind(module: torch.nn.Module, i: str, tap, what: tuple[str, int], layout: L
         pool = reg("pool", buffers.pools[int(layout.cap_group[index])])
 
         def capture(x, b):
-            if not x.is_floating_point():   # an MoE router's expert ids; the buffer keeps its int dtype
-                x = x.float()
             if b is None:
                 torch.ops.tapc.capture(x, getattr(module, dst), getattr(module, pool))
             else:
