@@ -480,7 +480,7 @@ async def _drain(reply):
     return b"".join([bytes(c) async for c in reply.chunks])
 
 
-def test_the_shared_folder_drops_old_results_and_the_folders_of_servers_that_are_gone(tmp_path):
+def test_the_shared_folder_drops_old_results_its_own_at_exit_and_the_folders_of_servers_gone(tmp_path):
     import asyncio
     import time
 
@@ -503,6 +503,8 @@ def test_the_shared_folder_drops_old_results_and_the_folders_of_servers_that_are
     store._swept = 0.0
     store._sweep()
     assert sorted(os.listdir(folder)) == [new + ".safetensors", "vectors"]
+    store._drop_written()   # at the process's exit: what it wrote and nobody fetched
+    assert os.listdir(folder) == ["vectors"]
 
 
 def test_the_plugin_shares_a_folder_only_with_several_api_servers(monkeypatch, tmp_path):

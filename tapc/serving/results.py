@@ -16,6 +16,7 @@ saved under `saved/<name>/<i>`, the error and the other saved values in the meta
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import mmap
 import os
@@ -139,7 +140,10 @@ class FolderResults:
         os.makedirs(self._vdir, exist_ok=True)
         self._cache: dict[str, tuple[int, np.ndarray]] = {}   # vector name -> (mtime_ns, values)
         self._local: dict[str, asyncio.Event] = {}            # this process's running requests
+        self._written: dict[str, float] = {}                  # results this process wrote, when (kept keep_s)
         self._swept = 0.0
+        # the server going down drops results nobody fetched, as one process's memory would
+        atexit.register(self._drop_written)
 
     # ------------------------------------------------------------------ vectors
 
@@ -180,6 +184,7 @@ class FolderResults:
         self._released()
 
     def _write(self, tid: str, stored: Stored) -> None:
+        self._written[tid] = time.time()
         try:
             head, tensors = encode(stored)
         except RequestError as e:
@@ -240,6 +245,11 @@ class FolderResults:
         meta = json.loads(data[8:8 + n]).get("__metadata__", {})
         return Reply(size, meta.get("error_type", ""), _stream_mapped(data))
 
+    def _drop_written(self) -> None:
+        for tid in self._written:
+            for suffix in (".safetensors", ".error"):
+                _remove(self._path(tid, suffix))
+
     def _sweep(self) -> None:
         """Drop results, errors and markers older than `keep_s` (a fetch that never came, a
         process that died mid-request); at most once a second."""
@@ -247,6 +257,7 @@ class FolderResults:
         if now - self._swept < 1.0:
             return
         self._swept = now
+        self._written = {t: at for t, at in self._written.items() if at >= now - self.keep_s}
         with os.scandir(self.folder) as entries:
             for entry in entries:
                 if entry.is_file() and entry.stat().st_mtime < now - self.keep_s:
