@@ -2,7 +2,8 @@
 captures of replicated and sharded points at tensor_parallel_size=2 and at
 pipeline_parallel_size=2 equal the same engine's at size 1 on the same weights; steering (a
 replicated and a sharded edit) gives TP=1's greedy tokens; a request that fails on one GPU fails
-as a whole, the others in its batch return, and every GPU's chunks go back.
+as a whole, the others in its batch return, and every GPU's chunks go back; a GPU answering as
+one on another node does (its rows in the reply, not places in its files) gives the same captures.
 
 Engines (each TP=2 start is about 85 s), started as the tests first ask for them: the TP=1
 reference, TP=2 and PP=2 on the small Llama checkpoint of tests/gpu_engines.py, and the same
@@ -132,13 +133,43 @@ def test_captures_equal_one_gpus(llama_engines, name, steered):
     layouts = {t.key: t.layout for t in plan.taps}
     want = {"qkv", "q_heads", "kv_heads", "gate_up", "columns"} if name == "tp2" else {"replicated"}
     assert {layouts[k] for k in SHARDED} == want
+    _assert_same_captures(ref, got, plan, f"{name}{' steered' if steered else ''}")
+
+
+def _assert_same_captures(ref, got, plan, what: str) -> None:
     for r, g in zip(ref, got):
         assert r.error is None and g.error is None, (r.error, g.error)
         rows, logit_rows = _same_rows(r, g)
         for key in plan.capture_keys:
             assert g.taps[key].shape[1:] == r.taps[key].shape[1:], key
             n = logit_rows if key == "logits" else rows
-            assert_matches(g.taps[key][:n], r.taps[key][:n].float(), f"{name} {key}{' steered' if steered else ''}")
+            assert_matches(g.taps[key][:n], r.taps[key][:n].float(), f"{what} {key}")
+
+
+def _as_if_on_another_node(worker, on: bool) -> bool:
+    """Rank 1 answers collects as a GPU on another node from the API's does (worker.py
+    `_on_api_node`): the rows themselves in the reply, its arena blocks freed at once."""
+    from vllm.distributed.parallel_state import get_world_group
+
+    worker.tapc.inline = on and get_world_group().rank_in_group == 1
+    return worker.tapc.inline
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2"])
+def test_a_gpu_on_another_node_sends_its_rows_and_they_equal_one_gpus(llama_engines, name):
+    """The several-node capture path on one host: rank 1's captures travel through vLLM's RPC
+    return as bytes, not as places in its /dev/shm files, and the merged result is TP=1's."""
+    engine = llama_engines[name]
+    gc.collect()
+    engine._give_back()   # what earlier tests' results held
+    assert engine.llm.collective_rpc(_as_if_on_another_node, args=(True,)) == [False, True]
+    try:
+        ref, got = _run(llama_engines["tp1"], _steer()), _run(engine, _steer())
+        _assert_same_captures(ref, got, engine.plan, f"{name}, rank 1 as on another node")
+        held = engine.llm.collective_rpc(_held)
+        assert held[1] == 0 and held[0] > 0, f"rank 1 keeps no block once its rows are sent, rank 0 its places: {held}"
+    finally:
+        engine.llm.collective_rpc(_as_if_on_another_node, args=(False,))
 
 
 @pytest.mark.parametrize("name", ["tp2", "pp2"])
