@@ -205,16 +205,8 @@ class TapcMiddleware:
             elif message["type"] == "http.response.body":
                 chunk = message.get("body", b"")
                 state["done"] = not message.get("more_body", False)
-                if not (inline and state["status"] == 200):
-                    seen.feed(chunk)
-                elif not stream:
-                    seen.feed(chunk)
-                    if not state["done"]:
-                        return
-                    start, body = _with_results(held.pop(), seen.body, await results())
-                    await send(start)
-                    message = {**message, "body": body}
-                elif DONE in chunk:
+                inlining = inline and state["status"] == 200
+                if inlining and stream and DONE in chunk:
                     # the results go in one more event, after the usage event, before [DONE]
                     before, _, after = chunk.partition(DONE)
                     seen.feed(before)
@@ -222,6 +214,12 @@ class TapcMiddleware:
                     message = {**message, "body": before + b"data: " + json.dumps(event).encode() + b"\n\n" + DONE + after}
                 else:
                     seen.feed(chunk)
+                    if inlining and not stream:   # the whole JSON body, then the results in it
+                        if not state["done"]:
+                            return
+                        start, body = _with_results(held.pop(), seen.body, await results())
+                        await send(start)
+                        message = {**message, "body": body}
             await send(message)
 
         try:

@@ -102,7 +102,6 @@ class TapcServer:
         """The results of `tid`, which asked for them inline, as the `tapc` object its response
         carries: `{"id", "safetensors": base64}`; or, past `INLINE_MAX` bytes, `{"id", "fetch":
         route, "why"}` (they wait for that fetch); or `{"id", "error"}` when they cannot be sent."""
-        self.inlined.discard(tid)
         stored = await self._result(tid, usage)
         size = sum(t.numel() * t.element_size() for t in stored.taps.values())
         if size > INLINE_MAX:
@@ -121,6 +120,7 @@ class TapcServer:
 
     async def _result(self, tid: str, usage: dict | None) -> Stored:
         wire = self.running.pop(tid)
+        self.inlined.discard(tid)
         try:
             return await self._assemble(tid, wire, usage)
         except Exception as e:   # a defect here: its fetch hears of it rather than waiting out its time
