@@ -480,6 +480,29 @@ async def _drain(reply):
     return b"".join([bytes(c) async for c in reply.chunks])
 
 
+def test_a_result_the_shared_folder_has_no_room_for_is_an_error_that_says_so(tmp_path, monkeypatch):
+    import asyncio
+    import errno
+
+    import torch
+
+    import tapc.serving.results as results
+    from tapc.errors import RequestError
+    from tapc.serving.results import FolderResults, Stored
+
+    def full(t):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(results, "tensor_bytes", full)
+    store = FolderResults(str(tmp_path), 60.0, lambda: None)
+    tid = "f" * 32
+    store.begin(tid)
+    asyncio.run(store.put(tid, Stored({"x": torch.ones(2, 3)}, {}, None)))
+    with pytest.raises(RequestError, match=f"could not be written to {tmp_path}.*No space left on device"):
+        asyncio.run(store.take(tid, 0.0))
+    assert os.listdir(tmp_path) == ["vectors"], "no partial file left behind"
+
+
 def test_the_shared_folder_drops_old_results_its_own_at_exit_and_the_folders_of_servers_gone(tmp_path):
     import asyncio
     import time

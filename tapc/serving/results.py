@@ -195,7 +195,12 @@ class FolderResults:
                 f.write(head)
                 for t in tensors:
                     f.write(tensor_bytes(t))
-            _write_atomic(self._path(tid, ".safetensors"), write)
+            try:
+                _write_atomic(self._path(tid, ".safetensors"), write)
+            except OSError as e:   # e.g. a container's small /dev/shm: the fetch says so
+                why = (f"its results could not be written to {self.folder}, which the API server processes "
+                       f"share: {e}").encode()
+                _write_atomic(self._path(tid, ".error"), lambda f: f.write(why))
             tensors.clear()
         stored.taps.clear()    # written: whoever still holds the Stored holds no capture chunk
         stored.saved.clear()
@@ -303,8 +308,12 @@ def _alive(pid: int) -> bool:
 def _write_atomic(path: str, write: Callable) -> None:
     """Write through a temporary file renamed into place: a reader sees all of it or nothing."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        write(f)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+    except BaseException:
+        _remove(tmp)
+        raise
     os.replace(tmp, path)
 
 
