@@ -141,15 +141,31 @@ class DeviceTimer:
         self.prof.start()
 
     def stop(self) -> dict:
+        """GPU time of kernels and copies; kernel launches (a replayed graph's nodes each count),
+        and tapc's own kernels' launches and time (the Triton kernels of tapc.kernels)."""
         self.prof.stop()
-        kernels = copies = 0.0
+        kernels = copies = tapc_ms = 0.0
+        launches = tapc_launches = 0
+        ours = _tapc_kernel_names()
         for e in self.prof.key_averages():
             us = e.self_device_time_total
             if e.key.startswith(("Memcpy", "Memset")):
                 copies += us
-            else:
-                kernels += us
-        return {"kernels_ms": kernels / 1e3, "copies_ms": copies / 1e3}
+                continue
+            kernels += us
+            launches += e.count
+            if e.key in ours:
+                tapc_ms += us
+                tapc_launches += e.count
+        return {"kernels_ms": kernels / 1e3, "copies_ms": copies / 1e3, "launches": launches,
+                "tapc_ms": tapc_ms / 1e3, "tapc_launches": tapc_launches}
+
+
+def _tapc_kernel_names() -> set[str]:
+    import tapc.kernels.capture as capture
+    import tapc.kernels.edit as edit
+
+    return {n for m in (capture, edit) for n in dir(m) if n.endswith("_kernel")}
 
 
 def _start_sampler(worker, interval: float) -> None:
@@ -232,8 +248,9 @@ def main():
              "tok/s: a run with nothing watching. Then a profiled run of the same kind: wall ms/step; "
              "GPU time, CUPTI's kernel and copy times summed over it (streams that overlap count twice), "
              "per step.", "",
-             "| variant | tok/s | ratio to vanilla | profiled: wall ms/step | GPU kernels ms/step | GPU copies ms/step |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| variant | tok/s | ratio to vanilla | profiled: wall ms/step | GPU kernels ms/step | GPU copies ms/step "
+             "| kernel launches/step | tapc kernels/step | tapc kernel ms/step |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     details, base = [], None
     for i, (name, gen) in enumerate(variants.items()):
         engine = engines.get(name, tapped)
@@ -258,10 +275,11 @@ def main():
         tok_s = args.batch * args.generate / dt
         base = base or tok_s
         steps = args.generate
-        kernels = max(r["device"]["kernels_ms"] for r in ranks)   # the busiest GPU
-        copies = max(r["device"]["copies_ms"] for r in ranks)
+        dev = max((r["device"] for r in ranks), key=lambda d: d["kernels_ms"])   # the busiest GPU
         lines.append(f"| {name} | {tok_s:.1f} | {tok_s / base:.3f}x | {watched / steps * 1e3:.3f} | "
-                     f"{kernels / steps:.3f} | {copies / steps:.3f} |")
+                     f"{dev['kernels_ms'] / steps:.3f} | {dev['copies_ms'] / steps:.3f} | "
+                     f"{dev['launches'] / steps:.1f} | {dev['tapc_launches'] / steps:.1f} | "
+                     f"{dev['tapc_ms'] / steps:.4f} |")
         print(f"{name}: {tok_s:.1f} tok/s", flush=True)
         details += [f"## {name}", ""]
         if got["hooks"]:
