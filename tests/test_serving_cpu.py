@@ -458,7 +458,22 @@ def test_a_fetch_waits_for_a_result_another_process_is_finishing_and_one_claim_w
         await mine.put(tid, Stored({"x": rows}, {}, None))
         return tid
 
+    async def many():
+        """64 results written at once (threads side by side, a sweep among them), each taken
+        once by the other process."""
+        mine, other = (FolderResults(str(tmp_path), 60.0, lambda: None) for _ in range(2))
+        tids = [f"{k:032x}" for k in range(64)]
+        rows = {t: torch.full((3, 4), float(k)) for k, t in enumerate(tids)}
+        for t in tids:
+            mine.begin(t)
+        await asyncio.gather(*(mine.put(t, Stored({"x": rows[t].clone()}, {}, None)) for t in tids))
+        for t in tids:
+            got = load_safetensors(await _drain(await other.take(t, 1.0)))
+            assert torch.equal(got["x"], rows[t])
+        assert sorted(os.listdir(tmp_path)) == ["c" * 32 + ".safetensors", "vectors"]
+
     tid = asyncio.run(main())
+    asyncio.run(many())
     wins = []
     gate = threading.Barrier(8)
 
@@ -523,7 +538,6 @@ def test_the_shared_folder_drops_old_results_its_own_at_exit_and_the_folders_of_
         asyncio.run(store.put(tid, Stored({}, {}, None)))
     hour_ago = time.time() - 3600
     os.utime(os.path.join(folder, old + ".safetensors"), (hour_ago, hour_ago))
-    store._swept = 0.0
     store._sweep()
     assert sorted(os.listdir(folder)) == [new + ".safetensors", "vectors"]
     store._drop_written()   # at the process's exit: what it wrote and nobody fetched

@@ -174,8 +174,14 @@ class FolderResults:
         self._local[tid] = asyncio.Event()
 
     async def put(self, tid: str, stored: Stored) -> None:
+        now = time.time()
+        self._written[tid] = now   # kept here, on the event loop: the writes run in threads side by side
+        sweep = now - self._swept >= 1.0
+        if sweep:
+            self._swept = now
+            self._written = {t: at for t, at in self._written.items() if at >= now - self.keep_s}
         try:
-            await asyncio.to_thread(self._write, tid, stored)
+            await asyncio.to_thread(self._write, tid, stored, sweep)
         finally:
             _remove(self._path(tid, ".running"))
             done = self._local.pop(tid, None)
@@ -183,8 +189,7 @@ class FolderResults:
                 done.set()
         self._released()
 
-    def _write(self, tid: str, stored: Stored) -> None:
-        self._written[tid] = time.time()
+    def _write(self, tid: str, stored: Stored, sweep: bool = False) -> None:
         try:
             head, tensors = encode(stored)
         except RequestError as e:
@@ -204,7 +209,8 @@ class FolderResults:
             tensors.clear()
         stored.taps.clear()    # written: whoever still holds the Stored holds no capture chunk
         stored.saved.clear()
-        self._sweep()
+        if sweep:
+            self._sweep()
 
     async def take(self, tid: str, wait_s: float) -> Reply | None:
         """As `MemoryResults.take`, whichever API server process served `tid`."""
@@ -257,15 +263,15 @@ class FolderResults:
 
     def _sweep(self) -> None:
         """Drop results, errors and markers older than `keep_s` (a fetch that never came, a
-        process that died mid-request); at most once a second."""
-        now = time.time()
-        if now - self._swept < 1.0:
-            return
-        self._swept = now
-        self._written = {t: at for t, at in self._written.items() if at >= now - self.keep_s}
+        process that died mid-request); `put` asks for it at most once a second."""
+        cutoff = time.time() - self.keep_s
         with os.scandir(self.folder) as entries:
             for entry in entries:
-                if entry.is_file() and entry.stat().st_mtime < now - self.keep_s:
+                try:
+                    old = entry.is_file() and entry.stat().st_mtime < cutoff
+                except FileNotFoundError:   # claimed or swept by another process meanwhile
+                    continue
+                if old:
                     _remove(entry.path)
 
     def _path(self, tid: str, suffix: str) -> str:
