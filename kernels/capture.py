@@ -8,8 +8,8 @@ host bug must not write past the buffer, and the op cannot report it without syn
 
 Variants: `capture_sum` stores a + b (hidden_states + residual: the residual stream) in one
 pass, adding in fp32; a column slice is a strided view of x (strides are respected); the store
-converts to out's dtype. `capture` takes integer rows too (an MoE router's expert ids into a
-float32 buffer, exact below 2**24): the conversion is the store's, not a cast kernel before it.
+converts to out's dtype. `capture` takes integer rows too (an MoE router's expert ids, into
+their int32 pool): no cast kernel before it.
 """
 import torch
 import triton

@@ -59,18 +59,24 @@ def test_capture_converts_on_store(src, dst_dtype):
     check_untouched(out, dst, 37, "capture with conversion")
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=str)
-def test_capture_stores_integer_ids_exactly_in_a_float_buffer(dtype):
-    """An MoE router's expert ids go straight into the float32 pool (the store converts; no
-    cast kernel before it), exactly, ids up to 2**24."""
-    seed("ids", dtype)
-    x = torch.randint(0, 1 << 24, (37, 8), dtype=dtype, device=DEVICE)
+@pytest.mark.parametrize("src,dst_dtype", [(torch.int32, torch.int32), (torch.int64, torch.int32),
+                                           (torch.int32, torch.float32)], ids=str)
+def test_capture_stores_integer_ids_exactly(src, dst_dtype):
+    """An MoE router's expert ids go straight to the capture kernel (no cast kernel before it)
+    and land exactly in their int32 pool, or a float32 one (ids below 2**24)."""
+    seed("ids", src, dst_dtype)
+    x = torch.randint(0, 1 << 24, (37, 8), dtype=src, device=DEVICE)
     dst = dst_table(37, 45)
-    out, expected = run_capture(x, dst, torch.float32, 45)
-    assert torch.equal(out.isnan(), expected.isnan()) and torch.equal(out.nan_to_num(), expected.nan_to_num())
-    assert torch.equal(out[dst[:37][~skipped_rows(37)].long()].long(), x[~skipped_rows(37)].long()), \
-        "each kept row's ids, exactly"
-    check_untouched(out, dst, 37, "capture of integer ids")
+    out = torch.full((45, 8), -7, dtype=dst_dtype, device=DEVICE)
+    expected = out.clone()
+    capture(x, dst, out)
+    capture_ref(x, dst, expected)
+    assert torch.equal(out, expected), "the kernel and the reference"
+    kept = ~skipped_rows(37)
+    assert torch.equal(out[dst[:37][kept].long()].long(), x[kept].long()), "each kept row's ids, exactly"
+    untouched = torch.ones(45, dtype=torch.bool, device=DEVICE)
+    untouched[dst[:37][kept].long()] = False
+    assert (out[untouched] == -7).all(), "rows no kept row points at are not written"
     with pytest.raises(ValueError, match="must be floating point"):
         capture_sum(x, x, dst, out)
 

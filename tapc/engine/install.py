@@ -16,9 +16,8 @@ backend splits the graph at (config.py lists it in the splitting ops).
 An MoE router (`<runner>.router`, tree.py) is not a module: its `select_experts` is wrapped
 instead of a forward, and its tables are registered on the runner that holds it. It runs inside
 vLLM's fused-MoE op, eagerly while graphs are captured, so its ops are captured with the op's
-kernels. The expert ids (int32) go to a float32 buffer (exact for any expert count a model
-has), converted by the capture kernel's store (no cast kernel per layer and step), and are
-stored back as int32.
+kernels. The expert ids (int32) go as they are to their int32 pool (the capture kernel takes
+integer rows: no cast kernel per layer and step).
 
 Sites: `input` (the module's activation argument, edited before the call), `output` (the
 tensor, or element k of a tuple; a vLLM linear returns (out, bias), `.output` is out) and
