@@ -6,7 +6,8 @@ ask; those are neither read nor written. The host fills `dst` before each step, 
 CUDA graph serves every batch the engine forms. Entries >= out.shape[0] are skipped like -1: a
 host bug must not write past the buffer, and the op cannot report it without synchronizing.
 
-Variants: `capture_sum` stores a + b (hidden_states + residual: the residual stream) in one
+Variants: `capture_pair` does two captures in one launch (an MoE router's weights and expert
+ids, captured together at every layer: one graph node where there were two); `capture_sum` stores a + b (hidden_states + residual: the residual stream) in one
 pass, adding in fp32; a column slice is a strided view of x (strides are respected); the store
 converts to out's dtype. `capture` takes integer rows too (an MoE router's expert ids, into
 their int32 pool): no cast kernel before it.
@@ -42,6 +43,58 @@ def _capture_kernel(
         out_ptr + d.to(tl.int64) * stride_out + cols * stride_outc,
         v.to(out_ptr.dtype.element_ty),
         mask=mask,
+    )
+
+
+@triton.jit
+def _copy_rows(x_ptr, dst_ptr, out_ptr, row, block, width, out_rows, stride_x, stride_xc, stride_out, stride_outc,
+               BLOCK: tl.constexpr):
+    """Columns [block * BLOCK, +BLOCK) of row `row` of x to out[dst[row]] (the plain capture)."""
+    d = tl.load(dst_ptr + row)
+    if (d >= 0) & (d < out_rows):
+        cols = block * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < width
+        v = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols * stride_xc, mask=mask)
+        tl.store(out_ptr + d.to(tl.int64) * stride_out + cols * stride_outc, v.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
+def _capture_pair_kernel(
+    x0_ptr, dst0_ptr, out0_ptr, width0, rows0, stride_x0, stride_xc0, stride_out0, stride_outc0,
+    x1_ptr, dst1_ptr, out1_ptr, width1, rows1, stride_x1, stride_xc1, stride_out1, stride_outc1,
+    BLOCKS0: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # Column blocks [0, BLOCKS0) of the grid's second axis are the first capture's, the rest the second's.
+    row = tl.program_id(0)
+    j = tl.program_id(1)
+    if j < BLOCKS0:
+        _copy_rows(x0_ptr, dst0_ptr, out0_ptr, row, j, width0, rows0, stride_x0, stride_xc0, stride_out0,
+                   stride_outc0, BLOCK)
+    else:
+        _copy_rows(x1_ptr, dst1_ptr, out1_ptr, row, j - BLOCKS0, width1, rows1, stride_x1, stride_xc1,
+                   stride_out1, stride_outc1, BLOCK)
+
+
+def capture_pair(x0: torch.Tensor, x1: torch.Tensor, dst0: torch.Tensor, dst1: torch.Tensor,
+                 out0: torch.Tensor, out1: torch.Tensor) -> None:
+    """`capture(x0, dst0, out0)` and `capture(x1, dst1, out1)` in one launch (Triton); x0 and x1
+    have the same rows."""
+    for x, dst, out in ((x0, dst0, out0), (x1, dst1, out1)):
+        check_activation(x, integers=True)
+        check_row_table(dst, x, "dst")
+        check_buffer(out, x)
+    if x1.shape[0] != x0.shape[0]:
+        raise ValueError(f"x1 must have x0's {x0.shape[0]} rows, got {x1.shape[0]}")
+    num_tokens = x0.shape[0]
+    if num_tokens == 0:
+        return
+    block = col_block(max(x0.shape[1], x1.shape[1]))
+    blocks0 = triton.cdiv(x0.shape[1], block)
+    _capture_pair_kernel[(num_tokens, blocks0 + triton.cdiv(x1.shape[1], block))](
+        x0, dst0, out0, x0.shape[1], out0.shape[0], x0.stride(0), x0.stride(1), out0.stride(0), out0.stride(1),
+        x1, dst1, out1, x1.shape[1], out1.shape[0], x1.stride(0), x1.stride(1), out1.stride(0), out1.stride(1),
+        BLOCKS0=blocks0, BLOCK=block, num_warps=warps_for(block),
     )
 
 
@@ -82,6 +135,12 @@ def capture_ref(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
     """Plain-torch reference of `capture`."""
     rows = _kept_rows(x, dst, out)
     out[dst[rows].long()] = x[rows].to(out.dtype)
+
+
+def capture_pair_ref(x0, x1, dst0, dst1, out0, out1) -> None:
+    """Plain-torch reference of `capture_pair`."""
+    capture_ref(x0, dst0, out0)
+    capture_ref(x1, dst1, out1)
 
 
 def capture_sum_ref(a: torch.Tensor, b: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:

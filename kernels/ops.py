@@ -39,6 +39,12 @@ def capture(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
     (_capture.capture if runs_triton(x) else _capture.capture_ref)(x, dst, out)
 
 
+def capture_pair(x0: torch.Tensor, x1: torch.Tensor, dst0: torch.Tensor, dst1: torch.Tensor,
+                 out0: torch.Tensor, out1: torch.Tensor) -> None:
+    """Two captures (x0 -> out0 by dst0, x1 -> out1 by dst1) in one launch."""
+    (_capture.capture_pair if runs_triton(x0) else _capture.capture_pair_ref)(x0, x1, dst0, dst1, out0, out1)
+
+
 def capture_sum(a: torch.Tensor, b: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
     """out[dst[i]] = a[i] + b[i] (fp32 add, stored in out.dtype) for rows with dst[i] >= 0."""
     (_capture.capture_sum if runs_triton(a) else _capture.capture_sum_ref)(a, b, dst, out)
@@ -94,6 +100,8 @@ def boundary(x: torch.Tensor, b: Optional[torch.Tensor], point: int) -> None:
 
 
 _register("capture(Tensor x, Tensor dst, Tensor(a!) out) -> ()", capture)
+_register("capture_pair(Tensor x0, Tensor x1, Tensor dst0, Tensor dst1, Tensor(a!) out0, Tensor(b!) out1) -> ()",
+          capture_pair)
 _register("capture_sum(Tensor a, Tensor b, Tensor dst, Tensor(a!) out) -> ()", capture_sum)
 _register("add_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor vec, Tensor alpha) -> ()", add_)
 _register("scale_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor factor) -> ()", scale_)

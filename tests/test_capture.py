@@ -6,7 +6,9 @@ from kernel_cases import (
     poisoned, randn, seed, skipped_rows,
 )
 
-from tapc.kernels.capture import capture, capture_ref, capture_sum, capture_sum_ref
+from tapc.kernels.capture import (
+    capture, capture_pair, capture_pair_ref, capture_ref, capture_sum, capture_sum_ref,
+)
 
 # Odd widths, one past a column block (2560 = 2048 + 512), one and many rows.
 SHAPES = [(1, 5), (7, 123), (37, 896), (5, 2560)]
@@ -79,6 +81,27 @@ def test_capture_stores_integer_ids_exactly(src, dst_dtype):
     assert (out[untouched] == -7).all(), "rows no kept row points at are not written"
     with pytest.raises(ValueError, match="must be floating point"):
         capture_sum(x, x, dst, out)
+
+
+@pytest.mark.parametrize("widths", [(8, 8), (5, 2560), (1100, 3)], ids=str)
+def test_capture_pair_is_two_captures_in_one_launch(widths):
+    """An MoE router's weights (float32) and expert ids (int32), each by its own row table into
+    its own pool, as two `capture` calls would; widths of more than one column block too."""
+    seed("pair", widths)
+    w0, w1 = widths
+    x0 = randn(37, w0, torch.float32)
+    x1 = torch.randint(0, 128, (37, w1), dtype=torch.int32, device=DEVICE)
+    dst0, dst1 = dst_table(37, 45), dst_table(37, 40).flip(0)
+    out0, out1 = poisoned(45, w0, torch.float32), torch.full((40, w1), -7, dtype=torch.int32, device=DEVICE)
+    ref0, ref1 = out0.clone(), out1.clone()
+    capture_pair(x0, x1, dst0, dst1, out0, out1)
+    capture_pair_ref(x0, x1, dst0, dst1, ref0, ref1)
+    assert torch.equal(out0.isnan(), ref0.isnan()) and torch.equal(out0.nan_to_num(), ref0.nan_to_num())
+    assert torch.equal(out1, ref1)
+    kept = dst1[:37] >= 0
+    assert torch.equal(out1[dst1[:37][kept].long()], x1[kept]), "the ids, exactly, where their own table says"
+    with pytest.raises(ValueError, match="x1 must have x0's 37 rows, got 36"):
+        capture_pair(x0, x1[:36], dst0, dst1, out0, out1)
 
 
 @pytest.mark.parametrize("columns", [slice(3, 3 + 123), slice(1, None, 2)], ids=["slice", "step2"])

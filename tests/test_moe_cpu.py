@@ -265,3 +265,33 @@ def test_explain_notes_say_what_a_routers_output_is(trees):
     layer = [n for n in said if n.startswith("`model.layers.*.output`")]
     assert len(router) == 1 and "(topk_weights, topk_ids)" in router[0] and "decoder layer" not in router[0]
     assert len(layer) == 1 and "(hidden_states, residual)" in layer[0]
+
+
+def test_neighbouring_captures_of_a_tuples_elements_run_as_one_launch():
+    """install.py `_paired`: the router's weight and id captures (two elements of its output)
+    become one `capture_pair` launch; an edit between two captures, a module's plain output or a
+    third capture stay as they are; elements with rows of their own fall back to two launches."""
+    import tapc.kernels  # noqa: F401  (registers torch.ops.tapc, as install() does)
+    from tapc.engine.install import _Capture, _Pair, _paired
+    from tapc.plan import Point
+
+    module = torch.nn.Module()
+    for name, t in {"d0": torch.tensor([1, -1, 0], dtype=torch.int32), "d1": torch.tensor([0, 1, -1], dtype=torch.int32),
+                    "p0": torch.zeros(2, 4), "p1": torch.zeros(2, 4, dtype=torch.int32)}.items():
+        module.register_buffer(name, t, persistent=False)
+    weights, ids = _Capture(module, "d0", "p0"), _Capture(module, "d1", "p1")
+    edit = lambda x, b: None  # noqa: E731
+    el = [Point("m", "output", element=k) for k in range(3)]
+    got = _paired([(el[0], weights), (el[1], ids), (el[2], _Capture(module, "d0", "p0"))])
+    assert [type(op) for _, op in got] == [_Pair, _Capture] and got[0][0] == el[0]
+    assert [type(op) for _, op in _paired([(el[0], weights), (el[1], edit), (el[2], ids)])] == [_Capture, type(edit), _Capture]
+    assert [type(op) for _, op in _paired([(Point("m", "output"), weights), (el[1], ids)])] == [_Capture, _Capture]
+
+    w = torch.rand(3, 4)
+    i = torch.randint(0, 9, (3, 4), dtype=torch.int32)
+    got[0][1].run((w, i))
+    assert torch.equal(module.p0[1], w[0]) and torch.equal(module.p0[0], w[2])
+    assert torch.equal(module.p1[0], i[0]) and torch.equal(module.p1[1], i[1])
+    module.p0.zero_()
+    got[0][1].run((w, i[:2]))   # rows of its own: two launches, the same effect
+    assert torch.equal(module.p0[1], w[0]) and torch.equal(module.p1[0], i[0])

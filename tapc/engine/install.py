@@ -105,21 +105,34 @@ def _bind(module: torch.nn.Module, i: str, tap, what: tuple[str, int], layout: L
         return attr
 
     if kind == "capture":
-        dst = reg("dst", buffers.table[index])
-        pool = reg("pool", buffers.pools[int(layout.cap_group[index])])
-
-        def capture(x, b):
-            if b is None:
-                torch.ops.tapc.capture(x, getattr(module, dst), getattr(module, pool))
-            else:
-                torch.ops.tapc.capture_sum(x, b, getattr(module, dst), getattr(module, pool))
-        return capture
+        return _Capture(module, reg("dst", buffers.table[index]), reg("pool", buffers.pools[int(layout.cap_group[index])]))
 
     slot = reg("slot", buffers.table[layout.edit_row(index)])
     edit = EDITS[tap.action]
     op = getattr(torch.ops.tapc, edit.kernel)
     tables = [reg(name, buffers.params.tables[index][name]) for name in edit.tables]
     return lambda x, b: op(x, b, getattr(module, slot), *[getattr(module, t) for t in tables])
+
+
+class _Capture:
+    """A capture op: `x` (plus `b`, a `resid` point's residual) to its pool by its row table, both
+    registered on `module` (read at each call: graph capture records the tensors, not the names)."""
+
+    def __init__(self, module: torch.nn.Module, dst: str, pool: str):
+        self.module, self.dst, self.pool = module, dst, pool
+
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None) -> None:
+        dst, pool = getattr(self.module, self.dst), getattr(self.module, self.pool)
+        if b is None:
+            torch.ops.tapc.capture(x, dst, pool)
+        else:
+            torch.ops.tapc.capture_sum(x, b, dst, pool)
+
+    def pair(self, other: "_Capture", x0: torch.Tensor, x1: torch.Tensor) -> None:
+        """This capture of x0 and `other`'s of x1 in one launch."""
+        m = self.module
+        torch.ops.tapc.capture_pair(x0, x1, getattr(m, self.dst), getattr(m, other.dst), getattr(m, self.pool),
+                                    getattr(m, other.pool))
 
 
 def _patch(target, method: str, path: str, taps: list) -> None:
@@ -134,7 +147,7 @@ def _patch(target, method: str, path: str, taps: list) -> None:
 def _around(module, original, taps: list):
     """`original` with the module-level taps: `input` ops before it, the others after."""
     before = [op for tap, op in taps if tap.point.site == "input"]
-    after = [(tap.point, op) for tap, op in taps if tap.point.site != "input"]
+    after = _paired([(tap.point, op) for tap, op in taps if tap.point.site != "input"])
     width = {tap.point.site: tap.width for tap, _ in taps}.get("input")
     pick_input = _input_picker(original, width) if before else None
 
@@ -148,7 +161,10 @@ def _around(module, original, taps: list):
             if point.site == "resid":
                 op(out[0], out[1])
             elif isinstance(out, tuple):
-                op(out[point.element or 0], None)
+                if isinstance(op, _Pair):
+                    op.run(out)
+                else:
+                    op(out[point.element or 0], None)
             elif point.element is not None:
                 # the plan thought this call returns a tuple: never capture the tensor under `[k]`
                 raise EngineError(f"`{point.key}`: `{point.module}` returned one tensor here, not a tuple; "
@@ -158,6 +174,40 @@ def _around(module, original, taps: list):
         return out
 
     return types.MethodType(forward, module)
+
+
+class _Pair:
+    """Two captures of elements of one call's tuple, run as one launch."""
+
+    def __init__(self, first: _Capture, second: _Capture, e0: int, e1: int):
+        self.first, self.second, self.e0, self.e1 = first, second, e0, e1
+
+    def run(self, out: tuple) -> None:
+        x0, x1 = out[self.e0], out[self.e1]
+        if x0.shape[0] == x1.shape[0]:
+            self.first.pair(self.second, x0, x1)
+        else:   # a tuple whose elements have rows of their own: one launch each
+            self.first(x0, None)
+            self.second(x1, None)
+
+
+def _paired(after: list) -> list:
+    """`after` with each two neighbouring captures of elements of a call's tuple (an MoE
+    router's weights and expert ids) as one `_Pair`, under the first one's point: one launch,
+    one graph node, where there were two. Captures only read, so running them together changes
+    nothing they see."""
+    out = []
+    for point, op in after:
+        if out and _tuple_capture(point, op) and _tuple_capture(*out[-1]):
+            first_point, first = out[-1]
+            out[-1] = (first_point, _Pair(first, op, first_point.element, point.element))
+            continue
+        out.append((point, op))
+    return out
+
+
+def _tuple_capture(point, op) -> bool:
+    return isinstance(op, _Capture) and point.site == "output" and point.element is not None
 
 
 def _input_picker(forward, width: int):
