@@ -130,9 +130,9 @@ class _Capture:
 
     def pair(self, other: "_Capture", x0: torch.Tensor, x1: torch.Tensor) -> None:
         """This capture of x0 and `other`'s of x1 in one launch."""
-        m = self.module
-        torch.ops.tapc.capture_pair(x0, x1, getattr(m, self.dst), getattr(m, other.dst), getattr(m, self.pool),
-                                    getattr(m, other.pool))
+        m, o = self.module, other.module
+        torch.ops.tapc.capture_pair(x0, x1, getattr(m, self.dst), getattr(o, other.dst), getattr(m, self.pool),
+                                    getattr(o, other.pool))
 
 
 def _patch(target, method: str, path: str, taps: list) -> None:
