@@ -192,17 +192,26 @@ def started(what: str, start):
 
 def write_table(head: list[str], results: dict, workloads, out: str) -> None:
     """`head`, then a markdown table of median values and their ratio to vanilla's, printed and
-    written to `out`. results: (workload, variant) -> values; "vanilla" is the baseline."""
-    lines = head + ["| workload | variant | value | ratio to vanilla |", "|---|---|---:|---:|"]
+    written to `out`. results: (workload, variant) -> values, one a round in round order;
+    "vanilla" is the baseline. Beside the ratio of medians, the median (and range) of each
+    round's own ratio: a run in the same round as its vanilla run shares the machine's state
+    then, so a drift over the rounds (vanilla's own speed moved 10% in some runs) cancels."""
+    lines = head + ["| workload | variant | value | ratio to vanilla | per-round ratio, median (range) |",
+                    "|---|---|---:|---:|---:|"]
     for w in workloads:
         # vanilla is missing where this run's phases left it out (e.g. `--phases eager`)
-        base = statistics.median(results[(w, "vanilla")]) if (w, "vanilla") in results else None
+        vanilla = results.get((w, "vanilla"))
+        base = statistics.median(vanilla) if vanilla else None
         unit = "s" if w.startswith("harvest") else "tok/s"
         for (wl, name), values in results.items():
             if wl == w:
                 v = statistics.median(values)
                 ratio = f"{v / base:.3f}x" if base else "-"
-                lines.append(f"| {w} | {name} | {v:.2f} {unit} | {ratio} |")
+                paired = ""
+                if name != "vanilla" and vanilla and len(vanilla) == len(values):
+                    per = [a / b for a, b in zip(values, vanilla)]
+                    paired = f"{statistics.median(per):.3f}x ({min(per):.3f}-{max(per):.3f})"
+                lines.append(f"| {w} | {name} | {v:.2f} {unit} | {ratio} | {paired} |")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(out, "w") as f:
