@@ -22,41 +22,34 @@ from .common import (
 
 
 @triton.jit
+def _capture_block(
+    x_ptr, y_ptr, dst_ptr, out_ptr, row, block, width, out_rows,
+    stride_x, stride_xc, stride_y, stride_yc, stride_out, stride_outc,
+    HAS_Y: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Columns [block * BLOCK, +BLOCK) of row `row` (of x, or x + y) to out[dst[row]]."""
+    d = tl.load(dst_ptr + row)
+    if (d >= 0) & (d < out_rows):
+        cols = block * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < width
+        # int64 row offsets: capture buffers can pass 2**31 elements.
+        src = row.to(tl.int64)
+        v = tl.load(x_ptr + src * stride_x + cols * stride_xc, mask=mask)
+        if HAS_Y:
+            y = tl.load(y_ptr + src * stride_y + cols * stride_yc, mask=mask)
+            v = v.to(tl.float32) + y.to(tl.float32)
+        tl.store(out_ptr + d.to(tl.int64) * stride_out + cols * stride_outc, v.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+@triton.jit
 def _capture_kernel(
     x_ptr, y_ptr, dst_ptr, out_ptr, width, out_rows,
     stride_x, stride_xc, stride_y, stride_yc, stride_out, stride_outc,
     HAS_Y: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    d = tl.load(dst_ptr + row)
-    if (d < 0) | (d >= out_rows):
-        return
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < width
-    # int64 row offsets: capture buffers can pass 2**31 elements.
-    src = row.to(tl.int64)
-    v = tl.load(x_ptr + src * stride_x + cols * stride_xc, mask=mask)
-    if HAS_Y:
-        y = tl.load(y_ptr + src * stride_y + cols * stride_yc, mask=mask)
-        v = v.to(tl.float32) + y.to(tl.float32)
-    tl.store(
-        out_ptr + d.to(tl.int64) * stride_out + cols * stride_outc,
-        v.to(out_ptr.dtype.element_ty),
-        mask=mask,
-    )
-
-
-@triton.jit
-def _copy_rows(x_ptr, dst_ptr, out_ptr, row, block, width, out_rows, stride_x, stride_xc, stride_out, stride_outc,
-               BLOCK: tl.constexpr):
-    """Columns [block * BLOCK, +BLOCK) of row `row` of x to out[dst[row]] (the plain capture)."""
-    d = tl.load(dst_ptr + row)
-    if (d >= 0) & (d < out_rows):
-        cols = block * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < width
-        v = tl.load(x_ptr + row.to(tl.int64) * stride_x + cols * stride_xc, mask=mask)
-        tl.store(out_ptr + d.to(tl.int64) * stride_out + cols * stride_outc, v.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+    _capture_block(x_ptr, y_ptr, dst_ptr, out_ptr, tl.program_id(0), tl.program_id(1), width, out_rows,
+                   stride_x, stride_xc, stride_y, stride_yc, stride_out, stride_outc, HAS_Y, BLOCK)
 
 
 @triton.jit
@@ -69,11 +62,11 @@ def _capture_pair_kernel(
     row = tl.program_id(0)
     j = tl.program_id(1)
     if j < BLOCKS0:
-        _copy_rows(x0_ptr, dst0_ptr, out0_ptr, row, j, width0, rows0, stride_x0, stride_xc0, stride_out0,
-                   stride_outc0, BLOCK)
+        _capture_block(x0_ptr, x0_ptr, dst0_ptr, out0_ptr, row, j, width0, rows0, stride_x0, stride_xc0,
+                       stride_x0, stride_xc0, stride_out0, stride_outc0, False, BLOCK)
     else:
-        _copy_rows(x1_ptr, dst1_ptr, out1_ptr, row, j - BLOCKS0, width1, rows1, stride_x1, stride_xc1,
-                   stride_out1, stride_outc1, BLOCK)
+        _capture_block(x1_ptr, x1_ptr, dst1_ptr, out1_ptr, row, j - BLOCKS0, width1, rows1, stride_x1, stride_xc1,
+                       stride_x1, stride_xc1, stride_out1, stride_outc1, False, BLOCK)
 
 
 def capture_pair(x0: torch.Tensor, x1: torch.Tensor, dst0: torch.Tensor, dst1: torch.Tensor,
