@@ -43,6 +43,11 @@ class Stored:
     error: BaseException | None
     at: float = field(default_factory=time.monotonic)
 
+    def drop_tensors(self) -> None:
+        """Sent or written: whoever still holds this holds no capture chunk (they go back)."""
+        self.taps.clear()
+        self.saved.clear()
+
 
 @dataclass
 class Reply:
@@ -207,8 +212,7 @@ class FolderResults:
                        f"share: {e}").encode()
                 _write_atomic(self._path(tid, ".error"), lambda f: f.write(why))
             tensors.clear()
-        stored.taps.clear()    # written: whoever still holds the Stored holds no capture chunk
-        stored.saved.clear()
+        stored.drop_tensors()
         if sweep:
             self._sweep()
 

@@ -113,8 +113,7 @@ class TapcServer:
         except RequestError as e:
             return {"id": tid, "error": f"its results cannot be sent: {e}"}
         finally:
-            stored.taps.clear()        # its capture chunks can go back
-            stored.saved.clear()
+            stored.drop_tensors()
             self.collector.flush()
         return {"id": tid, "safetensors": base64.b64encode(data).decode()}
 
