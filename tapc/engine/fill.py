@@ -106,18 +106,18 @@ class _BatchRows:
         self.pos = np.repeat(num_computed[idx].astype(np.int64), counts) + offset
         self.plen = np.array([rec.prompt_len for rec in self.recs], dtype=np.int64)[self.req]
 
-    def selected(self, ks: list[int], key) -> np.ndarray:
-        """Mask over the rows: rows of requests `ks` whose positions (`key` of each request)
-        select them; requests with equal positions share one vectorized test."""
+    def selected(self, ks: list[int]) -> np.ndarray:
+        """Mask over the rows: rows of requests `ks` whose positions select them; requests with
+        equal positions (Record.positions is hashable) share one vectorized test."""
         out = np.zeros(self.req.size, dtype=bool)
         by_positions: dict = {}
         for k in ks:
-            by_positions.setdefault(key(self.recs[k]), []).append(k)
+            by_positions.setdefault(self.recs[k].positions, []).append(k)
         for positions, members in by_positions.items():
             mine = np.zeros(len(self.recs), dtype=bool)
             mine[members] = True
             m = mine[self.req]
-            out[m] = select(positions if isinstance(positions, str) else list(positions), self.pos[m], self.plen[m])
+            out[m] = select(positions, self.pos[m], self.plen[m])
         return out
 
 
@@ -125,7 +125,7 @@ def _fill_captures(layout: Layout, table: np.ndarray, rows: _BatchRows, used: li
     recs = rows.recs
     capturing = [k for k, rec in enumerate(recs) if rec.stores]
     next_pos = np.array([rec.next_pos for rec in recs], dtype=np.int64)
-    want = rows.selected(capturing, lambda rec: rec.positions) & (rows.pos >= next_pos[rows.req])
+    want = rows.selected(capturing) & (rows.pos >= next_pos[rows.req])
     sel = np.flatnonzero(want)
     if not sel.size:
         return []
