@@ -159,7 +159,7 @@ async def send(session, url: str, model: str, job: Job, tapped: bool) -> Done:
                 done.inline = data.get("tapc")
             else:
                 usage, chunks = None, 0
-                async for line in resp.content:
+                async for line in sse_lines(resp):
                     if not line.startswith(b"data: {"):
                         continue
                     event = json.loads(line[6:])
@@ -174,9 +174,23 @@ async def send(session, url: str, model: str, job: Job, tapped: bool) -> Done:
                         return done
             done.prompt_tokens = usage["prompt_tokens"]
             done.cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-    except aiohttp.ClientError as e:
+    except (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError) as e:
         done.error = f"{type(e).__name__}: {e}"
     return done
+
+
+async def sse_lines(resp):
+    """The response's lines of any length: an inline result's event is one line of up to 16 MiB of
+    base64, past aiohttp's line limit (512 KiB) for `async for line in resp.content`."""
+    parts: list[bytes] = []  # the current line's pieces: joined once, not re-scanned per chunk
+    async for chunk in resp.content.iter_any():
+        *ends, tail = chunk.split(b"\n")
+        for end in ends:
+            yield b"".join(parts) + end
+            parts = []
+        parts.append(tail)
+    if any(parts):
+        yield b"".join(parts)
 
 
 async def load(url: str, model: str, jobs: list[Job], clients: int, tapped: bool) -> tuple[list[Done], float]:

@@ -6,7 +6,7 @@ import torch
 from engine_toy import HIDDEN, toy_plan
 
 from tapc.engine.config import WORKER, engine_kwargs
-from tapc.engine.fill import fill_step
+from tapc.engine.fill import Repeat, fill_step
 from tapc.engine.layout import Layout
 from tapc.engine.memcpy import copy_segments
 from tapc.engine.positions import expected_rows, select
@@ -137,12 +137,95 @@ def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_t
     assert checked, "the scenario captured something"
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_repeated_decode_step_leaves_the_tables_segments_and_captures_of_a_fresh_fill(seed):
+    """Steady decode with arrivals, departures, 1-row recompute steps (a preempted request's
+    rows seen before) and requests asking for position lists: a run that keeps the device's
+    tables and the segments when a step repeats the last (`Repeat`, as the runner hooks use it)
+    has, at every step, the device tables and segments of a run that fills every step, and
+    ends with the same captures; and steps did repeat."""
+    rng = np.random.default_rng(seed)
+    plan = toy_plan(PLAN_TAPS, rows=256)
+    layout = Layout(plan)
+    keys = [t.key for t in layout.captures]
+    specs = []
+    for i in range(6):
+        positions = ["all", "generated", "prompt", "last", [0, 9, 14]][i % 5]
+        params = {"steer": rng.standard_normal(HIDDEN), "a": 1.0} if i % 2 else {}
+        specs.append(dict(rid=f"r{i}", plen=int(rng.integers(2, 6)), gen=int(rng.integers(12, 20)),
+                          ask=TapRequest(capture=list(rng.choice(keys, size=3, replace=False)), positions=positions,
+                                         params=params)))
+    runs = []
+    for repeat in (None, Repeat(layout)):
+        slots = Slots(8)
+        records = {}
+        for sp in specs:
+            wire = WireRequest(sp["rid"], check(plan, sp["ask"], sp["rid"]))
+            rec = records[sp["rid"]] = Record(layout, sp["rid"], wire, sp["plen"], sp["gen"], cpu_alloc)
+            rec.slot = slots.take() if rec.edits else -1
+        runs.append(dict(repeat=repeat, records=records, device=np.full((layout.num_tables, 256), -1, np.int32),
+                         pools=[torch.zeros(len(g.caps) * 256, g.width) for g in layout.groups], hits=0))
+    done = {sp["rid"]: 0 for sp in specs}
+    live = [sp for sp in specs[:4]]
+    step = 0
+    while live:
+        step += 1
+        arriving = next((sp for sp in specs if sp not in live and done[sp["rid"]] == 0), None)
+        if step % 9 == 0 and arriving is not None:   # an arrival: this step changes the batch
+            live.append(arriving)
+        counts = [sp["plen"] if done[sp["rid"]] == 0 else 1 for sp in live]
+        recompute = step % 11 == 0 and done[live[0]["rid"]] > live[0]["plen"]
+        computed = [done[sp["rid"]] - (2 if recompute and k == 0 else 0) for k, sp in enumerate(live)]
+        qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        batch = StepBatch([sp["rid"] for sp in live], qsl, np.array(computed, dtype=np.int32),
+                          np.array([sp["plen"] for sp in live], dtype=np.int32), -(-int(qsl[-1]) // 8) * 8)
+        acts = [torch.randn(256, t.width, generator=torch.Generator().manual_seed(step * 100 + c))
+                for c, t in enumerate(layout.captures)]
+        seen = []
+        for run in runs:
+            got = run["repeat"].same(batch) if run["repeat"] is not None else None
+            if got is None:
+                table = np.full((layout.num_tables, batch.padded), 7, np.int32)
+                got = fill_step(layout, table, run["records"], batch)
+                run["device"][:, :batch.padded] = table            # the upload
+                if run["repeat"] is not None:
+                    run["repeat"].keep(batch, run["records"], got)
+            else:
+                run["hits"] += 1
+            device_step(layout, run["device"], batch.padded, run["pools"], acts)
+            copy_segments(got[0], run["pools"])
+            seen.append((run["device"][:, :batch.padded].copy(),
+                         [(seg.store.group, seg.store.caps_key, seg.start, seg.rows) for seg in got[0]], got[1]))
+        assert np.array_equal(seen[0][0], seen[1][0]), f"step {step}: the device's tables"
+        assert seen[0][1:] == seen[1][1:], f"step {step}: segments and pool rows used"
+        for k, sp in enumerate(live):
+            done[sp["rid"]] = computed[k] + counts[k]   # a recompute step goes back a row
+        leaving = [sp for sp in live if done[sp["rid"]] >= sp["plen"] + sp["gen"] - 1]
+        if leaving or recompute:
+            for run in runs:
+                if run["repeat"] is not None:
+                    run["repeat"].forget()   # as schedule() does when requests finish or resume
+        live = [sp for sp in live if sp not in leaving]
+    # (none repeat while the request asking for a position list runs)
+    assert runs[1]["hits"] >= 5, f"{runs[1]['hits']} of {step} steps repeated"
+    for rid in runs[0]["records"]:
+        for a, b in zip(runs[0]["records"][rid].stores, runs[1]["records"][rid].stores):
+            assert a.rows == b.rows and a.rows > 0 or rid in ("r2", "r3")
+            torch.testing.assert_close(torch.cat([c[:n] for c, n in a.filled()]),
+                                       torch.cat([c[:n] for c, n in b.filled()]), rtol=0, atol=0)
+
+
 def test_store_keeps_rows_in_order_when_it_grows_past_its_first_chunk():
     st = Store(0, np.array([0, 1]), 3, torch.float32, cpu_alloc, first=10)
     rows = torch.randn(80, 2, 3, generator=torch.Generator().manual_seed(0))   # row r of the request
     done = 0
     for n in (6, 6, 3, 0, 17):
-        places = st.reserve(n)
+        first = st.take(n)
+        assert first == done
+        places = st.span(first, n)
+        if places and first >= st.last_base:   # in the last chunk: the address the batched copy uses
+            chunk, lo, _ = places[0]
+            assert st.last_ptr + (first - st.last_base) * st.row_bytes == chunk[lo].data_ptr()
         src = rows[done: done + n]
         assert sum(k for _, _, k in places) == n
         for chunk, lo, k in places:

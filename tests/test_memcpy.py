@@ -58,7 +58,7 @@ def test_blocks_that_straddle_chunks_go_to_both_by_address():
         torch.manual_seed(1)
         pool = torch.randn(12, 5)
         st = Store(0, np.array([0, 1]), 5, torch.float32, cpu_alloc, first=2)
-        st.reserve(1)   # one row written before this step: one left in the first chunk
+        st.take(1)   # one row written before this step: one left in the first chunk
 
         def memmove(dsts, srcs, sizes):
             for d, s, n in zip(dsts, srcs, sizes):

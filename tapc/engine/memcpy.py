@@ -12,6 +12,7 @@ falls back to one `copy_` per block (`copy_segments`), and a failure is logged o
 """
 from __future__ import annotations
 
+import array
 import ctypes
 import logging
 from typing import TYPE_CHECKING, Callable
@@ -63,14 +64,21 @@ class BatchCopy:
         n = len(dsts)
         if n == 0:
             return True
-        err = self._fn((ctypes.c_uint64 * n)(*dsts), (ctypes.c_uint64 * n)(*srcs), (ctypes.c_size_t * n)(*sizes), n,
-                       ctypes.byref(self._attrs), self._first, 1,
+        err = self._fn(_c_array(ctypes.c_uint64, dsts), _c_array(ctypes.c_uint64, srcs), _c_array(ctypes.c_size_t, sizes),
+                       n, ctypes.byref(self._attrs), self._first, 1,
                        ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
         if err != 0:
             self.failed = True
             log.warning("tapc: cuMemcpyBatchAsync_v2 failed (CUresult %d); captures are copied one by one", err)
             return False
         return True
+
+
+def _c_array(ctype, values: list[int]):
+    """A C array of 64-bit `values` over an array.array, which fills its buffer in C: 8x faster
+    than `(ctype * n)(*values)`, 20 us a list at batch 64 with three capture groups. The ctypes
+    array keeps the buffer alive."""
+    return (ctype * len(values)).from_buffer(array.array("Q", values))
 
 
 def copy_segments(segments: "list[Segment]", pools: list[torch.Tensor],
@@ -81,13 +89,21 @@ def copy_segments(segments: "list[Segment]", pools: list[torch.Tensor],
     would otherwise make two tensor views a block, 5 us of host time each); where it is None or
     declines, each is one `copy_`. Pools are contiguous `[rows, width]`, storage chunks
     contiguous `[rows, captures, width]`."""
-    places = [(seg, seg.store.reserve(seg.rows)) for seg in segments]
+    taken = [(seg, first) for seg in segments if (first := seg.store.take(seg.rows)) is not None]
     if batch is not None:
+        # each pool's address and bytes a row, once: torch's accessors cost a microsecond a call
+        bases = [(pool.data_ptr(), pool.shape[1] * pool.element_size()) for pool in pools]
         dsts, srcs, sizes = [], [], []
-        for seg, parts in places:
-            store, pool = seg.store, pools[seg.store.group]
-            src = pool.data_ptr() + seg.start * pool.shape[1] * pool.element_size()
-            for chunk, lo, n in parts:
+        for seg, first in taken:
+            store = seg.store
+            base, pool_row = bases[store.group]
+            src = base + seg.start * pool_row
+            if first >= store.last_base:   # the usual case: one block, in the last chunk
+                dsts.append(store.last_ptr + (first - store.last_base) * store.row_bytes)
+                srcs.append(src)
+                sizes.append(seg.rows * store.row_bytes)
+                continue
+            for chunk, lo, n in store.span(first, seg.rows):
                 size = n * store.row_bytes
                 dsts.append(chunk.data_ptr() + lo * store.row_bytes)
                 srcs.append(src)
@@ -95,9 +111,9 @@ def copy_segments(segments: "list[Segment]", pools: list[torch.Tensor],
                 src += size
         if batch(dsts, srcs, sizes):
             return
-    for seg, parts in places:
+    for seg, first in taken:
         pool, src = pools[seg.store.group], seg.start
-        for chunk, lo, n in parts:
+        for chunk, lo, n in seg.store.span(first, seg.rows):
             dst = chunk[lo: lo + n].view(-1, chunk.shape[-1])
             dst.copy_(pool[src: src + dst.shape[0]], non_blocking=True)
             src += dst.shape[0]

@@ -21,7 +21,7 @@ import torch
 
 from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
-from tapc.engine.fill import fill_step
+from tapc.engine.fill import Repeat, fill_step
 from tapc.engine.layout import Layout
 from tapc.engine.points import EnginePoints
 from tapc.engine.protocol import Chunk, CollectReply, Result, StoreResult, WireRequest
@@ -50,14 +50,19 @@ class RunnerHooks:
         # while vLLM runs them: other GPUs of the group may have admitted them (points.py)
         self.unadmitted: set[str] = set()
         self._step = None
+        self._repeat = Repeat(layout)             # a decode step like the last one needs no fill
 
     # ---------------------------------------------------------------- per step (the adapter calls)
 
     def schedule(self, scheduler_output) -> None:
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        resumed = getattr(cached, "resumed_req_ids", ())
+        if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids or \
+                scheduler_output.scheduled_new_reqs or resumed:
+            self._repeat.forget()   # records or slots may change below
         self._retire(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids or ())
         self._admit(scheduler_output.scheduled_new_reqs)
-        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        for rid in getattr(cached, "resumed_req_ids", ()):
+        for rid in resumed:
             rec = self.records.get(rid)
             if rec is not None:
                 self._bind_slot(rec)
@@ -66,8 +71,12 @@ class RunnerHooks:
     def begin_step(self, batch: StepBatch) -> None:
         owns = bool(self.layout.always) or any(rid in self.records for rid in batch.req_ids)
         if owns or not self.buffers.clean(batch.padded):
-            self._step = fill_step(self.layout, self.buffers.host_table(batch.padded), self.records, batch)
-            self.buffers.upload(batch.padded, owns_rows=owns)
+            # the device's tables are this step's already when it repeats the last decode step
+            self._step = self._repeat.same(batch)
+            if self._step is None:
+                self._step = fill_step(self.layout, self.buffers.host_table(batch.padded), self.records, batch)
+                self.buffers.upload(batch.padded, owns_rows=owns)
+                self._repeat.keep(batch, self.records, self._step)
         else:
             self._step = None
         if self.points is not None:
@@ -83,6 +92,7 @@ class RunnerHooks:
         self._step = None
 
     def reset(self) -> None:
+        self._repeat.forget()
         self.buffers.reset()
 
     # ---------------------------------------------------------------- requests
@@ -178,6 +188,7 @@ class RunnerHooks:
             for copied in {id(st.copied): st.copied for st in rec.stores if st.copied is not None}.values():
                 copied.synchronize()
             if not rec.finished:  # vLLM tells the worker only with its next step
+                self._repeat.forget()
                 self._release(rec)
                 self.records.pop(rec.rid, None)
             failed = next((st.failed for st in rec.stores if st.failed is not None), None)

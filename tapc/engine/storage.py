@@ -2,7 +2,8 @@
 
 The first chunk is allocated when the request is admitted, sized for every row it can have;
 later chunks (rarely: a preempted request, or max_tokens unknown) grow it by at least
-`GROW_ROWS`. `reserve` says where a step's rows go; the copy itself is memcpy.copy_segments.
+`GROW_ROWS`. `take` makes room for a step's rows and `span` says where they are; the copy itself
+is memcpy.copy_segments.
 """
 from __future__ import annotations
 
@@ -44,39 +45,44 @@ class Store:
     def _grow(self, rows: int) -> None:
         chunk = self.alloc(rows, self.caps.size, self.width, self.dtype)
         self.chunks.append(chunk)
-        self._last_base = self.room                       # first row of the last chunk
+        self.last_base = self.room                        # first row of the last chunk
+        self.last_ptr = chunk.data_ptr()                  # and its address (copies go by address)
         self.room += rows
 
-    def reserve(self, n: int) -> list[tuple[torch.Tensor, int, int]]:
-        """Where the next n rows go: (chunk, its first row, rows), in order (two when they
-        straddle a chunk boundary). This runs for every capturing request at every step: the
-        usual case, rows that fit in the last chunk, is one tuple and makes no tensor."""
-        if self._last_base <= self.rows and self.rows + n <= self.room:
-            lo = self.rows - self._last_base
-            self.rows += n
-            return [(self.chunks[-1], lo, n)]
+    def take(self, n: int) -> int | None:
+        """Room for the next n rows: the first one's row number (`span` says where they are),
+        grown into a new chunk if they do not fit; None once the store has failed. This runs
+        for every capturing request at every step: the usual case is two comparisons."""
+        if self.rows + n <= self.room:
+            first, self.rows = self.rows, self.rows + n
+            return first
         if self.failed is not None:
-            return []
-        if self.room - self.rows < n:
-            try:
-                self._grow(max(n - (self.room - self.rows), GROW_ROWS))
-            except RequestError as e:
-                # Its request fails at collect; the others' copies of this step go on. It never
-                # captures again (a later row after a gap would sit at the wrong position), and
-                # room = rows keeps every later call off the fast path above.
-                self.failed, self.room = str(e), self.rows
-                return []
-        out, start, left = [], self.rows, n
-        base = 0
+            return None
+        try:
+            self._grow(max(n - (self.room - self.rows), GROW_ROWS))
+        except RequestError as e:
+            # Its request fails at collect; the others' copies of this step go on. It never
+            # captures again (a later row after a gap would sit at the wrong position), and
+            # room = rows keeps every later call off the fast path above.
+            self.failed, self.room = str(e), self.rows
+            return None
+        first, self.rows = self.rows, self.rows + n
+        return first
+
+    def span(self, first: int, n: int) -> list[tuple[torch.Tensor, int, int]]:
+        """Where rows [first, first + n) are: (chunk, its first row, rows), in order (two when
+        they straddle a chunk boundary)."""
+        if first >= self.last_base:
+            return [(self.chunks[-1], first - self.last_base, n)]
+        out, base = [], 0
         for chunk in self.chunks:
-            lo, hi = max(start - base, 0), min(start + left - base, chunk.shape[0])
+            lo, hi = max(first - base, 0), min(first + n - base, chunk.shape[0])
             if lo < hi:
                 out.append((chunk, lo, hi - lo))
-                start, left = start + hi - lo, left - (hi - lo)
+                first, n = first + hi - lo, n - (hi - lo)
             base += chunk.shape[0]
-            if left == 0:
+            if n == 0:
                 break
-        self.rows += n
         return out
 
     def filled(self) -> list[tuple[torch.Tensor, int]]:
