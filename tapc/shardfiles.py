@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,9 +79,12 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 
 
 class SafetensorsShard:
-    def __init__(self, path: Path, columns: list[Column], cap: int, metadata: dict[str, str], observe=None):
-        """`observe(name, rows)`: each piece of a column as it is written (the writer's statistics)."""
+    def __init__(self, path: Path, columns: list[Column], cap: int, metadata: dict[str, str], observe=None,
+                 pool: Executor | None = None):
+        """`observe(name, rows)`: each piece of a column as it is written (the writer's statistics).
+        `pool`: threads that flush the columns side by side (None: one after the other)."""
         self.path, self.columns, self.cap, self.metadata, self.observe = path, columns, cap, metadata, observe
+        self.pool = pool
         self.partial = path.with_name(path.name + ".partial")
         self.fd = os.open(self.partial, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         self.base, self.offsets = self._header(self.fd, cap)
@@ -109,13 +113,20 @@ class SafetensorsShard:
         self.rows += len(next(iter(cols.values())))
 
     def flush(self) -> None:
-        """Write what `write` holds, a column at a time; its tensors are free again afterwards."""
+        """Write what `write` holds, each column in one system call; its tensors are free again
+        afterwards. With a pool the columns go side by side: a column's copy to contiguous
+        memory and its statistics are torch calls that let go of the GIL, and they took most of
+        a lone writer thread's time (the file's own lock still orders the writes themselves)."""
         if not self.waiting:
             return
-        for c in self.columns:
-            see = None if self.observe is None else (lambda t, name=c.name: self.observe(name, t))
+
+        def flush_column(c: Column) -> None:
+            see = None if self.observe is None else (lambda t: self.observe(c.name, t))
             _write_tensors(self.fd, self.waiting[c.name], self.base + self.offsets[c.name] + self.flushed * c.row_bytes,
                            see)
+
+        for _ in (map if self.pool is None else self.pool.map)(flush_column, self.columns):
+            pass   # (the pool's map raises a column's error here)
         self.waiting, self.flushed = {}, self.rows
 
     def finish(self) -> None:
@@ -146,8 +157,9 @@ class ArrowShard:
 
     BATCH_BYTES = 64 << 20   # a record batch is appended when this much is waiting
 
-    def __init__(self, path: Path, columns: list[Column], cap: int, metadata: dict[str, str], observe=None):
-        pa = require_arrow()
+    def __init__(self, path: Path, columns: list[Column], cap: int, metadata: dict[str, str], observe=None,
+                 pool: Executor | None = None):
+        pa = require_arrow()   # (`pool` unused: a record batch is built column by column)
         self.path, self.columns, self.cap, self.observe = path, columns, cap, observe
         self.partial = path.with_name(path.name + ".partial")
         self.schema = arrow_schema(columns)
