@@ -15,6 +15,9 @@ server start, minutes of GPU time, for all), each with prompts of its own. `--in
 share S of the capturing requests ask for their captures in the response (checked the same way).
 `--block`: the tapc server also runs a Python block at a layer, named by import path and
 imported by each worker (`tapc serve --block`); the norms it saves are checked against HF's.
+`--save S`: the tapc server has a save folder (`tapc serve --save-to`), and a share S of the
+requests capturing all rows ask `save: true`; once the servers have stopped (which commits the
+last shard), their rows in the folder's shards are checked against HF's like the fetched ones.
 
 Checked for every finished request of the tapc server, against HF transformers on the same
 weights (teacher-forced on the tokens the request went through, with the request's own
@@ -60,6 +63,7 @@ class Job:
     abort_after: int = 0         # streamed chunks read before closing the connection (0: never)
     at: float = 0.0              # seconds after the start when it is sent
     inline: bool = False         # its captures come in its response (else fetched by id)
+    save: bool = False           # its captures go to the server's save folder
 
 
 @dataclass
@@ -101,7 +105,8 @@ KINDS = ("untapped", "capture", "steer", "steer+capture")
 MIX = (0.4, 0.2, 0.25, 0.15)   # the share of each kind in the default load
 
 
-def make_jobs(n: int, vocab: int, rate: float, abort: float, seed: int = 0, mix=MIX, inline: float = 0.0) -> list[Job]:
+def make_jobs(n: int, vocab: int, rate: float, abort: float, seed: int = 0, mix=MIX, inline: float = 0.0,
+              save: float = 0.0) -> list[Job]:
     rng = random.Random(seed)
     bounds = np.cumsum(mix) / sum(mix)
     system = [rng.randrange(3, vocab) for _ in range(256)]
@@ -119,13 +124,17 @@ def make_jobs(n: int, vocab: int, rate: float, abort: float, seed: int = 0, mix=
             job.stream, job.abort_after = True, rng.randrange(1, 8)
         # by index, not the generator: the other draws stay what they were without --inline
         job.inline = "capture" in kind and (i * 0.618034) % 1.0 < inline
+        # the save folder keeps every row: requests capturing all of them
+        job.save = "capture" in kind and job.positions == "all" and not job.inline and (i * 0.381966) % 1.0 < save
         jobs.append(job)
     return jobs
 
 
 def taps_of(job: Job) -> dict | None:
     ask = {}
-    if "capture" in job.kind:
+    if job.save:   # the folder's captures and positions
+        ask["save"] = True
+    elif "capture" in job.kind:
         ask["capture"] = ["model.layers.*.resid"]
         ask["positions"] = job.positions
     if "steer" in job.kind:
@@ -306,9 +315,10 @@ class Reference:
             out[where[b]] = (seen, logits[b, :n])
 
 
-def check(ref: Reference, url: str, done: list[Done], block: bool = False) -> list[str]:
+def check(ref: Reference, url: str, done: list[Done], block: bool = False, saved: list | None = None) -> list[str]:
     """Every finished tapc request against HF; the captures fetched from the server (`block`:
-    and the norms the server's block saved)."""
+    and the norms the server's block saved). Saving requests: (their number, where, HF's rows,
+    their tokens) go to `saved`, checked in the folder once the server has stopped."""
     import torch
     from safetensors.torch import load
 
@@ -343,6 +353,12 @@ def check(ref: Reference, url: str, done: list[Done], block: bool = False) -> li
                             f"(HF top {top2[k, 0]:.4f}, chosen {chosen[k]:.4f})")
         if "capture" not in job.kind:
             continue
+        if job.save:
+            if not (d.inline and "saved" in d.inline):
+                problems.append(f"{where}: asked to save, the response carried {d.inline!r}")
+            else:
+                saved.append((d.inline["saved"], where, seen, seq[:-1]))
+            continue
         if job.inline and not (d.inline and ("safetensors" in d.inline or "fetch" in d.inline)):
             problems.append(f"{where}: asked inline, the response carried {d.inline!r}")
             continue
@@ -366,11 +382,43 @@ def check(ref: Reference, url: str, done: list[Done], block: bool = False) -> li
             if got.shape[0] != want:
                 problems.append(f"{where}: {key} has {got.shape[0]} rows, its positions promise {want}")
                 continue
-            hf = seen[key][keep]
-            rel = ((got.float() - hf).norm() / hf.norm()).item()
-            cos = torch.nn.functional.cosine_similarity(got.float(), hf, dim=1).min().item()
-            if rel > 5e-2 or cos < 0.99:
-                problems.append(f"{where}: {key} differs from HF: relative error {rel:.4f}, worst cosine {cos:.4f}")
+            problems += differs(where, key, got, seen[key][keep])
+    return problems
+
+
+def differs(where: str, key: str, got, hf) -> list[str]:
+    """A problem if `got` is not HF's rows within bf16 tolerance."""
+    import torch
+
+    rel = ((got.float() - hf).norm() / hf.norm()).item()
+    cos = torch.nn.functional.cosine_similarity(got.float(), hf, dim=1).min().item()
+    if rel > 5e-2 or cos < 0.99:
+        return [f"{where}: {key} differs from HF: relative error {rel:.4f}, worst cosine {cos:.4f}"]
+    return []
+
+
+def check_saved(folder: str, saved: list) -> list[str]:
+    """The saved requests' rows in the stopped server's save folder: each request's number once,
+    its token ids, every position, each key equal to HF's."""
+    import torch
+
+    from tapc.data import Shards
+    from tapc.harvest import Manifest
+
+    m = Manifest.read(folder)
+    if not m.complete:
+        return [f"{folder}: the manifest is not complete (the server did not stop cleanly)"]
+    shards = Shards(folder)
+    cols = {k: torch.cat([shards.load(k, i) for i in range(len(m.shards))]) if m.shards else torch.zeros(0)
+            for k in (*m.keys, "request", "token_ids", "position")}
+    problems = [f"{folder}: request {f['request']} failed: {f['error']}" for f in m.failed]
+    for n, where, seen, tokens in saved:
+        mine = cols["request"] == n
+        if cols["token_ids"][mine].tolist() != tokens or cols["position"][mine].tolist() != list(range(len(tokens))):
+            problems.append(f"{where}: saved as {n}, its rows' token ids or positions are not its own")
+            continue
+        for key in m.keys:
+            problems += differs(f"{where} (saved as {n})", key, cols[key][mine], seen[key])
     return problems
 
 
@@ -405,7 +453,8 @@ def report(args, rows: list[str], problems: list[str], final: bool) -> None:
         with open(args.out, "w") as f:
             f.write(f"bench_serve ({'quick' if args.quick else 'full'}, {args.hidden} wide, {args.layers} layers, "
                     f"{args.clients} clients, {args.requests} requests a mix, {args.api_server_count} API server "
-                    f"process(es), {args.inline:g} of capturing requests inline{', a block by path' if args.block else ''})\n\n{text}\n")
+                    f"process(es), {args.inline:g} of capturing requests inline{', a block by path' if args.block else ''}"
+                    f"{f', {args.save:g} of all-row captures saved' if args.save else ''})\n\n{text}\n")
 
 
 def main() -> int:
@@ -425,6 +474,8 @@ def main() -> int:
     ap.add_argument("--block", action="store_true",
                     help="the tapc server also runs a Python block (imported by path) at a layer: every request "
                          "then has taps, and the graph splits there")
+    ap.add_argument("--save", type=float, default=0.0,
+                    help="share of the requests capturing all rows that ask to be saved in the server's save folder")
     ap.add_argument("--api-server-count", type=int, default=1,
                     help="API server processes of each server (vLLM's --api-server-count)")
     ap.add_argument("--out", default=None, help="write the summary table (markdown) here")
@@ -454,6 +505,7 @@ def main() -> int:
     tapped = None
     rows: list[str] = []
     problems: list[str] = []
+    save_dir, saved = os.path.join(work, "saved"), []
     try:
         # One after the other: vLLM's memory profile at start fails when another process on the
         # GPU changes its memory use meanwhile.
@@ -462,7 +514,8 @@ def main() -> int:
                                "--tap", "model.layers.*.resid",
                                "--tap", f"model.layers.{STEER_LAYER}.resid | add(steer, alpha={ALPHA})",
                                *(["--tap", f"model.layers.{BLOCK_LAYER}.resid -> probe",
-                                  "--block", "probe=benchmarks.bench_serve:probe"] if args.block else []), *common],
+                                  "--block", "probe=benchmarks.bench_serve:probe"] if args.block else []),
+                               *(["--save-to", save_dir, "--save-shard-tokens", "4096"] if args.save else []), *common],
                               logs[8102])
         wait_healthy(tapped, 8102, logs[8102])
         for k, v in enumerate(vectors):
@@ -480,7 +533,7 @@ def main() -> int:
             # prompts of its own for each mix (the first as before): no mix is served from the
             # cache an earlier one filled
             jobs = make_jobs(args.requests, vocab, args.rate, args.abort, seed=0 if m == 0 else 100 + m, mix=mix,
-                             inline=args.inline)
+                             inline=args.inline, save=args.save)
             results = {}
             for name, url, tap in (("vanilla", "http://127.0.0.1:8101", False),
                                    ("tapc", "http://127.0.0.1:8102", True)):
@@ -492,20 +545,28 @@ def main() -> int:
             if lost:
                 found.append(f"{lost} requests lost")
             ref = ref or Reference(model, vectors)   # after the first timed runs: its GPU memory is not theirs
-            found += check(ref, "http://127.0.0.1:8102", results["tapc"][0], args.block)
+            found += check(ref, "http://127.0.0.1:8102", results["tapc"][0], args.block, saved)
             problems += [f"mix {args.mix[m]}: {p}" for p in found]
             rows += table_rows(args.mix[m], results["vanilla"][1], results["tapc"][1])
             report(args, rows, problems, final=False)
         http_json("GET", "http://127.0.0.1:8102/health")
-        _, held = http_json("GET", "http://127.0.0.1:8102/v1/tapc/held")
-        workers = json.loads(held)["workers"]
+        for _ in range(50):   # saved requests' captures go back once the writer thread has written them
+            _, held = http_json("GET", "http://127.0.0.1:8102/v1/tapc/held")
+            workers = json.loads(held)["workers"]
+            if not any(any(w.values()) for w in workers):
+                break
+            time.sleep(0.1)
         if any(any(w.values()) for w in workers):
             problems.append(f"the workers still hold something after every result was fetched: {workers}")
     finally:
         for proc in (vanilla, tapped):
             if proc is not None:
-                proc.terminate()
+                proc.terminate()   # SIGTERM: the tapc server commits its save folder's last shard
                 proc.wait(60)
+    if args.save:
+        problems += check_saved(save_dir, saved)
+        if not saved:
+            problems.append("--save: no request was saved")
     report(args, rows, problems, final=True)
     return 1 if problems else 0
 

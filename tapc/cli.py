@@ -120,6 +120,20 @@ def _named_block(text: str) -> tuple[str, str]:
     return name, path
 
 
+def _save_folder(args) -> dict | None:
+    """`--save-to` and its settings, as the server's save folder takes them (serving/saving.py)."""
+    if args.save_to is None:
+        return None
+    positions = args.save_positions
+    if positions not in ("all", "prompt", "generated", "last"):
+        try:
+            positions = [int(p) for p in positions.split(",")]
+        except ValueError:
+            raise TapcError(f"tapc serve: --save-positions {positions!r}: all, prompt, generated, last or "
+                            "a list of positions like 0,5,9") from None
+    return {"folder": args.save_to, "shard_tokens": args.save_shard_tokens, "positions": positions}
+
+
 def _serve(args, rest: list[str]) -> int:
     import shlex
 
@@ -137,13 +151,13 @@ def _serve(args, rest: list[str]) -> int:
         kwargs.pop("params")       # the server loads them from the spec
         kwargs.pop("blocks")       # each worker imports them, by the spec's paths
         argv = serve_argv(model, taps, capture_dtype=kwargs.pop("capture_dtype"), spec_path=args.target,
-                          engine=kwargs, extra=rest, blocks=spec.blocks)
+                          engine=kwargs, extra=rest, blocks=spec.blocks, save=_save_folder(args))
     else:
         if not args.tap:
             raise TapcError("tapc serve: give a spec .yaml, or a model and its taps (--tap ...)")
         blocks = dict(_named_block(b) for b in args.block)
         argv = serve_argv(args.target, args.tap, capture_dtype=args.capture_dtype, engine=engine, extra=rest,
-                          blocks=blocks)
+                          blocks=blocks, save=_save_folder(args))
     if args.print:
         print(shlex.join(["vllm", *argv]))
         return 0
@@ -193,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--block", action="append", default=[], metavar="NAME=MODULE:FUNCTION",
                     help="the function of a tap's block `point -> NAME`, imported by the server (repeat)")
     sv.add_argument("--capture-dtype", default=None, help="dtype captures are kept in (default: the model's)")
+    sv.add_argument("--save-to", default=None, metavar="FOLDER",
+                    help="requests asking `save: true` have their captures written here, as `tapc harvest` "
+                         "writes them (one API server process)")
+    sv.add_argument("--save-positions", default="all", help="positions saved (all, prompt, generated, last, or 0,5,9)")
+    sv.add_argument("--save-shard-tokens", type=int, default=1_000_000, help="rows a saved shard holds")
     sv.add_argument("--print", action="store_true", help="print the vllm serve command instead of running it")
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "serve":

@@ -38,15 +38,21 @@ class TapcClient:
 
     @staticmethod
     def ask(capture: str | Sequence[str] = (), positions: str | Sequence[int] = "all", params: dict | None = None,
-            inline: bool = False) -> dict:
+            inline: bool = False, save: bool = False) -> dict:
         """A request's taps as `extra_body`: `params` values are numbers, lists of numbers, or
-        the names of registered vectors; `inline`: its results come in its response."""
-        params = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in (params or {}).items()}
-        capture = [capture] if isinstance(capture, str) else list(capture)
-        ask = {"capture": capture, "positions": positions if isinstance(positions, str) else list(positions),
-               "params": params}
-        if inline:
-            ask["inline"] = True
+        the names of registered vectors; `inline`: its results come in its response; `save`:
+        they go to the server's save folder (its keys and positions, unless named here), and
+        the response says under which request number (`saved`). Only what is given is sent."""
+        ask = {}
+        if capture:
+            ask["capture"] = [capture] if isinstance(capture, str) else list(capture)
+        if positions != "all":
+            ask["positions"] = positions if isinstance(positions, str) else list(positions)
+        if params:
+            ask["params"] = {k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in params.items()}
+        for flag, on in (("inline", inline), ("save", save)):
+            if on:
+                ask[flag] = True
         return {"vllm_xargs": {"tapc": json.dumps(ask)}}
 
     def register(self, name: str, vector) -> int:

@@ -124,23 +124,14 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
 
     from tapc.progress import HarvestProgress
 
-    if format not in FORMATS:
-        raise TapcError(f"format {format!r}: a harvest writes {' or '.join(FORMATS)}")
-    keys = [k for k in llm.plan.capture_keys if k not in ENGINE_POINTS]
-    if not keys:
-        raise TapcError("the plan captures nothing in the graph: a harvest needs a capture tap "
-                        "(e.g. model.layers.*.resid)")
-    skipped = [k for k in llm.plan.capture_keys if k in ENGINE_POINTS]
-    if skipped:
-        log.warning("tapc harvest: %s not written (one row per generated token, not per position)", ", ".join(skipped))
     params = sampling_params or SamplingParams(max_tokens=1, temperature=0.0)
-    taps = {t.key: t for t in llm.plan.taps if t.action == "capture"}
-    layout, settings = _layout(llm.plan, keys, taps, Path(out_dir), format=format, dtype=dtype,
-                               shard_tokens=shard_tokens, context_size=context_size, positions=positions)
-    settings.update(max_tokens=params.max_tokens, split=list(split), source=source or {"kind": "prompts"})
     folder = Path(out_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    manifest = _start(folder, llm.plan, keys, positions, settings, {k: describe(taps[k]) for k in keys})
+    layout, manifest = open_folder(llm.plan, folder, format=format, dtype=dtype, shard_tokens=shard_tokens,
+                                   context_size=context_size, positions=positions,
+                                   more={"max_tokens": params.max_tokens, "split": list(split),
+                                         "source": source or {"kind": "prompts"}})
+    keys = list(layout.keys)
+    taps = {t.key: t for t in llm.plan.taps if t.action == "capture"}
     if manifest.complete:
         log.warning("tapc harvest: %s already holds this harvest, complete: nothing to do", folder)
         return manifest
@@ -204,6 +195,34 @@ def _counting_nonfinite(llm):
         yield
     finally:
         llm.llm.collective_rpc("tapc_count_nonfinite", args=(False,))
+
+
+def harvest_keys(plan) -> list[str]:
+    """The keys a harvest of `plan` writes: its in-graph captures (`logits` and `samples` have
+    one row per generated token, not per position)."""
+    keys = [k for k in plan.capture_keys if k not in ENGINE_POINTS]
+    if not keys:
+        raise TapcError("the plan captures nothing in the graph: a harvest needs a capture tap "
+                        "(e.g. model.layers.*.resid)")
+    skipped = [k for k in plan.capture_keys if k in ENGINE_POINTS]
+    if skipped:
+        log.warning("tapc harvest: %s not written (one row per generated token, not per position)", ", ".join(skipped))
+    return keys
+
+
+def open_folder(plan, folder: Path, *, format: str, dtype: str | None, shard_tokens: int, context_size: int | None,
+                positions, more: dict) -> tuple[Layout, Manifest]:
+    """The shard layout of a harvest of `plan`'s keys into `folder`, and the manifest to go on
+    with (the folder's own when it holds a harvest with these settings, `more` included)."""
+    if format not in FORMATS:
+        raise TapcError(f"format {format!r}: a harvest writes {' or '.join(FORMATS)}")
+    keys = harvest_keys(plan)
+    taps = {t.key: t for t in plan.taps if t.action == "capture"}
+    layout, settings = _layout(plan, keys, taps, folder, format=format, dtype=dtype, shard_tokens=shard_tokens,
+                               context_size=context_size, positions=positions)
+    settings.update(more)
+    folder.mkdir(parents=True, exist_ok=True)
+    return layout, _start(folder, plan, keys, positions, settings, {k: describe(taps[k]) for k in keys})
 
 
 def _layout(plan, keys, taps, folder: Path, *, format, dtype, shard_tokens, context_size, positions):

@@ -101,6 +101,12 @@ class TapSession:
 
     # ---------------------------------------------------------------- going in
 
+    @property
+    def taps_all(self) -> bool:
+        """Whether a request that asks for nothing is tapped too: blocks or engine points run for
+        every request, or engine-wide parameter values bind its edits."""
+        return self.every or bool(self.params)
+
     def with_defaults(self, ask: TapRequest | None) -> TapRequest | None:
         """A request's own parameter values over the engine's."""
         if not self.params:

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 from async_toy import ToyAsyncLLM
 from conftest import CONFIGS
 from engine_toy import HIDDEN, ToyModel, hooks_for, toy_plan
@@ -17,8 +18,10 @@ from safetensors.torch import load as load_safetensors
 from test_engine_cpu import check as check_rows
 
 from tapc.cli import main
+from tapc.errors import TapcError
 from tapc.plan import TapPlan
 from tapc.serving.launch import ENTRY, serve_argv, serve_env
+from tapc.serving.saving import SaveFolder
 from tapc.session import TapSession
 
 TAPS = ["model.layers.*.resid", "model.layers.1.resid | add(steer, alpha=2.0)"]
@@ -64,15 +67,18 @@ def test_the_plugin_entry_point_is_found_without_installing_tapc():
 # ----------------------------------------------------------------------------- the plugin in an app
 
 
-def stand_in_app(taps=TAPS, api_key=None, blocks=None, shared=None):
-    """An app with tapc's plugin whose /v1/completions runs the toy engine like vLLM's handler;
+def stand_in_app(taps=TAPS, api_key=None, blocks=None, shared=None, save=None, params=None):
+    """An app with tapc's plugin whose /v1/completions runs the toy engine like vLLM's handler
+    (`return_token_ids` too: the prompt's ids on the first choice, each event's new ids);
     `blocks` (name -> import path) registered on the toy worker as the server's worker does;
-    `shared`: the folder of several API server processes."""
+    `shared`: the folder of several API server processes; `save`: the save folder's settings;
+    `params`: engine-wide parameter values (a spec's `params:`)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
     from vllm import SamplingParams
 
     from tapc.serving.http import TapcEndpoints
+    from tapc.serving.saving import SaveFolder
     from tapc.serving.server import TapcServer
 
     plan = toy_plan(taps)
@@ -90,17 +96,25 @@ def stand_in_app(taps=TAPS, api_key=None, blocks=None, shared=None):
         sp = SamplingParams(max_tokens=body.get("max_tokens", 4), extra_args=dict(body.get("vllm_xargs") or {}) or None)
         rid = f"cmpl-{len(app.state.seen)}"
         stream = toy.generate({"prompt_token_ids": body["prompt"]}, sp, rid)
+        ids = body.get("return_token_ids")
         if not body.get("stream"):
             outs = [o async for o in stream]
             n = len(outs[-1].outputs[0].token_ids)
-            return JSONResponse({"id": rid, "choices": [{"tokens": outs[-1].outputs[0].token_ids}],
+            choice = {"tokens": outs[-1].outputs[0].token_ids}
+            if ids:
+                choice.update(prompt_token_ids=body["prompt"], token_ids=outs[-1].outputs[0].token_ids)
+            return JSONResponse({"id": rid, "choices": [choice],
                                  "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}})
 
         async def events():
             n = 0
             async for o in stream:
+                choice = {"token": o.outputs[0].token_ids[-1]}
+                if ids:
+                    choice.update(token_ids=list(o.outputs[0].token_ids[n:]), **({"prompt_token_ids": body["prompt"]}
+                                                                                  if n == 0 else {}))
                 n = len(o.outputs[0].token_ids)
-                yield f"data: {json.dumps({'choices': [{'token': o.outputs[0].token_ids[-1]}], 'usage': None})}\n\n"
+                yield f"data: {json.dumps({'choices': [choice], 'usage': None})}\n\n"
             if (body.get("stream_options") or {}).get("include_usage"):
                 usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
@@ -117,7 +131,8 @@ def stand_in_app(taps=TAPS, api_key=None, blocks=None, shared=None):
         from tapc.blockpaths import import_blocks
 
         hooks.points.runtime.register(import_blocks(blocks, "the engine's plan"))
-    app.state.tapc = TapcServer(toy, TapSession(plan, blocks=blocks or ()), shared=shared)
+    app.state.tapc = TapcServer(toy, TapSession(plan, params, blocks=blocks or ()), shared=shared,
+                                save=SaveFolder(plan, **save) if save else None)
     return app, hooks
 
 
@@ -209,6 +224,24 @@ def test_bad_tapped_requests_get_400_with_the_request_errors_words(body, words):
         assert r.status_code == 400 and r.json()["error"]["type"] == "BadRequestError"
         assert words in r.json()["error"]["message"], r.json()
         assert app.state.seen == [], "vLLM never saw it"
+
+
+def test_engine_wide_values_steer_requests_that_ask_for_nothing():
+    """A spec's `params:` bind edits for every request: one that sends no `vllm_xargs` is
+    tapped too (the middleware reads its body, which it skips when nothing taps such a request)."""
+    v = np.random.default_rng(1).standard_normal(HIDDEN) * 20
+    app, _ = stand_in_app(params={"steer": v})
+    prompt = [4, 8, 15, 16, 23, 42]
+    with client(app) as c:
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
+        assert r.status_code == 200 and "x-tapc-id" in r.headers, "tapped, asking for nothing"
+        sent = app.state.seen[-1]
+        assert '"steer"' in sent["vllm_xargs"]["tapc"] and sent["cache_salt"].startswith("tapc-"), \
+            "the engine's value travels to the worker, and the steered KV is salted"
+    plain = stand_in_app()[0]
+    with client(plain) as c:
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4})
+    assert "x-tapc-id" not in r.headers and "vllm_xargs" not in plain.state.seen[-1], "without them: untapped"
 
 
 def test_vectors_registered_by_name_steer_and_share_a_salt():
@@ -557,6 +590,21 @@ def test_the_plugin_shares_a_folder_only_with_several_api_servers(monkeypatch, t
     two = server_for(object(), NS(additional_config=config, api_server_count=2))
     assert isinstance(one.results, MemoryResults) and isinstance(two.results, FolderResults)
     assert two.results.folder == str(tmp_path)
+    saving = {"tapc": {**config["tapc"], "save": {"folder": str(tmp_path / "acts"), "positions": "all"}}}
+    with pytest.raises(TapcError, match="writes one folder's shards from one process: run it with --api-server-count 1"):
+        server_for(object(), NS(additional_config=saving, api_server_count=2))
+
+
+def test_tapc_serve_save_to_puts_the_save_folder_in_the_servers_config(capsys, tmp_path):
+    assert main(["serve", LLAMA, "--tap", "model.layers.0.resid", "--save-to", str(tmp_path / "acts"),
+                 "--save-positions", "0,3", "--print"]) == 0
+    import shlex
+
+    cmd = shlex.split(capsys.readouterr().out)
+    config = json.loads(cmd[cmd.index("--additional-config") + 1])
+    assert config["tapc"]["save"] == {"folder": str(tmp_path / "acts"), "shard_tokens": 1_000_000, "positions": [0, 3]}
+    assert main(["serve", LLAMA, "--tap", "model.layers.0.resid", "--save-to", "x", "--save-positions", "some"]) == 2
+    assert "--save-positions 'some': all, prompt, generated, last" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- results inline
@@ -581,3 +629,78 @@ def test_results_too_large_to_come_inline_wait_for_their_fetch(monkeypatch):
         assert resp.model_extra["tapc"]["fetch"] == f"/v1/tapc/results/{tid}"
         assert "more than the 100 a response carries inline" in resp.model_extra["tapc"]["why"]
         check_rows(as_req(prompt, resp.choices[0].tokens), tc.inline(resp), "all")
+
+
+def test_saved_requests_are_written_to_the_save_folder_as_a_harvest(tmp_path):
+    """`save: true`: the response carries the request's number (in the JSON body, or in one more
+    streamed event), and its rows land in the save folder's shards under that number, in the
+    order responses completed, with their token ids and positions, equal to the toy run alone
+    (a steered request's under its steering); a response that failed gets no number; asks that
+    name other captures or positions, or ask inline too, get 400; a server started again on the
+    folder numbers on."""
+    import time
+
+    from tapc.data import Shards
+    from tapc.harvest import Manifest
+
+    folder = tmp_path / "acts"
+    save = {"folder": str(folder), "shard_tokens": 16, "positions": "all"}
+    app, hooks = stand_in_app(save=save)
+    rng = np.random.default_rng(5)
+    steer = rng.standard_normal(HIDDEN).astype(np.float32)
+    asks = [({"stream": False}, {}), ({"stream": True}, {}), ({"stream": False}, {"params": {"steer": steer.tolist()}}),
+            ({"stream": True}, {"capture": "*", "positions": "all"})]
+    sent = []
+    with client(app) as c:
+        for k, (how, ask) in enumerate(asks):
+            prompt = rng.integers(0, 50, 6 + 3 * k).tolist()
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, **how,
+                                                "vllm_xargs": xargs(save=True, **ask)})
+            assert r.status_code == 200, r.text
+            if how["stream"]:
+                events = [json.loads(line[6:]) for line in r.text.splitlines()
+                          if line.startswith("data: {")]
+                tokens = [e["choices"][0]["token"] for e in events if e["choices"]]
+                got = events[-1]["tapc"]
+            else:
+                tokens, got = r.json()["choices"][0]["tokens"], r.json()["tapc"]
+            assert got == {"id": r.headers["x-tapc-id"], "saved": k}, got
+            sent.append((prompt, tokens, ask))
+        from tapc.client import TapcClient
+
+        tc = TapcClient("http://testserver/v1", http_client=c)
+        prompt = rng.integers(0, 50, 7).tolist()
+        resp, tid = tc.complete(model="toy", prompt=prompt, max_tokens=3, taps=tc.ask(save=True))
+        assert resp.model_extra["tapc"] == {"id": tid, "saved": len(sent)}, "the Python client asks to save too"
+        sent.append((prompt, resp.choices[0].tokens, {}))
+        failed = c.post("/v1/completions", json={"prompt": "boom", "vllm_xargs": xargs(save=True)})
+        assert failed.status_code == 500
+        for ask, words in [({"save": True, "positions": "prompt"}, "this server saves positions 'all', not 'prompt'"),
+                           ({"save": True, "capture": ["model.layers.0.resid"]}, "captures this server's save keys"),
+                           ({"save": True, "inline": True}, "asks for its results inline and saved"),
+                           ({"save": True, "echo": True}, "cannot `echo` its prompt")]:
+            echo = {"echo": ask.pop("echo")} if "echo" in ask else {}
+            r = c.post("/v1/completions", json={"prompt": [1, 2], **echo, "vllm_xargs": xargs(**ask)})
+            assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+        deadline = time.monotonic() + 30
+        while app.state.tapc._ending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        app.state.tapc.save.close()
+    m = Manifest.read(folder)
+    assert m.complete and not m.failed and m.settings["source"] == {"kind": "server"}
+    shards = Shards(folder)
+    cols = {k: torch.cat([shards.load(k, i) for i in range(len(m.shards))]) for k in (*m.keys, "request", "token_ids",
+                                                                                     "position")}
+    assert cols["request"].unique().tolist() == list(range(len(sent)))
+    for n, (prompt, tokens, ask) in enumerate(sent):
+        mine = cols["request"] == n
+        seq = prompt + tokens[:-1]
+        assert cols["token_ids"][mine].tolist() == seq and cols["position"][mine].tolist() == list(range(len(seq)))
+        # the plan captures layer 1's residual before its steering (plan order), later layers after
+        edits = [(1, torch.from_numpy(steer), 2.0, "all")] if "params" in ask else ()
+        before = {"model.layers.0.resid", "model.layers.1.resid"}
+        check_rows(as_req(prompt, tokens), {k: cols[k][mine] for k in m.keys if k in before}, "all")
+        check_rows(as_req(prompt, tokens), {k: cols[k][mine] for k in m.keys if k not in before}, "all", edits)
+    again = SaveFolder(toy_plan(TAPS), **save)
+    assert again.number() == len(sent), "a server started again numbers on after the folder's last request"
+    again.close()

@@ -6,22 +6,34 @@
 `capture` and `positions` as in `TapRequest`; in `params` a string names a vector registered
 on the server (`POST /v1/tapc/vectors`), a number or a list of numbers is the value itself;
 `inline: true` brings the results back in the response itself (http.py) rather than from the
-results route. No code: blocks are named in the server's plan, never sent.
+results route; `save: true` writes them to the server's save folder (saving.py). No code:
+blocks are named in the server's plan, never sent.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from tapc.engine.requests import TapRequest
 from tapc.errors import RequestError
 
-FIELDS = ("capture", "positions", "params", "inline")
+FIELDS = ("capture", "positions", "params", "inline", "save")
 
 
-def parse_ask(text, vectors: Mapping, where: str) -> tuple[TapRequest, bool]:
-    """`vllm_xargs["tapc"]` as a TapRequest (checked against the plan later, by the session)
-    and whether its results go inline."""
+@dataclass(frozen=True)
+class HttpAsk:
+    """`request` (checked against the plan later, by the session); whether its results go
+    `inline` or are `save`d; the fields the client `given`."""
+
+    request: TapRequest
+    inline: bool = False
+    save: bool = False
+    given: frozenset = frozenset()
+
+
+def parse_ask(text, vectors: Mapping, where: str) -> HttpAsk:
+    """`vllm_xargs["tapc"]` as an HttpAsk."""
     if not isinstance(text, str):
         raise RequestError(f"{where}: vllm_xargs.tapc must be a JSON string (vLLM's vllm_xargs holds strings, "
                            f"numbers and lists), got a {type(text).__name__}")
@@ -47,7 +59,12 @@ def parse_ask(text, vectors: Mapping, where: str) -> tuple[TapRequest, bool]:
                                    f"(POST /v1/tapc/vectors; registered: {known})")
             value = vectors[value]
         bound[name] = value
-    inline = d.get("inline", False)
-    if not isinstance(inline, bool):
-        raise RequestError(f"{where}: vllm_xargs.tapc inline must be true or false, got {inline!r}")
-    return TapRequest(capture=d.get("capture", ()), positions=d.get("positions", "all"), params=bound), inline
+    flags = {}
+    for flag in ("inline", "save"):
+        flags[flag] = d.get(flag, False)
+        if not isinstance(flags[flag], bool):
+            raise RequestError(f"{where}: vllm_xargs.tapc {flag} must be true or false, got {flags[flag]!r}")
+    if flags["inline"] and flags["save"]:
+        raise RequestError(f"{where}: vllm_xargs.tapc asks for its results inline and saved; ask for one")
+    request = TapRequest(capture=d.get("capture", ()), positions=d.get("positions", "all"), params=bound)
+    return HttpAsk(request, flags["inline"], flags["save"], frozenset(d))

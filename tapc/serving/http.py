@@ -27,7 +27,7 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tapc.errors import RequestError
+from tapc.errors import RequestError, TapcError
 
 log = logging.getLogger("tapc")
 
@@ -70,10 +70,19 @@ def server_for(engine_client, args):
 
         params = load_spec(tapc["spec"]).param_values() or None
     # several API server processes (`--api-server-count`) share vectors and results through a folder
-    shared = shared_folder() if (getattr(args, "api_server_count", None) or 1) > 1 else None
+    several = (getattr(args, "api_server_count", None) or 1) > 1
+    shared = shared_folder() if several else None
+    plan = TapPlan.from_json(tapc["plan"])
+    save = None
+    if tapc.get("save"):
+        from tapc.serving.saving import SaveFolder
+
+        if several:
+            raise TapcError("tapc serve --save-to writes one folder's shards from one process: run it with "
+                            "--api-server-count 1")
+        save = SaveFolder(plan, **tapc["save"])
     # the plan's blocks run on the workers, which import them (worker.py): requests need not send any
-    return TapcServer(engine_client, TapSession(TapPlan.from_json(tapc["plan"]), params, tapc.get("blocks") or ()),
-                      shared=shared)
+    return TapcServer(engine_client, TapSession(plan, params, tapc.get("blocks") or ()), shared=shared, save=save)
 
 
 def error(status: int, message: str):
@@ -169,6 +178,10 @@ class TapcMiddleware:
             body += message.get("body", b"")
             more = message.get("more_body", False)
         tid = None
+        if b'"vllm_xargs"' not in body and not server.session.taps_all:
+            # untapped (asks are in vllm_xargs): not parsed, as the API server's one thread has
+            # vLLM's own work to do
+            return await self.app(scope, _replay(body, receive), send)
         try:
             data = json.loads(body)
             if isinstance(data, dict):
@@ -186,14 +199,14 @@ class TapcMiddleware:
     async def _forward(self, scope, receive, send, server, tid, stream: bool):
         if tid is None:
             return await self.app(scope, receive, send)
-        seen = Usage(stream)
+        seen = Usage(stream, tokens=tid in server.saving)
         state = {"status": 0, "done": False, "ended": False}
         inline = tid in server.inlined
         held = []   # the start of a non-streamed inline response: its length changes
 
         async def results() -> dict:
             state["ended"] = True
-            return await server.inline(tid, seen.usage())
+            return await server.inline(tid, seen.usage(), seen.token_ids())
 
         async def send_tapped(message):
             if message["type"] == "http.response.start":
@@ -255,26 +268,38 @@ def _replay(body: bytes, receive):
 
 class Usage:
     """The `usage` object of a response: the JSON body's, or the last one of a stream's
-    server-sent events (`data: {...}` lines)."""
+    server-sent events (`data: {...}` lines); with `tokens`, also its prompt's and its generated
+    token ids (`return_token_ids`: on the choices, or for chat the prompt's at the top)."""
 
-    def __init__(self, stream: bool):
+    def __init__(self, stream: bool, tokens: bool = False):
         self.stream = stream
         self.body = bytearray()
         self.last = None
         self.event: dict = {}   # the last event that carried a usage (its id, object, created, model)
+        self.tokens = tokens
+        self.prompt_ids: list | None = None
+        self.generated: list = []
 
     def feed(self, chunk: bytes) -> None:
         if not self.stream:
             self.body += chunk
             return
-        if b'"usage"' not in chunk:
+        if not self.tokens and b'"usage"' not in chunk:
             return
         for line in chunk.split(b"\n"):
-            if line.startswith(b"data: {") and b'"usage"' in line:
+            if line.startswith(b"data: {") and (self.tokens or b'"usage"' in line):
                 event = json.loads(line[6:])
+                if self.tokens:
+                    self._take_tokens(event)
                 if event.get("usage"):
                     self.last = event["usage"]
                     self.event = {k: event[k] for k in ("id", "object", "created", "model") if k in event}
+
+    def _take_tokens(self, event: dict) -> None:
+        for choice in event.get("choices") or []:
+            self.prompt_ids = choice.get("prompt_token_ids") or self.prompt_ids
+            self.generated += choice.get("token_ids") or []
+        self.prompt_ids = event.get("prompt_token_ids") or self.prompt_ids
 
     def usage(self) -> dict | None:
         if self.stream:
@@ -283,3 +308,14 @@ class Usage:
             return json.loads(bytes(self.body)).get("usage")
         except ValueError:
             return None
+
+    def token_ids(self) -> tuple[list, list] | None:
+        """(prompt, generated) token ids, when asked for and the response had them."""
+        if not self.tokens:
+            return None
+        if not self.stream:
+            try:
+                self._take_tokens(json.loads(bytes(self.body)))
+            except ValueError:
+                return None
+        return None if self.prompt_ids is None else (self.prompt_ids, self.generated)

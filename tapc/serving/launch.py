@@ -25,9 +25,11 @@ ENTRY = "tapc = tapc.serving.http:TapcEndpoints"
 
 
 def serve_argv(model: str, taps: list[str], *, capture_dtype: str | None = None, spec_path: str | None = None,
-               engine: dict | None = None, extra: list[str] = (), blocks: dict[str, str] | None = None) -> list[str]:
+               engine: dict | None = None, extra: list[str] = (), blocks: dict[str, str] | None = None,
+               save: dict | None = None) -> list[str]:
     """`vllm serve`'s arguments (after the program name) for this plan. `blocks`: the plan's
-    Python blocks by import path ('package.module:function'); each worker imports them."""
+    Python blocks by import path ('package.module:function'); each worker imports them. `save`:
+    the save folder's settings (saving.py: `folder`, `shard_tokens`, `positions`)."""
     from tapc.api import plan_for
     from tapc.engine.config import engine_kwargs
     from tapc.blockpaths import import_blocks
@@ -42,6 +44,11 @@ def serve_argv(model: str, taps: list[str], *, capture_dtype: str | None = None,
         # before vLLM starts (the server's Python is this one)
         plan_blocks(plan, import_blocks(blocks, "tapc serve"))
         args["additional_config"]["tapc"]["blocks"] = dict(blocks)
+    if save:
+        from tapc.harvest import harvest_keys
+
+        harvest_keys(plan)   # a plan with nothing to save is said now, not at the server's start
+        args["additional_config"]["tapc"]["save"] = {**save, "folder": os.path.abspath(save["folder"])}
     return ["serve", model, *flags(args), *extra]
 
 

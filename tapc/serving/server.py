@@ -34,8 +34,9 @@ from tapc.async_engine import Collector
 from tapc.engine.protocol import WireRequest
 from tapc.errors import RequestError
 from tapc.prefix import salted
-from tapc.serving.asks import parse_ask
+from tapc.serving.asks import HttpAsk, parse_ask
 from tapc.serving.results import FolderResults, MemoryResults, Reply, Stored, safetensors_bytes
+from tapc.serving.saving import SaveFolder
 from tapc.session import TapSession
 
 log = logging.getLogger("tapc")
@@ -47,11 +48,16 @@ class TapcServer:
     """`engine`: vLLM's engine client (its `collective_rpc`); `session`: the plan's session;
     `shared`: the folder the server's API processes share, where there are several."""
 
-    def __init__(self, engine, session: TapSession, keep_s: float = 600.0, shared: str | None = None):
+    def __init__(self, engine, session: TapSession, keep_s: float = 600.0, shared: str | None = None,
+                 save: SaveFolder | None = None):
         self.session = session
         self.collector = Collector(engine, session)
         self.running: dict[str, WireRequest] = {}
-        self.inlined: set[str] = set()          # running requests whose results go in their response
+        # running requests whose response carries their `tapc` object: their results (inline),
+        # or, for those in `saving`, their number in the save folder
+        self.inlined: set[str] = set()
+        self.save = save                        # the save folder (saving.py), where the server has one
+        self.saving: set[str] = set()
         self._ending: set[asyncio.Task] = set()   # finished/abandoned tasks, referenced until done
         # results not fetched within keep_s are dropped
         self.results = (FolderResults(shared, keep_s, self.collector.flush) if shared
@@ -63,7 +69,13 @@ class TapcServer:
         """The body vLLM must see, and the request's tapc id (None: it runs untapped)."""
         xargs = body.get("vllm_xargs") or {}
         raw = xargs.get("tapc")
-        ask, inline = parse_ask(raw, self.results.vectors(), where) if raw is not None else (None, False)
+        asked = parse_ask(raw, self.results.vectors(), where) if raw is not None else HttpAsk(None)
+        ask = asked.request
+        if asked.save:
+            if self.save is None:
+                raise RequestError(f"{where}: this server has no save folder (start it with `tapc serve ... "
+                                   "--save-to FOLDER`); ask for the results by id or inline")
+            ask = self.save.ask(asked, where)
         checked = self.session.check(ask, where)
         if checked is None:
             return body, None
@@ -80,8 +92,14 @@ class TapcServer:
         body = salted({**body, "vllm_xargs": {**xargs, "tapc": wire.to_text()}}, salt)
         if body.get("stream"):
             body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        if asked.save:   # the saved rows' token_ids column: the response says which tokens they were
+            if body.get("echo"):
+                raise RequestError(f"{where}: a saving request cannot `echo` its prompt (its token ids would "
+                                   "mix with the generated ones)")
+            body["return_token_ids"] = True
+            self.saving.add(wire.id)
         self.running[wire.id] = wire
-        if inline:
+        if asked.inline or asked.save:
             self.inlined.add(wire.id)
         else:
             self.results.begin(wire.id)
@@ -98,10 +116,19 @@ class TapcServer:
         """The response of `tid` went out whole; `usage` is its usage object."""
         await self.results.put(tid, await self._result(tid, usage))
 
-    async def inline(self, tid: str, usage: dict | None) -> dict:
+    async def inline(self, tid: str, usage: dict | None, tokens: tuple[list, list] | None = None) -> dict:
         """The results of `tid`, which asked for them inline, as the `tapc` object its response
         carries: `{"id", "safetensors": base64}`; or, past `INLINE_MAX` bytes, `{"id", "fetch":
-        route, "why"}` (they wait for that fetch); or `{"id", "error"}` when they cannot be sent."""
+        route, "why"}` (they wait for that fetch); or `{"id", "error"}` when they cannot be sent.
+        For a saving request, at once: `{"id", "saved": n}`, its number in the save folder, while
+        its rows go there (`tokens`: its prompt's and its generated token ids, from the response)."""
+        if tid in self.saving:
+            self.saving.discard(tid)
+            n = self.save.number()
+            task = asyncio.get_running_loop().create_task(self._save(tid, usage, tokens, n))
+            self._ending.add(task)
+            task.add_done_callback(self._ending.discard)
+            return {"id": tid, "saved": n}
         stored = await self._result(tid, usage)
         size = sum(t.numel() * t.element_size() for t in stored.taps.values())
         if size > INLINE_MAX:
@@ -116,6 +143,17 @@ class TapcServer:
             stored.drop_tensors()
             self.collector.flush()
         return {"id": tid, "safetensors": base64.b64encode(data).decode()}
+
+    async def _save(self, tid: str, usage: dict | None, tokens: tuple[list, list] | None, n: int) -> None:
+        stored = await self._result(tid, usage)
+        error = stored.error
+        if tokens is None and error is None:
+            error = RequestError(f"request {tid}: its response carried no token ids, so its rows cannot be saved")
+        prompt, generated = tokens or ((), ())
+        try:   # the writer drops the tensors once written; their chunks go back with a later collect
+            await self.save.put(n, prompt, generated, stored.taps if error is None else {}, error)
+        except Exception as e:   # the writer failed: the folder stops taking rows, the server goes on
+            log.error("tapc: request %s (saved as %d) could not be written: %s", tid, n, e)
 
     async def _result(self, tid: str, usage: dict | None) -> Stored:
         wire = self.running.pop(tid)
@@ -143,6 +181,7 @@ class TapcServer:
         if self.running.pop(tid, None) is None:
             return
         self.inlined.discard(tid)
+        self.saving.discard(tid)   # no number: a response that did not complete is not saved
         self.collector.drop(tid)
         await self.results.put(tid, Stored({}, {}, RequestError(f"request {tid}: its response did not complete "
                                                                 "(aborted); its taps are dropped")))
