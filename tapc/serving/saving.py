@@ -10,7 +10,8 @@ positions. It gets its number when its response has gone out whole, in that orde
 the JSON body or in one more streamed event). Its rows then go to the writer thread; a request
 whose taps failed, or whose captures hold a NaN or inf, is listed in the manifest's `failed`
 instead. A request whose response did not complete (aborted, failed) gets no number and is not
-in the folder. Shards are committed when full and when the server stops (SIGTERM, Ctrl-C); a
+in the folder. Shards are committed when full and when the server stops (SIGTERM, Ctrl-C; a
+request still being collected then is listed as failed); a
 server killed outright loses the rows after the last committed shard, and a server started
 again on the folder numbers on after it. One API server process only: two writers cannot
 share one folder's shards. The captures waiting for the writer stay where the engine put them
@@ -54,6 +55,7 @@ class SaveFolder:
         if cut:   # listed with the next shard
             self.writer.record.failed.append({"request": seq, "error": f"its first {row} rows are in the last "
                                                                       "shard; the server stopped before the rest"})
+        self.unsent: set[int] = set()   # numbers given whose rows have not gone to the writer
         self.closed = False
         atexit.register(self.close)
 
@@ -75,19 +77,26 @@ class SaveFolder:
     def number(self) -> int:
         """The next request's number (its `request` column): in the order responses complete."""
         self.next += 1
+        self.unsent.add(self.next - 1)
         return self.next - 1
 
     async def put(self, n: int, prompt_token_ids, token_ids, taps: dict, error) -> None:
         """Request `n`'s rows (or its error) to the writer, which writes them in number order."""
         out = NS(prompt_token_ids=list(prompt_token_ids), outputs=[NS(token_ids=list(token_ids))], taps=taps,
                  error=error)
+        self.unsent.discard(n)
         await asyncio.to_thread(self.writer.put, [Done(n, n, out, 0)])
 
     def close(self) -> None:
-        """Write what is left, commit the last shard and the manifest (at the server's exit)."""
+        """Write what is left, commit the last shard and the manifest (at the server's exit).
+        Numbers given to requests whose rows never reached the writer (the server stopped while
+        they were collected) are listed as failed, so the rows after them are still written."""
         if self.closed:
             return
         self.closed = True
+        for n in sorted(self.unsent):
+            why = TapcError("the server stopped before its captures were collected")
+            self.writer.put([Done(n, n, NS(error=why), 0)])
         try:
             self.writer.close()
         except TapcError as e:
