@@ -111,6 +111,15 @@ class HookTimer:
         self.hooks, self.spent = hooks, {name: [0, 0.0] for name in self.HOOKS}
         for name in self.HOOKS:
             setattr(hooks, name, self._timed(name, getattr(hooks, name)))
+        # steps that repeated the last decode step (fill.Repeat: no fill, no upload)
+        self.repeated, repeat = 0, hooks._repeat
+        same = repeat.same
+
+        def counted(batch):
+            got = same(batch)
+            self.repeated += got is not None
+            return got
+        repeat.same = counted
 
     def _timed(self, name, fn):
         def timed(*args, **kwargs):
@@ -125,7 +134,10 @@ class HookTimer:
     def stop(self) -> dict:
         for name in self.HOOKS:
             del self.hooks.__dict__[name]   # the class's methods again
-        return {name: {"calls": n, "us_per_call": s / n * 1e6 if n else 0.0} for name, (n, s) in self.spent.items()}
+        del self.hooks._repeat.__dict__["same"]
+        out = {name: {"calls": n, "us_per_call": s / n * 1e6 if n else 0.0} for name, (n, s) in self.spent.items()}
+        out["begin_step"]["repeated"] = self.repeated
+        return out
 
 
 class DeviceTimer:
@@ -283,8 +295,9 @@ def main():
         print(f"{name}: {tok_s:.1f} tok/s", flush=True)
         details += [f"## {name}", ""]
         if got["hooks"]:
-            details += ["| tapc hook (worker) | GPU | calls | us per call |", "|---|---:|---:|---:|",
-                        *[f"| `{h}` | {rank} | {v['calls']} | {v['us_per_call']:.1f} |"
+            details += ["| tapc hook (worker) | GPU | calls | us per call | steps that repeated the last |",
+                        "|---|---:|---:|---:|---:|",
+                        *[f"| `{h}` | {rank} | {v['calls']} | {v['us_per_call']:.1f} | {v.get('repeated', '')} |"
                           for rank, r in enumerate(ranks) for h, v in r["hooks"].items()], ""]
         worker = "engine-core process" if args.tp == 1 else "GPU 0's worker process"
         for where, threads in ((worker, core), ("caller's process", api)):
