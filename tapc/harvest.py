@@ -88,6 +88,11 @@ class Manifest:
         self.failed += record.failed
         self.prompts = record.end[0]
 
+    def reopen(self) -> None:
+        """Go on after the last shard: what came after it (failures, statistics) is redone."""
+        self.unwritten, self.complete = None, False
+        self.failed = [f for s in self.shards for f in s.failed]
+
     def finish(self, records: list[ShardRecord] | None = None) -> None:
         """Per-key statistics over every shard (or `records`: a merge's); the harvest is complete."""
         if records is None:
@@ -135,6 +140,7 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
     if manifest.complete:
         log.warning("tapc harvest: %s already holds this harvest, complete: nothing to do", folder)
         return manifest
+    manifest.reopen()   # the prompts after the last shard run again: their failures too
     start = manifest.shards[-1].end if manifest.shards else [0, 0]
     window = Window(window_tokens or WINDOW_STEPS * llm.plan.max_num_batched_tokens)
     row_bytes = sum(t.width * getattr(torch, t.dtype).itemsize for t in taps.values())
@@ -256,8 +262,9 @@ def _layout(plan, keys, taps, folder: Path, *, format, dtype, shard_tokens, cont
 
 
 def _start(folder: Path, plan, keys, positions, settings, hooks) -> Manifest:
-    """The manifest to go on with: the folder's own when it holds this harvest, else a new one
-    (written now, so a restart knows the settings even before the first shard)."""
+    """The folder's manifest when it holds a harvest with these settings (as written: complete
+    or not), else a new one (written now, so a restart knows the settings even before the
+    first shard)."""
     if (folder / MANIFEST).is_file():
         m = Manifest.read(folder)
         theirs = {"plan digest": m.plan_digest, **m.settings}
@@ -266,8 +273,6 @@ def _start(folder: Path, plan, keys, positions, settings, hooks) -> Manifest:
         if diff:
             raise TapcError(f"{folder} holds another harvest ({diff[0]}: {theirs.get(diff[0])!r} there, "
                             f"{ours[diff[0]]!r} now): harvest into a new folder, or run the same command")
-        m.unwritten, m.complete = None, False
-        m.failed = [f for s in m.shards for f in s.failed]
         return m
     if any(folder.glob("shard-*.safetensors")) or any(folder.glob("data-*.arrow")):
         raise TapcError(f"{folder} holds shards but no {MANIFEST}: harvest into an empty folder")

@@ -704,5 +704,9 @@ def test_saved_requests_are_written_to_the_save_folder_as_a_harvest(tmp_path):
     again = SaveFolder(toy_plan(TAPS), **save)
     assert again.number() == len(sent), "a server started again numbers on after the folder's last request"
     again.close()   # that number never reached the writer: listed, not waited for
-    assert Manifest.read(folder).failed == [{"request": len(sent), "error": "the server stopped before its captures "
-                                                                           "were collected"}]
+    lost = {"request": len(sent), "error": "the server stopped before its captures were collected"}
+    assert Manifest.read(folder).failed == [lost]
+    third = SaveFolder(toy_plan(TAPS), **save)
+    assert third.number() == len(sent) + 1, "a number given out before is not given again"
+    third.close()
+    assert Manifest.read(folder).failed == [lost, {**lost, "request": len(sent) + 1}], "earlier failures stay listed"

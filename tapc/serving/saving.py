@@ -44,7 +44,11 @@ class SaveFolder:
                                                  shard_tokens=shard_tokens, context_size=context_size,
                                                  positions=positions, more={"source": {"kind": "server"}})
         self.keys, self.positions = list(self.layout.keys), positions
+        # A server's requests cannot run again: the failures listed after the last shard stay.
+        before = self.manifest.unwritten.failed if self.manifest.unwritten else []
+        self.manifest.reopen()
         seq, row = self.manifest.shards[-1].end if self.manifest.shards else (0, 0)
+        seq = max(seq, self.manifest.prompts)   # numbers failed after the last shard were given already
         cut = row > 0   # a request cut by the last committed shard: the rest of its rows died with the server
         self.next = seq + cut
         # The server's captures wait in the writer's queue (bounded: a put waits, in a thread),
@@ -52,7 +56,8 @@ class SaveFolder:
         self.window = Window(1 << 62)
         self.writer = Writer(self.layout, self.window, self._commit, start=(self.next, 0),
                              first_shard=len(self.manifest.shards))
-        if cut:   # listed with the next shard
+        self.writer.record.failed += before   # listed again with the next shard
+        if cut:
             self.writer.record.failed.append({"request": seq, "error": f"its first {row} rows are in the last "
                                                                       "shard; the server stopped before the rest"})
         self.unsent: set[int] = set()   # numbers given whose rows have not gone to the writer
