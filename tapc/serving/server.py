@@ -14,7 +14,9 @@
   request held on the workers goes back.
 - `fetch(tid)`: a finished request's results, as safetensors bytes, once.
 - `inline(tid, usage)`: instead of `finished`, for a request that asked for its results in its
-  response (`inline: true`): them, base64 safetensors, while the response waits.
+  response (`inline: true`): them, base64 safetensors, while the response waits. For a request
+  that asked to `save` them (the server's save folder, saving.py): its number there, at once,
+  while its rows go to the folder's writer.
 
 With several API server processes (`--api-server-count`), each runs its own TapcServer over
 one folder they share (`shared`): a vector registered on one and a result finished on one are
