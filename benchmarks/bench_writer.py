@@ -58,7 +58,7 @@ def main():
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 4])
     args = ap.parse_args()
     torch.set_num_threads(1)   # as a harvest runs (tapc/harvest.py)
-    print(f"| keys | to | column threads | GB/s |\n|---:|---|---:|---:|")
+    print("| keys | to | column threads | GB/s |\n|---:|---|---:|---:|")
     for threads in args.threads:
         print(f"| {args.keys} | {args.dir} | {threads} | {run(args.keys, args.dir, args.requests, threads):.2f} |")
 
