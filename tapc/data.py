@@ -6,8 +6,9 @@
 
 One shard is in memory at a time (safetensors loads one tensor of it); shuffling permutes the
 shards and the rows within each, so a batch mixes the rows of one shard. `token_ids`, `request`
-and `position` are keys like the captures. An arrow harvest reads the same way, a row per
-token (its windows' rows in order); `Activations` mixes rows across shards for a DataLoader.
+and `position` are keys like the captures; `request(n)` gives one request's rows. An arrow
+harvest reads the same way, a row per token (its windows' rows in order); `Activations` mixes
+rows across shards for a DataLoader.
 """
 from __future__ import annotations
 
@@ -65,6 +66,21 @@ class Shards:
         col = table.column(self.manifest.hooks[key]["saelens_hook_name"]).combine_chunks().storage
         values = col.flatten().flatten().to_numpy()
         return torch.from_numpy(values.copy()).view(windows * c, -1)
+
+    def request(self, n: int) -> dict[str, torch.Tensor]:
+        """Every key's rows of request `n` (its `request` column: the prompt's index, or under
+        `tapc serve --save-to` the number its response carried), in position order. Each shard's
+        `request` column says whether it holds some: only those shards' keys are read."""
+        parts: dict[str, list[torch.Tensor]] = {}
+        for i in range(len(self.manifest.shards)):
+            mine = self.load("request", i) == n
+            if mine.any():
+                for key in self.keys:
+                    parts.setdefault(key, []).append(self.load(key, i)[mine])
+        if not parts:
+            why = next((f["error"] for f in self.manifest.failed if f["request"] == n), None)
+            raise TapcError(f"request {n} has no rows in {self.folder}" + (f": it failed: {why}" if why else ""))
+        return {key: torch.cat(rows) for key, rows in parts.items()}
 
     def batches(self, key: str, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                 drop_last: bool = False) -> Iterator[torch.Tensor]:

@@ -54,6 +54,8 @@ def test_shards_hold_every_row_of_every_request_in_order(tmp_path):
         ref = reference(req, keys)
         for k in keys:
             torch.testing.assert_close(cols[k][rows], ref[k], rtol=1e-5, atol=1e-5, msg=lambda s: f"prompt {i} {k}: {s}")
+        assert all(torch.equal(v, cols[k][rows]) for k, v in acts.request(i).items()), \
+            "one request's rows, across the shards it spans"
         start += n
     assert not hooks.by_id and not hooks.records
     for k in keys:   # the manifest's statistics: rows, min and max over every row written

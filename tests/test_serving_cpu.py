@@ -689,18 +689,19 @@ def test_saved_requests_are_written_to_the_save_folder_as_a_harvest(tmp_path):
     m = Manifest.read(folder)
     assert m.complete and not m.failed and m.settings["source"] == {"kind": "server"}
     shards = Shards(folder)
-    cols = {k: torch.cat([shards.load(k, i) for i in range(len(m.shards))]) for k in (*m.keys, "request", "token_ids",
-                                                                                     "position")}
-    assert cols["request"].unique().tolist() == list(range(len(sent)))
+    assert torch.cat([shards.load("request", i) for i in range(len(m.shards))]).unique().tolist() == \
+        list(range(len(sent))), "every number once, none for the failed response"
     for n, (prompt, tokens, ask) in enumerate(sent):
-        mine = cols["request"] == n
+        rows = shards.request(n)
         seq = prompt + tokens[:-1]
-        assert cols["token_ids"][mine].tolist() == seq and cols["position"][mine].tolist() == list(range(len(seq)))
+        assert rows["token_ids"].tolist() == seq and rows["position"].tolist() == list(range(len(seq)))
         # the plan captures layer 1's residual before its steering (plan order), later layers after
         edits = [(1, torch.from_numpy(steer), 2.0, "all")] if "params" in ask else ()
         before = {"model.layers.0.resid", "model.layers.1.resid"}
-        check_rows(as_req(prompt, tokens), {k: cols[k][mine] for k in m.keys if k in before}, "all")
-        check_rows(as_req(prompt, tokens), {k: cols[k][mine] for k in m.keys if k not in before}, "all", edits)
+        check_rows(as_req(prompt, tokens), {k: rows[k] for k in m.keys if k in before}, "all")
+        check_rows(as_req(prompt, tokens), {k: rows[k] for k in m.keys if k not in before}, "all", edits)
+    with pytest.raises(TapcError, match=f"request {len(sent)} has no rows in"):
+        shards.request(len(sent))
     again = SaveFolder(toy_plan(TAPS), **save)
     assert again.number() == len(sent), "a server started again numbers on after the folder's last request"
     again.close()   # that number never reached the writer: listed, not waited for
@@ -710,3 +711,5 @@ def test_saved_requests_are_written_to_the_save_folder_as_a_harvest(tmp_path):
     assert third.number() == len(sent) + 1, "a number given out before is not given again"
     third.close()
     assert Manifest.read(folder).failed == [lost, {**lost, "request": len(sent) + 1}], "earlier failures stay listed"
+    with pytest.raises(TapcError, match="it failed: the server stopped before its captures were collected"):
+        Shards(folder).request(len(sent))
