@@ -22,8 +22,9 @@ import torch
 
 from tapc.errors import TapcError
 
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64",
-                      torch.int32: "I32"}
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+                      torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8",
+                      torch.bool: "BOOL"}
 
 
 @dataclass(frozen=True)
@@ -39,11 +40,13 @@ class Column:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
-def _bytes(t: torch.Tensor) -> np.ndarray:
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes in row-major order: its own memory when it is contiguous, else a
+    copy (a capture that shares its storage rows with others of its group is strided)."""
     t = t.contiguous()
     if t.numel() == 1:   # "contiguous" whatever its stride: view() needs the stride to be 1
         t = torch.empty(t.shape, dtype=t.dtype).copy_(t)
-    return t.view(-1).view(torch.uint8).numpy()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def _write_tensors(fd: int, tensors: list[torch.Tensor], offset: int, observe=None) -> None:
@@ -57,7 +60,7 @@ def _write_tensors(fd: int, tensors: list[torch.Tensor], offset: int, observe=No
         t = t.contiguous()
         if observe is not None:
             observe(t)
-        views.append(memoryview(_bytes(t)))
+        views.append(tensor_bytes(t))
     _pwritev_all(fd, views, offset)
 
 

@@ -366,7 +366,8 @@ def test_blocks_are_named_by_import_path_and_run_for_every_served_request(tmp_pa
 def test_results_encode_as_safetensors_reads_them_with_every_dtype_and_the_metadata():
     """The streamed results (a header, then each tensor's own bytes) are what safetensors loads:
     values, dtypes and shapes of captures and saved tensors, metadata; a non-contiguous capture
-    is written in its logical order; a dtype safetensors has no name for is refused by name."""
+    is written in its logical order (one value with odd strides too); a dtype safetensors has no
+    name for is refused by name."""
     import torch
     from safetensors import safe_open
 
@@ -378,7 +379,8 @@ def test_results_encode_as_safetensors_reads_them_with_every_dtype_and_the_metad
     taps = {"model.layers.0.resid": torch.randn(5, 16, generator=g).to(torch.bfloat16),
             "model.layers.1.mlp.act_fn.output": wide[:, ::2],     # not contiguous
             "logits": torch.randn(3, 33, generator=g, dtype=torch.float64).float(),
-            "samples": torch.randint(0, 1000, (3,), generator=g)}
+            "samples": torch.randint(0, 1000, (3,), generator=g),
+            "one": wide.to(torch.bfloat16).as_strided((1, 1), (7, 3), 29)}   # one value, odd strides
     saved = {"probe": [torch.randn(2, 4, generator=g).half(), {"note": 1}, torch.tensor(True)],
              "ids": [torch.randint(-5, 5, (4,), dtype=torch.int32, generator=g), torch.tensor(7, dtype=torch.uint8)]}
     head, tensors = encode(Stored(taps, saved, RequestError("boom at layer 3")))

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tapc.errors import RequestError
+from tapc.shardfiles import SAFETENSORS_DTYPES, tensor_bytes
 
 CHUNK = 1 << 20   # bytes handed to the transport at a time (it buffers what the socket has not taken)
 
@@ -357,12 +358,12 @@ def encode(stored: Stored) -> tuple[bytes, list]:
                 other.setdefault(name, {})[str(i)] = v
     meta = {"error": "" if stored.error is None else str(stored.error), "error_type": _error_type(stored),
             "saved": json.dumps(other, default=repr)}
-    header, offset, names = {"__metadata__": meta}, 0, _dtype_names()
+    header, offset = {"__metadata__": meta}, 0
     for name, t in tensors.items():
-        if t.dtype not in names:
+        if t.dtype not in SAFETENSORS_DTYPES:
             raise RequestError(f"{name}: dtype {t.dtype} has no safetensors name")
         size = t.numel() * t.element_size()
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape),
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -374,20 +375,3 @@ def safetensors_bytes(stored: Stored) -> bytes:
     """A small result as one safetensors `bytes` (the inline form; large ones stream)."""
     head, tensors = encode(stored)
     return head + b"".join(tensor_bytes(t) for t in tensors)
-
-
-def tensor_bytes(t) -> memoryview:
-    """A CPU tensor's bytes in row-major order: its own memory when it is contiguous, else a
-    copy (a capture that shares its storage rows with others of its group is strided)."""
-    import torch
-
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
-
-
-def _dtype_names() -> dict:
-    """torch dtype -> its name in a safetensors header."""
-    import torch
-
-    return {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
-            torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8",
-            torch.bool: "BOOL"}
