@@ -53,19 +53,17 @@ class Store:
         """Room for the next n rows: the first one's row number (`span` says where they are),
         grown into a new chunk if they do not fit; None once the store has failed. This runs
         for every capturing request at every step: the usual case is two comparisons."""
-        if self.rows + n <= self.room:
-            first, self.rows = self.rows, self.rows + n
-            return first
-        if self.failed is not None:
-            return None
-        try:
-            self._grow(max(n - (self.room - self.rows), GROW_ROWS))
-        except RequestError as e:
-            # Its request fails at collect; the others' copies of this step go on. It never
-            # captures again (a later row after a gap would sit at the wrong position), and
-            # room = rows keeps every later call off the fast path above.
-            self.failed, self.room = str(e), self.rows
-            return None
+        if self.rows + n > self.room:
+            if self.failed is not None:
+                return None
+            try:
+                self._grow(max(n - (self.room - self.rows), GROW_ROWS))
+            except RequestError as e:
+                # Its request fails at collect; the others' copies of this step go on. It never
+                # captures again (a later row after a gap would sit at the wrong position), and
+                # room = rows keeps every later call here.
+                self.failed, self.room = str(e), self.rows
+                return None
         first, self.rows = self.rows, self.rows + n
         return first
 
