@@ -230,7 +230,7 @@ class TapcMiddleware:
                     if inlining and not stream:   # the whole JSON body, then the results in it
                         if not state["done"]:
                             return
-                        start, body = _with_results(held.pop(), seen.body, await results())
+                        start, body = _with_results(held.pop(), seen.parsed(), await results())
                         await send(start)
                         message = {**message, "body": body}
             await send(message)
@@ -243,11 +243,9 @@ class TapcMiddleware:
                 server.ended(tid, whole, seen.usage() if whole else None)
 
 
-def _with_results(start: dict, body: bytes, results: dict) -> tuple[dict, bytes]:
-    """A JSON response (its start and body) with the request's results under `tapc`."""
-    data = json.loads(body)
-    data["tapc"] = results
-    body = json.dumps(data).encode()
+def _with_results(start: dict, data: dict, results: dict) -> tuple[dict, bytes]:
+    """A JSON response (its start, and its body as parsed) with the request's results under `tapc`."""
+    body = json.dumps({**data, "tapc": results}).encode()
     headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
     return {**start, "headers": [*headers, (b"content-length", str(len(body)).encode())]}, body
 
@@ -277,6 +275,7 @@ class Usage:
         self.last = None
         self.event: dict = {}   # the last event that carried a usage (its id, object, created, model)
         self.tokens = tokens
+        self._json: dict | None = None
         self.prompt_ids: list | None = None
         self.generated: list = []
 
@@ -301,21 +300,23 @@ class Usage:
             self.generated += choice.get("token_ids") or []
         self.prompt_ids = event.get("prompt_token_ids") or self.prompt_ids
 
+    def parsed(self) -> dict:
+        """A JSON response's body, parsed once it is whole ({} if it is not JSON)."""
+        if self._json is None:
+            try:
+                data = json.loads(bytes(self.body))
+            except ValueError:
+                data = None
+            self._json = data if isinstance(data, dict) else {}
+        return self._json
+
     def usage(self) -> dict | None:
-        if self.stream:
-            return self.last
-        try:
-            return json.loads(bytes(self.body)).get("usage")
-        except ValueError:
-            return None
+        return self.last if self.stream else self.parsed().get("usage")
 
     def token_ids(self) -> tuple[list, list] | None:
         """(prompt, generated) token ids, when asked for and the response had them."""
         if not self.tokens:
             return None
         if not self.stream:
-            try:
-                self._take_tokens(json.loads(bytes(self.body)))
-            except ValueError:
-                return None
+            self._take_tokens(self.parsed())
         return None if self.prompt_ids is None else (self.prompt_ids, self.generated)
