@@ -37,13 +37,17 @@ from bench_engine import LLAMA_31_8B, prompts, started, write_table
 LLAMA_31_70B = {**LLAMA_31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
                 "num_hidden_layers": 80, "num_key_value_heads": 8}
 SHAPES = {
-    # name: (config, workloads {name: (prompts, prompt tokens, generated)}, GPU share per engine, side by side)
-    "8b": (LLAMA_31_8B, {"decode bs1": (1, 512, 128), "decode bs64": (64, 512, 128)}, 0.42, True),
-    "70b": (LLAMA_31_70B, {"decode bs1": (1, 512, 128), "decode bs16": (16, 512, 128)}, 0.9, False),
+    # name: (config, workloads {name: (prompts, prompt tokens, generated)}, engine settings, side by side)
+    "8b": (LLAMA_31_8B, {"decode bs1": (1, 512, 128), "decode bs64": (64, 512, 128)},
+           dict(gpu_memory_utilization=0.42, max_num_seqs=256), True),
+    # at most 16 sequences: both engines then capture CUDA graphs up to 32 tokens, not 512, which
+    # keeps two 80-layer starts inside one call's device time
+    "70b": (LLAMA_31_70B, {"decode bs1": (1, 512, 128), "decode bs16": (16, 512, 128)},
+            dict(gpu_memory_utilization=0.9, max_num_seqs=16), False),
 }
 TP = 2
 ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=2048, max_num_batched_tokens=8192,
-              max_num_seqs=256, seed=0, tensor_parallel_size=TP)
+              seed=0, tensor_parallel_size=TP)
 
 
 def taps_for(shape: str) -> list[str]:
@@ -107,11 +111,11 @@ def main():
 
     from tapc import VLLM
 
-    config, workloads, share, side_by_side = SHAPES[args.shape]
+    config, workloads, settings, side_by_side = SHAPES[args.shape]
     model = tempfile.mkdtemp(prefix=f"llama-3.1-{args.shape}-")
     with open(os.path.join(model, "config.json"), "w") as f:
         json.dump(config, f)
-    common = dict(ENGINE, gpu_memory_utilization=share, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"))
+    common = dict(ENGINE, **settings, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"))
     results: dict[tuple[str, str], list[float]] = {}
 
     def report() -> None:

@@ -274,6 +274,9 @@ def main():
         outs = gen(prompts(args.batch, args.prompt, seed=200 + i))
         dt = time.perf_counter() - t0
         assert not [o for o in outs if getattr(o, "error", None) is not None], f"{name}: a request failed"
+        # dropped, so the profiled run reuses their host memory: held, its admissions would grow
+        # the arena (pinning takes about a second a GiB) and the profile would show that instead
+        del outs
         inner.collective_rpc(_start_sampler, args=(args.interval / 1e3,))
         here = Sampler(args.interval / 1e3)
         t0 = time.perf_counter()

@@ -27,8 +27,10 @@ __all__ = ["VLLM", "TapRequest", "Taps"]
 class VLLM:
     """vLLM's `LLM` with taps. `taps`: tap strings (see `tapc explain`); `blocks`: Python blocks
     by name (docs/blocks.md); `params`: engine-wide parameter values, used by every request that
-    does not pass its own; `capture_dtype`: dtype captures are stored in (default: the model's).
-    Other keyword arguments go to `vllm.LLM`. Prefix caching stays as vLLM sets it: requests that
+    does not pass its own; `capture_dtype`: dtype captures are stored in (default: the model's);
+    `capture_memory_gib`: host memory for captures each GPU makes and pins at start (default 0:
+    as requests need it, which stalls the step that first needs each GiB for about a second;
+    docs/engine.md). Other keyword arguments go to `vllm.LLM`. Prefix caching stays as vLLM sets it: requests that
     capture prompt rows or edit are kept apart from cached KV by tapc/prefix.py."""
 
     def __init__(self, model: str, taps: Sequence[str], *, blocks: dict | None = None, params: dict | None = None,
@@ -100,4 +102,5 @@ def spec_arguments(spec, overrides: dict) -> tuple[str, list[str], dict]:
     params = spec.param_values()
     blocks = import_blocks(spec.blocks, f"{spec.path}: blocks") or None   # blocks= in overrides wins
     return spec.model, [t.text for t in spec.taps], {"params": params or None, "capture_dtype": spec.capture.dtype,
+                                                     "capture_memory_gib": spec.capture.memory_gib,
                                                      "blocks": blocks, **spec.engine, **overrides}

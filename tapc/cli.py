@@ -140,6 +140,8 @@ def _serve(args, rest: list[str]) -> int:
     from tapc.serving.launch import run, serve_argv, sizes
 
     engine, rest = sizes(rest)   # the plan is built for these: they go to the plan, not past it
+    if args.capture_memory_gib is not None:
+        engine["capture_memory_gib"] = args.capture_memory_gib
     if args.target.endswith((".yaml", ".yml")):
         from tapc.api import spec_arguments
         from tapc.specfile import load_spec
@@ -207,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--block", action="append", default=[], metavar="NAME=MODULE:FUNCTION",
                     help="the function of a tap's block `point -> NAME`, imported by the server (repeat)")
     sv.add_argument("--capture-dtype", default=None, help="dtype captures are kept in (default: the model's)")
+    sv.add_argument("--capture-memory-gib", type=float, default=None, metavar="GIB",
+                    help="host memory for captures each GPU pins at start, so no request waits for it")
     sv.add_argument("--save-to", default=None, metavar="FOLDER",
                     help="requests asking `save: true` have their captures written here, as `tapc harvest` "
                          "writes them (one API server process)")

@@ -56,6 +56,8 @@ class CaptureOptions:
     "Which positions of each request come back: all, prompt, generated, or last."
     dtype: str | None = None
     "dtype captures are stored in (bfloat16, float16, float32); default: the model's."
+    memory_gib: float | None = None
+    "Host memory for captures each GPU makes and pins at the engine's start (GiB); default: as requests need it."
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,8 @@ def spec_from_dict(data, base: Path = Path("."), name: str = "spec") -> Spec:
         raise SpecError(f"{name}: capture.positions is {capture.positions!r}; use one of {', '.join(POSITIONS)}")
     if capture.dtype is not None and capture.dtype not in DTYPES:
         raise SpecError(f"{name}: capture.dtype is {capture.dtype!r}; use one of {', '.join(DTYPES)}")
+    if capture.memory_gib is not None and not capture.memory_gib >= 0:
+        raise SpecError(f"{name}: capture.memory_gib is {capture.memory_gib!r}; give GiB, a number >= 0")
     output = None
     if data.get("output") is not None:
         output = _section(OutputSink, data["output"], f"{name}: output")
@@ -191,6 +195,8 @@ def _no_unknown(data: dict, known: list[str], name: str, prefix: str) -> None:
 
 
 def _typed(value, typ, where: str):
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)   # YAML reads `4` as an int
     if typ is int and isinstance(value, bool) or not isinstance(value, typ):
         raise SpecError(f"{where} must be {typ.__name__ if typ is not dict else 'a mapping'}, "
                         f"not {type(value).__name__} ({value!r})")

@@ -42,7 +42,7 @@ def test_from_spec_passes_model_taps_params_and_engine_args(tmp_path, monkeypatc
           - model.layers.1.resid | add(steer, alpha=2.0)
           - model.layers.*.resid
         params: {steer: {file: v.safetensors, key: l1}}
-        capture: {dtype: float32}
+        capture: {dtype: float32, memory_gib: 4}
     """))
     seen = {}
     monkeypatch.setattr(VLLM, "__init__", lambda self, model, taps, **kw: seen.update(model=model, taps=taps, **kw))
@@ -50,6 +50,7 @@ def test_from_spec_passes_model_taps_params_and_engine_args(tmp_path, monkeypatc
     assert seen["model"] == str(tmp_path / "m")
     assert seen["taps"] == ["model.layers.1.resid | add(steer, alpha=2.0)", "model.layers.*.resid"]
     assert torch.equal(seen["params"]["steer"], vec) and seen["capture_dtype"] == "float32"
+    assert seen["capture_memory_gib"] == 4
     assert seen["max_num_seqs"] == 4 and seen["gpu_memory_utilization"] == 0.3
     assert seen["attention_backend"] == "TRITON_ATTN"
 

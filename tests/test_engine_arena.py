@@ -14,7 +14,7 @@ from engine_toy import Req, ToyModel, collect, hooks_for, run, toy_plan, wire_fo
 
 from tapc.engine.arena import Arena, ArenaReader
 from tapc.engine.requests import TapRequest
-from tapc.errors import RequestError
+from tapc.errors import EngineError, RequestError
 from tapc.session import TapSession
 
 
@@ -107,3 +107,32 @@ def test_a_chunk_given_back_twice_is_an_error():
     with pytest.raises(ValueError, match="given back twice"):
         arena.give_back(path, offset)
     arena.close()
+
+
+def test_memory_reserved_at_start_is_pinned_once_and_admissions_within_it_never_grow(caplog):
+    pinned = []
+    arena = Arena(register=lambda t: pinned.append(t.numel()), segment_bytes=4096)
+    with caplog.at_level("INFO", logger="tapc"):
+        arena.reserve(10_000)
+    assert pinned == [10_240] and arena.size == 10_240, "one segment, rounded up to the alignment"
+    assert "grew to" in caplog.text and "reserved at start" in caplog.text
+    arena.reserve(5_000)                                   # less than it holds: nothing to do
+    blocks = [arena.tensor(1, 1, 512, torch.float32) for _ in range(5)]   # 2048 bytes each: all fit
+    assert pinned == [10_240] and {arena.locate(b)[0] for b in blocks} == {arena.path(0)}
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tapc"):
+        arena.tensor(1, 1, 512, torch.float32)               # past the reserve: grows, and says so
+    assert pinned == [10_240, 4096] and "while admitting requests: the step waited for it" in caplog.text
+    assert arena.growth_s > 0
+    arena.close()
+
+
+def test_a_reserve_the_shm_cannot_hold_is_an_engine_error_naming_the_setting(monkeypatch):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    arena = Arena(segment_bytes=4096)
+    with pytest.raises(EngineError, match=r"capture_memory_gib=2: this GPU's worker cannot reserve it in .*--shm-size"):
+        arena.reserve(2 << 30)
+    assert arena.size == 0 and not any(f.startswith(arena.prefix) for f in os.listdir(arena.directory))

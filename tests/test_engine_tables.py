@@ -273,10 +273,21 @@ def test_engine_kwargs():
     assert kw["additional_config"]["mine"] == 1 and plan.digest != kw["additional_config"]["tapc"]["digest"]
 
 
+def test_capture_memory_reaches_the_workers_in_the_plans_config_and_not_vllm():
+    plan = toy_plan(PLAN_TAPS, slots=8)
+    kw = engine_kwargs(plan, {"capture_memory_gib": 1.5})
+    assert "capture_memory_gib" not in kw and kw["additional_config"]["tapc"]["capture_memory"] == 3 << 29
+    assert "capture_memory" not in engine_kwargs(plan, {"capture_memory_gib": None})["additional_config"]["tapc"]
+
+
 @pytest.mark.parametrize("kwargs,words", [
     ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 but the plan was built for 1"),
     ({"worker_cls": "my.Worker"}, "runs tapc's worker"),
     ({"max_num_seqs": 9}, "plan was built for 8"),
+    ({"capture_memory_gib": -1}, "capture_memory_gib=-1: give the GiB .* a number >= 0"),
+    ({"capture_memory_gib": "8"}, "capture_memory_gib='8'"),
+    ({"capture_memory_gib": float("nan")}, "capture_memory_gib=nan"),
+    ({"capture_memory_gib": True}, "capture_memory_gib=True"),
 ])
 def test_engine_kwargs_refuse(kwargs, words):
     with pytest.raises(EngineError, match=words):

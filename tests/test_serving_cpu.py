@@ -5,6 +5,7 @@ does (vllm_xargs -> SamplingParams.extra_args). Routing, validation and bookkeep
 correctness against a real engine is the GPU's (benchmarks/bench_serve.py)."""
 import json
 import os
+import shlex
 import subprocess
 import sys
 
@@ -53,6 +54,17 @@ def test_tapc_serve_takes_the_sizes_into_the_plan(capsys):
     assert cmd.count("--max-num-seqs") == 1 and "--max-num-seqs 12" in cmd and cmd.rstrip().endswith("--port 9")
     assert main(["serve", LLAMA, "--print"]) == 2
     assert "give a spec .yaml, or a model and its taps" in capsys.readouterr().err
+
+
+def test_tapc_serve_reserves_capture_memory_through_the_plans_config(capsys):
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    assert main(["serve", LLAMA, "--tap", "model.layers.0.resid", "--capture-memory-gib", "2", "--print"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert "--capture-memory-gib" not in argv, "tapc's own setting, not vLLM's"
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
+    assert args.additional_config["tapc"]["capture_memory"] == 2 << 30
 
 
 def test_the_plugin_entry_point_is_found_without_installing_tapc():

@@ -16,12 +16,15 @@ TAPS = ["model.layers.*.resid", "model.layers.1.mlp.gate_up_proj.output",     # 
         "logits", "samples", "logits | add(bias)", "logits | set(banned, value=-1000.0)"]
 
 
+RESERVE_GIB = 0.25
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     from tapc import VLLM
 
     path = write_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
-    llm = VLLM(path, taps=TAPS, **engine_args())
+    llm = VLLM(path, taps=TAPS, capture_memory_gib=RESERVE_GIB, **engine_args())
     yield llm
     del llm
     gc.collect()
@@ -35,6 +38,21 @@ def test_engine_allocates_what_explain_says(engine):
     # The caching allocator hands out blocks in multiples of 512 bytes.
     assert 0 <= mem["allocated"] - mem["owned"] < 512 * mem["tensors"], mem
     assert f"preallocated: {human_bytes(mem['owned'])} on the device" in render(engine.plan)
+
+
+def test_capture_memory_asked_for_is_made_at_start_and_requests_within_it_do_not_grow_it(engine):
+    from vllm import SamplingParams
+
+    from tapc.api import TapRequest
+
+    before = engine.llm.collective_rpc("tapc_memory")[0]
+    assert before["host"] == RESERVE_GIB * 2**30 and before["host_growth_s"] > 0
+    prompt = {"prompt_token_ids": list(range(3, 40))}
+    outs = engine.generate([prompt] * 4, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                           taps=TapRequest(capture="model.layers.*.resid"))
+    assert all(o.taps["model.layers.0.resid"].shape[0] == 45 for o in outs)
+    after = engine.llm.collective_rpc("tapc_memory")[0]
+    assert (after["host"], after["host_growth_s"]) == (before["host"], before["host_growth_s"])
 
 
 def test_logits_edits_apply_per_request_on_the_rows_they_bind(engine):

@@ -45,8 +45,10 @@ def require_cuda() -> None:
 
 
 def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
-    """vLLM `LLM(...)` keyword arguments for `plan`, from the user's `kwargs`."""
+    """vLLM `LLM(...)` keyword arguments for `plan`, from the user's `kwargs` (tapc's own
+    `capture_memory_gib` among them: the worker reads it from the plan's config)."""
     out = dict(kwargs)
+    reserve = capture_memory(out.pop("capture_memory_gib", None))
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
         if out.get(name, 1) != getattr(plan, name):
             raise EngineError(f"{name}={out.get(name, 1)} but the plan was built for {getattr(plan, name)}")
@@ -67,8 +69,21 @@ def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
         out["compilation_config"] = _with_splits(plan, out.get("compilation_config"))
     additional = dict(out.get("additional_config") or {})
     additional["tapc"] = {"plan": plan.to_json(), "digest": digest(plan)}
+    if reserve:
+        additional["tapc"]["capture_memory"] = reserve
     out["additional_config"] = additional
     return out
+
+
+def capture_memory(gib) -> int:
+    """Bytes of `capture_memory_gib`: host memory for captures each GPU's worker makes and pins
+    at start (arena.py `reserve`), so that requests admitted up to that much never wait for it."""
+    if gib is None:
+        return 0
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib >= 0 or gib == float("inf"):
+        raise EngineError(f"capture_memory_gib={gib!r}: give the GiB of host memory for captures each GPU "
+                          "pins at the engine's start, a number >= 0")
+    return int(gib * 2**30)
 
 
 def _with_splits(plan: TapPlan, given) -> dict:

@@ -55,7 +55,9 @@ class TapWorker(Worker):
         if points is not None and config.get("blocks"):   # a server's blocks, by import path (tapc serve)
             points.runtime.register(import_blocks(config["blocks"], "the engine's plan"))
         self.tapc_has_blocks = any(t.action == "block" for t in plan.taps)
-        self.tapc = RunnerHooks(layout, buffers, Arena(register=_register), points, inline=not _on_api_node())
+        arena = Arena(register=_register)
+        arena.reserve(config.get("capture_memory", 0))   # capture_memory_gib: pinned now, not on a step's path
+        self.tapc = RunnerHooks(layout, buffers, arena, points, inline=not _on_api_node())
         self.tapc_adapter = adapter_cls(runner, self.tapc)
         self.tapc_patches = patches.apply(runner, self.tapc_adapter, points, breaks=bool(layout.blocks))
 
@@ -77,11 +79,15 @@ class TapWorker(Worker):
         whose callers dropped their captures, aborted requests included."""
         return self.tapc.held()
 
-    def tapc_memory(self) -> dict[str, int]:
+    def tapc_memory(self) -> dict[str, int | float]:
         """tapc's device buffers: `owned`, the bytes of their tensors; `tensors`, how many;
-        `allocated`, what the allocator handed out while they were made."""
+        `allocated`, what the allocator handed out while they were made. Host memory for
+        captures: `host`, the arena's bytes (pinned), and `host_growth_s`, the seconds spent
+        making and pinning them."""
         tensors = self.tapc.buffers.tensors()
-        return {"owned": sum(t.nbytes for t in tensors), "tensors": len(tensors), "allocated": self.tapc_allocated}
+        arena = self.tapc.arena
+        return {"owned": sum(t.nbytes for t in tensors), "tensors": len(tensors), "allocated": self.tapc_allocated,
+                "host": arena.size, "host_growth_s": arena.growth_s}
 
     def tapc_graph_breaks(self) -> list[tuple[int, int]]:
         """(tokens, blocks it replays between its segments) of each FULL graph the runner
