@@ -12,13 +12,13 @@ tok/s only once the host is the slower of the two. This says which functions tak
 Per variant: an untimed `generate`, a timed one with nothing watching (tok/s), then a profiled
 one: a thread in each process reads every other thread's Python stack (`sys._current_frames`)
 every `--interval` ms. That thread takes the GIL whenever the main thread lets it go, which is
-in calls into CUDA and torch: the time it holds the GIL is charged to those calls (and to
-tapc's hook timings), so read their shares as upper bounds, and the tok/s of the unwatched run
-as the speed.
+in calls into CUDA and torch: the time it holds the GIL is charged to those calls, so read
+their shares as upper bounds, and the tok/s of the unwatched run as the speed.
 Reported per variant and thread: samples, the functions most often on the stack (inclusive),
 tapc's functions apart, and the most frequent innermost frames; and for the tapped engine, the
-wall time per call of tapc's per-step hooks in the worker (`schedule`, `begin_step`, `end_step`);
-and the GPU's own kernel and copy time per step (CUPTI, through torch's profiler) beside the wall
+wall time per call of tapc's per-step hooks in each worker (`schedule`, `begin_step`,
+`end_step`, and within `end_step` the copy-out and its one driver call), timed in the unwatched
+run, where no sampler takes the GIL from them; and the GPU's own kernel and copy time per step (CUPTI, through torch's profiler) beside the wall
 time per step, which says which side bounds the step. A thread waiting (on a queue, a socket)
 is sampled too: its innermost frame says so; one waiting inside a CUDA call looks busy. Same engines, prompts and
 workload as benchmarks/bench_moe.py (Qwen3-30B-A3B shape, dummy weights) or bench_engine.py
@@ -103,14 +103,20 @@ def _label(code) -> str:
 
 class HookTimer:
     """Wall time and calls of tapc's per-step hooks (runner.py `RunnerHooks`) in a worker, by
-    wrapping the bound methods the runner adapter calls; `stop` puts them back."""
+    wrapping the bound methods the runner adapter calls, and of `end_step`'s parts: the copy-out
+    (buffers.py `copy_out`) and its batched driver copy (memcpy.py `BatchCopy`); `stop` puts them
+    back."""
 
     HOOKS = ("schedule", "begin_step", "end_step")
 
     def __init__(self, hooks):
-        self.hooks, self.spent = hooks, {name: [0, 0.0] for name in self.HOOKS}
-        for name in self.HOOKS:
-            setattr(hooks, name, self._timed(name, getattr(hooks, name)))
+        self.hooks, self.spent = hooks, {}
+        self.wrapped = [(hooks, name) for name in self.HOOKS] + [(hooks.buffers, "copy_out")]
+        if getattr(hooks.buffers, "_batch", None) is not None:
+            self.wrapped.append((hooks.buffers, "_batch"))
+        for obj, name in self.wrapped:
+            self.spent[name] = [0, 0.0]
+            setattr(obj, name, self._timed(name, getattr(obj, name)))
         # steps that repeated the last decode step (fill.Repeat: no fill, no upload)
         self.repeated, repeat = 0, hooks._repeat
         same = repeat.same
@@ -129,14 +135,22 @@ class HookTimer:
             finally:
                 self.spent[name][0] += 1
                 self.spent[name][1] += time.perf_counter() - t0
+        timed.inner = fn
         return timed
 
     def stop(self) -> dict:
-        for name in self.HOOKS:
-            del self.hooks.__dict__[name]   # the class's methods again
+        for obj, name in self.wrapped:
+            if name in obj.__dict__ and hasattr(obj.__dict__[name], "inner"):
+                if name == "_batch":
+                    obj._batch = obj._batch.inner   # an attribute of its own: put the object back
+                else:
+                    del obj.__dict__[name]          # the class's method again
         del self.hooks._repeat.__dict__["same"]
         out = {name: {"calls": n, "us_per_call": s / n * 1e6 if n else 0.0} for name, (n, s) in self.spent.items()}
         out["begin_step"]["repeated"] = self.repeated
+        if "_batch" in out:
+            out["end_step: driver batch copy"] = out.pop("_batch")
+        out["end_step: copy_out"] = out.pop("copy_out")
         return out
 
 
@@ -180,17 +194,23 @@ def _tapc_kernel_names() -> set[str]:
     return {n for m in (capture, edit) for n in dir(m) if n.endswith("_kernel")}
 
 
-def _start_sampler(worker, interval: float) -> None:
-    worker._tapc_sampler = Sampler(interval)
+def _start_hook_timer(worker) -> None:
     hooks = getattr(worker, "tapc", None)   # a tapped engine's worker (engine/worker.py)
     worker._tapc_timer = HookTimer(hooks) if hooks is not None else None
+
+
+def _stop_hook_timer(worker) -> dict:
+    timer = worker._tapc_timer
+    return timer.stop() if timer is not None else {}
+
+
+def _start_sampler(worker, interval: float) -> None:
+    worker._tapc_sampler = Sampler(interval)
     worker._tapc_device = DeviceTimer()
 
 
 def _stop_sampler(worker) -> dict:
-    timer = worker._tapc_timer
-    return {"threads": worker._tapc_sampler.stop(), "hooks": timer.stop() if timer is not None else {},
-            "device": worker._tapc_device.stop()}
+    return {"threads": worker._tapc_sampler.stop(), "device": worker._tapc_device.stop()}
 
 
 def _table(rows: list[tuple[str, int]], total: int) -> list[str]:
@@ -270,9 +290,11 @@ def main():
         gen(prompts(args.batch, args.prompt, seed=100 + i))   # untimed: the same kind of run first
         # The samplers hold the GIL while they walk stacks, and the hook timer and CUPTI add their
         # own work, so the speed comes from a run without them.
+        inner.collective_rpc(_start_hook_timer)   # a few perf_counter calls a step
         t0 = time.perf_counter()
         outs = gen(prompts(args.batch, args.prompt, seed=200 + i))
         dt = time.perf_counter() - t0
+        hooks = inner.collective_rpc(_stop_hook_timer)   # one reply per GPU, rank 0 first
         assert not [o for o in outs if getattr(o, "error", None) is not None], f"{name}: a request failed"
         # dropped, so the profiled run reuses their host memory: held, its admissions would grow
         # the arena (pinning takes about a second a GiB) and the profile would show that instead
@@ -297,11 +319,11 @@ def main():
                      f"{dev['tapc_ms'] / steps:.4f} |")
         print(f"{name}: {tok_s:.1f} tok/s", flush=True)
         details += [f"## {name}", ""]
-        if got["hooks"]:
-            details += ["| tapc hook (worker) | GPU | calls | us per call | steps that repeated the last |",
+        if hooks[0]:
+            details += ["| tapc hook (worker, unwatched run) | GPU | calls | us per call | steps that repeated the last |",
                         "|---|---:|---:|---:|---:|",
                         *[f"| `{h}` | {rank} | {v['calls']} | {v['us_per_call']:.1f} | {v.get('repeated', '')} |"
-                          for rank, r in enumerate(ranks) for h, v in r["hooks"].items()], ""]
+                          for rank, r in enumerate(hooks) for h, v in r.items()], ""]
         worker = "engine-core process" if args.tp == 1 else "GPU 0's worker process"
         for where, threads in ((worker, core), ("caller's process", api)):
             details += [f"### {where}", ""]
