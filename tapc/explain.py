@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tapc.plan import BLOCK, TapPlan
-from tapc.sizing import param_slots
+from tapc.sizing import host_row_bytes, param_slots
 from tapc.tree import ModuleTree, Node
 
 
@@ -74,6 +74,8 @@ def graph_lines(plan: TapPlan) -> list[str]:
 
 
 def totals(plan: TapPlan) -> list[str]:
+    row = host_row_bytes(plan.taps, plan.shard_map, plan.tensor_parallel_size, plan.pipeline_parallel_size)
+    where = "most loaded GPU" if plan.shards else "GPU"
     kinds: dict[str, int] = {}
     for tap in plan.taps:
         kinds[tap.kind] = kinds.get(tap.kind, 0) + 1
@@ -87,6 +89,8 @@ def totals(plan: TapPlan) -> list[str]:
         f"preallocated: {human_bytes(plan.total_buffer_bytes)} on the {'most loaded GPU' if plan.shards else 'device'}"
         f" for {plan.max_num_batched_tokens} "
         f"tokens per step and {plan.max_num_seqs} requests ({param_slots(plan.max_num_seqs)} parameter slots)",
+        *([f"captures in host memory: up to {human_bytes(row)} a token on the {where} (every capture asked; "
+           "capture_memory_gib pins room for them at start)"] if row else []),
         f"digest: {plan.digest}",
     ]
 

@@ -15,7 +15,7 @@ for its own part of the plan (tapc/ranks.py: its stage, local widths), and `gpu_
 what the most loaded GPU allocates. Captures of `logits` / `samples` are kept per step on the
 device until collected (a row per generated token): not preallocated, not counted here. Nor is
 host memory: the pinned staging buffers of the row tables and the captures' arena in /dev/shm
-(engine/arena.py), which grows with what requests ask for.
+(engine/arena.py), which grows with what requests ask for; `host_row_bytes` says how fast.
 """
 from __future__ import annotations
 
@@ -92,3 +92,16 @@ def gpu_bytes(taps, shards: dict, tp: int, pp: int, rows: int, seqs: int) -> tup
                 per_tap[i] = max(per_tap[i], n)
     return per_tap, total
 
+
+
+def host_row_bytes(taps, shards: dict, tp: int, pp: int) -> int:
+    """Host bytes one token's in-graph captures take in the arena (engine/arena.py) of the GPU
+    that takes most, when a request captures every one of them: what `capture_memory_gib` is
+    sized by (rows held times this)."""
+    def row(part) -> int:
+        return sum(t.width * ITEMSIZE[t.dtype] for t in part if t.kind == READ and t.action == "capture")
+
+    if not shards:
+        return row(taps)
+    return max(row(t for _, t in indexed_rank_taps(taps, shards, rank, stage))
+               for stage in range(pp) for rank in range(tp))

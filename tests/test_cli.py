@@ -22,7 +22,9 @@ def test_explain_table_graph_and_totals(capsys):
                   "add(vector=$steer, alpha=4, at=generated)", "block -> probe",
                   "graph: 5 compiled pieces without the plan, 6 with it",
                   "splitting ops added: tapc::boundary", "a FULL graph replays as 2 segments around them", "✂ boundary block model.layers.2.mlp.output -> probe",
-                  "taps: 7 (4 read, 1 block, 2 edit)", "parameters: steer (vector of 256)"]:
+                  "taps: 7 (4 read, 1 block, 2 edit)", "parameters: steer (vector of 256)",
+                  # four residual rows of 256 bfloat16 a token; the block's point is not kept there
+                  "captures in host memory: up to 2.0 KiB a token on the GPU"]:
         assert words in out, words
     lines = out.splitlines()
     # the block is drawn inside the piece after layer 2's attention

@@ -6,7 +6,8 @@ on one GPU failing as a whole with every other GPU's chunks given back."""
 from __future__ import annotations
 
 import dataclasses
-
+import json
+from pathlib import Path
 from types import SimpleNamespace as NS
 
 import numpy as np
@@ -254,6 +255,11 @@ def test_explain_shows_layout_stage_and_bytes_per_gpu(capsys):
         assert f"{tap.layout}, stage {tap.stage}" in row and human_bytes(tap.buffer_bytes) in row
     assert "columns, stage 0" in text and "stages hold decoder layers 0..1, 2..3" in text
     assert f"{human_bytes(plan.total_buffer_bytes)} on the most loaded GPU" in text
+    # host bytes a token: stage 0's rank 1 writes layer 1's residual stream (replicated points go
+    # to rank layer % 2) and its half of layer 1's act_fn output; every other GPU one residual row
+    config = json.loads((Path(LLAMA) / "config.json").read_text())
+    most = 2 * config["hidden_size"] + 2 * config["intermediate_size"] // 2
+    assert f"captures in host memory: up to {human_bytes(most)} a token on the most loaded GPU" in text
 
 
 # ----------------------------------------------------------------------------- two stages, end to end
