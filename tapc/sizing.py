@@ -83,14 +83,19 @@ def gpu_bytes(taps, shards: dict, tp: int, pp: int, rows: int, seqs: int) -> tup
         return sizes, sum(sizes)
     per_tap = [0] * len(taps)
     total = 0
+    for pairs in _gpu_parts(taps, shards, tp, pp):
+        sizes = tap_bytes([t for _, t in pairs], rows, seqs)
+        total = max(total, sum(sizes))
+        for (i, _), n in zip(pairs, sizes):
+            per_tap[i] = max(per_tap[i], n)
+    return per_tap, total
+
+
+def _gpu_parts(taps, shards: dict, tp: int, pp: int):
+    """Each GPU's (index, tap) pairs of the plan (tapc/ranks.py), stage by stage."""
     for stage in range(pp):
         for rank in range(tp):
-            pairs = indexed_rank_taps(taps, shards, rank, stage)
-            sizes = tap_bytes([t for _, t in pairs], rows, seqs)
-            total = max(total, sum(sizes))
-            for (i, _), n in zip(pairs, sizes):
-                per_tap[i] = max(per_tap[i], n)
-    return per_tap, total
+            yield indexed_rank_taps(taps, shards, rank, stage)
 
 
 
@@ -103,5 +108,4 @@ def host_row_bytes(taps, shards: dict, tp: int, pp: int) -> int:
 
     if not shards:
         return row(taps)
-    return max(row(t for _, t in indexed_rank_taps(taps, shards, rank, stage))
-               for stage in range(pp) for rank in range(tp))
+    return max(row(t for _, t in pairs) for pairs in _gpu_parts(taps, shards, tp, pp))
