@@ -111,10 +111,12 @@ class HookTimer:
 
     def __init__(self, hooks):
         self.hooks, self.spent = hooks, {}
-        self.wrapped = [(hooks, name) for name in self.HOOKS] + [(hooks.buffers, "copy_out")]
+        wrapped = [(hooks, name) for name in self.HOOKS] + [(hooks.buffers, "copy_out")]
         if getattr(hooks.buffers, "_batch", None) is not None:
-            self.wrapped.append((hooks.buffers, "_batch"))
-        for obj, name in self.wrapped:
+            wrapped.append((hooks.buffers, "_batch"))
+        # what each object held under the name itself (None: the name was its class's method)
+        self.own = [(obj, name, obj.__dict__.get(name)) for obj, name in wrapped]
+        for obj, name in wrapped:
             self.spent[name] = [0, 0.0]
             setattr(obj, name, self._timed(name, getattr(obj, name)))
         # steps that repeated the last decode step (fill.Repeat: no fill, no upload)
@@ -135,16 +137,14 @@ class HookTimer:
             finally:
                 self.spent[name][0] += 1
                 self.spent[name][1] += time.perf_counter() - t0
-        timed.inner = fn
         return timed
 
     def stop(self) -> dict:
-        for obj, name in self.wrapped:
-            if name in obj.__dict__ and hasattr(obj.__dict__[name], "inner"):
-                if name == "_batch":
-                    obj._batch = obj._batch.inner   # an attribute of its own: put the object back
-                else:
-                    del obj.__dict__[name]          # the class's method again
+        for obj, name, own in self.own:
+            if own is None:
+                del obj.__dict__[name]
+            else:
+                setattr(obj, name, own)
         del self.hooks._repeat.__dict__["same"]
         out = {name: {"calls": n, "us_per_call": s / n * 1e6 if n else 0.0} for name, (n, s) in self.spent.items()}
         out["begin_step"]["repeated"] = self.repeated
