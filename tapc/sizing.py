@@ -3,7 +3,8 @@
 The worker allocates, once, before vLLM's first forward (engine/buffers.py):
 - per capture tap: its rows of its group's pool, `[rows, width]` of the capture dtype, and as
   much again for the pool's snapshot (copy-out reads the snapshot while the next step writes
-  the pool);
+  the pool), and `max_num_seqs` rows more for decode steps' own snapshot where that is fewer
+  than `rows` (`small_snapshot_rows`);
 - per capture and per in-graph edit tap: an int32 row table of `rows` entries;
 - per edit: its parameter tables, `[slots, ...]` each (tapc/edits.py `tables`), with
   `slots = SLOTS_PER_SEQ * max_num_seqs`; a named vector or scalar table is one table for every
@@ -40,6 +41,12 @@ def param_slots(max_num_seqs: int) -> int:
     return SLOTS_PER_SEQ * max_num_seqs
 
 
+def small_snapshot_rows(rows: int, max_num_seqs: int) -> int:
+    """Rows a capture of the decode steps' snapshot (engine/buffers.py), which lets a decode
+    step copy out while the prompt step before it still does; none when the pools are no larger."""
+    return max_num_seqs if max_num_seqs < rows else 0
+
+
 def is_logit_edit(tap: PlannedTap) -> bool:
     return tap.kind == ENGINE and tap.action in EDITS
 
@@ -66,7 +73,8 @@ def tap_bytes(taps, rows: int, max_num_seqs: int) -> list[int]:
     out = [0] * len(taps)
     for i, tap in enumerate(taps):
         if tap.kind == READ:
-            out[i] = 2 * rows * tap.width * ITEMSIZE[tap.dtype] + rows * ROW_ENTRY
+            snapshots = rows + small_snapshot_rows(rows, max_num_seqs)
+            out[i] = (rows + snapshots) * tap.width * ITEMSIZE[tap.dtype] + rows * ROW_ENTRY
     for kind, per_row in ((EDIT, rows), (ENGINE, max_num_seqs)):
         index = [i for i, t in enumerate(taps) if t.kind == kind and t.action in EDITS]
         for i, own in zip(index, edit_tables([taps[i] for i in index])):

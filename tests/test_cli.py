@@ -18,7 +18,7 @@ def test_explain_table_graph_and_totals(capsys):
                "model.layers[1:3].resid | add(steer, alpha=4, at=generated)", "--max-num-batched-tokens", "1024"])
     out = capsys.readouterr().out
     assert rc == 0
-    for words in ["model.layers.0.resid", "read", "256 x bfloat16", "1.0 MiB",  # pool + snapshot: 2 x 1024 rows x 256 x 2 bytes, + 4 KiB row table
+    for words in ["model.layers.0.resid", "read", "256 x bfloat16", "1.1 MiB",  # pool + snapshots: (2 x 1024 + 256) rows x 256 x 2 bytes, + 4 KiB row table
                   "add(vector=$steer, alpha=4, at=generated)", "block -> probe",
                   "graph: 5 compiled pieces without the plan, 6 with it",
                   "splitting ops added: tapc::boundary", "a FULL graph replays as 2 segments around them", "✂ boundary block model.layers.2.mlp.output -> probe",

@@ -67,7 +67,7 @@ def test_each_gpu_is_sized_at_its_local_widths():
             assert tap.buffer_bytes == 0   # kept per step, not preallocated
             continue
         local = max(r.local_width for r in shards[tap.key].ranks if r.writes)
-        assert tap.buffer_bytes == 2 * ROWS * local * ITEMSIZE[tap.dtype] + ROWS * ROW_ENTRY
+        assert tap.buffer_bytes == (2 * ROWS + SEQS) * local * ITEMSIZE[tap.dtype] + ROWS * ROW_ENTRY   # pool, snapshot, decode snapshot; row table
     per_gpu = [sum(t.buffer_bytes for t in plan.taps if t.stage == s and
                    shards[t.key].ranks[r].writes) for s in range(2) for r in range(2)]
     assert plan.total_buffer_bytes == max(per_gpu)

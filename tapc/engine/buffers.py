@@ -14,8 +14,13 @@ Per step (all stream-ordered on the compute stream, so async scheduling is safe)
 3. `copy_out`: the used rows of each pool are copied device-to-device into a snapshot (the next
    forward may overwrite the pools right away), then a side stream copies each request's block
    from the snapshot into its pinned host storage while the next step computes (all of them
-   in one driver call where the driver has it, memcpy.py). The snapshot is rewritten only
-   after the previous step's host copies are done (an event). While a harvest asks for it
+   in one driver call where the driver has it, memcpy.py). A snapshot is rewritten only after
+   its last host copies are done (an event). There are two, each with its own copy stream:
+   one as large as the pools, and one of `max_num_seqs` rows a capture for decode-sized steps.
+   A prompt step at TP=2 on the 8B shape copies 1 GiB a GPU (about 26 ms); with one snapshot
+   the first decode step after it (7 ms) waited about 19 ms for those copies before it could
+   rewrite the snapshot. A step's event is recorded once its copies and every earlier step's
+   are done (the streams joined), which is what a collect waits for. While a harvest asks for it
    (`count_nonfinite`), the snapshot's non-finite values are counted on the device as it is
    made (`nonfinite`, a running total that reaches host memory with the step's copies), so the
    harvest checks rows on the host only once the device has seen a NaN or inf. Off otherwise:
@@ -30,7 +35,7 @@ from tapc.edits import slot_row
 from tapc.engine.fill import Segment
 from tapc.engine.layout import Layout
 from tapc.engine.memcpy import BatchCopy, copy_segments
-from tapc.sizing import edit_tables, param_slots
+from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 
 
 class Buffers:
@@ -51,10 +56,13 @@ class Buffers:
         self._next = 0
         self.pools = [torch.zeros(len(g.caps) * rows, g.width, dtype=getattr(torch, g.dtype), device=device)
                       for g in layout.groups]
-        self._snaps = [torch.empty_like(p) for p in self.pools]
-        self._copy_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._big = _Snapshot(self.pools, [len(p) for p in self.pools], device)
+        # decode steps (a row a request) use their own snapshot and stream
+        small = small_snapshot_rows(rows, seqs)
+        self._small = _Snapshot(self.pools, [len(g.caps) * small for g in layout.groups], device) \
+            if small and self.pools else None
+        self._join = torch.cuda.Stream(device=device) if self._small is not None and device.type == "cuda" else None
         self._batch = BatchCopy.load() if device.type == "cuda" else None
-        self._copied: torch.cuda.Event | None = None
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self._nonfinite_host = torch.zeros((), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._counting = False
@@ -64,7 +72,8 @@ class Buffers:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor above, once (their bytes are what `tapc explain` says the plan takes)."""
-        return [self.table, *self.pools, *self._snaps, *self.params.tensors(), *self.logit_params.tensors(),
+        snaps = [t for snap in (self._big, self._small) if snap is not None for t in snap.tensors]
+        return [self.table, *self.pools, *snaps, *self.params.tensors(), *self.logit_params.tensors(),
                 self.logit_rows]
 
     # ---------------------------------------------------------------- per step
@@ -92,25 +101,43 @@ class Buffers:
         self._clean = self.rows
 
     def copy_out(self, segments: list[Segment], used: list[int]) -> torch.cuda.Event:
-        """Start the step's copies to host memory; the event is recorded once they are done."""
+        """Start the step's copies to host memory; the event is recorded once they, and every
+        earlier step's, are done."""
+        snap, other = self._big, self._small
+        if other is not None and all(n <= len(t) for n, t in zip(used, other.tensors)):
+            snap, other = other, snap
         compute = torch.cuda.current_stream()
-        if self._copied is not None:
-            compute.wait_event(self._copied)
-        for snap, pool, n in zip(self._snaps, self.pools, used):
+        if snap.freed is not None:
+            compute.wait_event(snap.freed)
+        for t, pool, n in zip(snap.tensors, self.pools, used):
             if n:
-                snap[:n].copy_(pool[:n])
+                t[:n].copy_(pool[:n])
                 if self._counting:
-                    self._nonfinite += torch.isfinite(snap[:n]).logical_not_().sum()
+                    self._nonfinite += torch.isfinite(t[:n]).logical_not_().sum()
         ready = torch.cuda.Event()
         ready.record(compute)
-        with torch.cuda.stream(self._copy_stream):
-            self._copy_stream.wait_event(ready)
-            copy_segments(segments, self._snaps, self._batch)
-            if self._counting:
+        # The other snapshot's copies may still run (a prompt step's, under the decode steps
+        # after it): then this step is done when both streams are, joined on a third.
+        joined = other is not None and other.freed is not None and not other.freed.query()
+        with torch.cuda.stream(snap.stream):
+            snap.stream.wait_event(ready)
+            copy_segments(segments, snap.tensors, self._batch)
+            if self._counting and not joined:
                 self._nonfinite_host.copy_(self._nonfinite, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record(self._copy_stream)
-        return self._copied
+            snap.freed = torch.cuda.Event()
+            snap.freed.record(snap.stream)
+        if not joined:
+            if other is not None:
+                other.freed = None   # its copies are done
+            return snap.freed
+        with torch.cuda.stream(self._join):
+            self._join.wait_event(snap.freed)
+            self._join.wait_event(other.freed)
+            if self._counting:   # the live total, read once both streams' copies are done
+                self._nonfinite_host.copy_(self._nonfinite, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._join)
+        return done
 
     def count_nonfinite(self, on: bool) -> None:
         """Count from now on (from 0), or stop counting."""
@@ -125,6 +152,17 @@ class Buffers:
         step's captures: no sync here, which would wait for the steps queued since); None when
         not counting."""
         return int(self._nonfinite_host) if self._counting else None
+
+
+class _Snapshot:
+    """Where copy-out reads a step's capture rows from while the next forward rewrites the pools:
+    `rows[g]` rows of each pool's width, read into host memory by its own copy stream; `freed` is
+    recorded after its last copies (None: none pending)."""
+
+    def __init__(self, pools: list[torch.Tensor], rows: list[int], device: torch.device):
+        self.tensors = [torch.empty(n, p.shape[1], dtype=p.dtype, device=device) for n, p in zip(rows, pools)]
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self.freed: torch.cuda.Event | None = None
 
 
 class _UvaTable:

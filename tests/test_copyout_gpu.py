@@ -1,0 +1,78 @@
+"""Copy-out on the device (engine/buffers.py): a prompt step's captures still on their way to
+host memory while decode steps copy theirs through their own snapshot. Every row lands, the
+pools can be rewritten right after each step, and a step's event covers every earlier step."""
+import numpy as np
+import pytest
+import torch
+from engine_toy import HIDDEN, LAYERS, toy_plan
+
+from tapc.engine.buffers import Buffers
+from tapc.engine.fill import Segment
+from tapc.engine.layout import Layout
+from tapc.engine.storage import Store
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+ROWS, SEQS = 1 << 18, 8          # a prompt step of 256K rows x 3 layers x 16 floats: 48 MiB to host memory
+
+
+def pinned(rows, caps, width, dtype):   # a Store's chunk allocator
+    return torch.empty(rows, caps, width, dtype=dtype, pin_memory=True)
+
+
+def test_decode_steps_copy_out_while_a_prompt_steps_copies_run_and_every_row_lands():
+    plan = toy_plan(["model.layers.*.resid"], rows=ROWS, slots=SEQS)
+    layout = Layout(plan)
+    dev = torch.device("cuda")
+    buffers = Buffers(layout, ROWS, SEQS, 2, dev)
+    (pool,) = buffers.pools
+    caps = np.arange(LAYERS)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    # a prompt of ROWS - SEQS rows for request 0 and one for each other, then decode steps of a
+    # row a request; some steps are prompt-sized again
+    prompts = [ROWS - SEQS] + [1] * (SEQS - 1)
+    stores = [Store(0, caps, HIDDEN, torch.float32, pinned, n + 64) for n in prompts]
+    want = [[] for _ in stores]
+    plan_steps = [prompts] + [[1] * SEQS] * 5 + [[ROWS // SEQS] * SEQS] + [[1] * SEQS] * 3
+    buffers.count_nonfinite(True)
+    nans = 0
+    events = []
+    assert buffers._small is not None
+    for step, rows in enumerate(plan_steps):
+        segs, start = [], 0
+        for store, n in zip(stores, rows):
+            segs.append(Segment(store, start, n))
+            start += n * LAYERS
+        # the forward writes the pool on the compute stream
+        pool[:start].normal_(generator=gen)
+        if step in (0, 7):
+            pool[start - 1, 3] = float("nan")
+            nans += 1
+        for k, seg in enumerate(segs):
+            want[k].append(pool[seg.start: seg.start + seg.rows * LAYERS].view(seg.rows, LAYERS, HIDDEN).cpu())
+        events.append(buffers.copy_out(segs, [start]))
+        # and the next forward rewrites it at once
+        pool.fill_(-7.0)
+    events[-1].synchronize()   # a collect waits for a request's last step only
+    for store, rows in zip(stores, want):
+        expect = torch.cat(rows)
+        got = torch.cat([c.view(-1, LAYERS, HIDDEN) for c in store.chunks])[: store.rows]
+        assert store.rows == len(expect)
+        torch.testing.assert_close(got, expect, rtol=0, atol=0, equal_nan=True)
+    assert buffers.nonfinite() == nans
+
+
+def test_every_step_copies_through_one_snapshot_when_the_pools_are_decode_sized():
+    plan = toy_plan(["model.layers.*.resid"], rows=SEQS, slots=SEQS)
+    buffers = Buffers(Layout(plan), SEQS, SEQS, 2, torch.device("cuda"))
+    assert buffers._small is None
+    (pool,) = buffers.pools
+    store = Store(0, np.arange(LAYERS), HIDDEN, torch.float32, pinned, 64)
+    want = []
+    for _ in range(4):
+        pool[: SEQS * LAYERS].normal_()
+        want.append(pool[: SEQS * LAYERS].view(SEQS, LAYERS, HIDDEN).cpu())
+        event = buffers.copy_out([Segment(store, 0, SEQS)], [SEQS * LAYERS])
+        pool.fill_(-7.0)
+    event.synchronize()
+    torch.testing.assert_close(store.chunks[0][: store.rows].view(-1, LAYERS, HIDDEN), torch.cat(want), rtol=0, atol=0)
