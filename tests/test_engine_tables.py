@@ -20,7 +20,7 @@ from tapc.errors import EngineError, RequestError
 
 PLAN_TAPS = ["model.layers.*.resid", "model.layers.1.mlp.up_proj.output",
              "model.layers.2.resid | add(steer, alpha=a)", "model.layers.0.resid | set([1, 2], 1.5)",
-             "model.layers.1.resid | zero(cols)"]
+             "model.layers.1.resid | zero(cols)", "model.layers.*.mlp.output | add(steer, alpha=a, at=generated)"]
 
 
 def cpu_alloc(rows, caps, width, dtype):

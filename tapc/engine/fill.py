@@ -166,12 +166,19 @@ def _fill_captures(layout: Layout, table: np.ndarray, rows: _BatchRows, used: li
 
 
 def _fill_edits(layout: Layout, table: np.ndarray, rows: _BatchRows) -> None:
-    """Each bound edit: the request's slot on the rows its tap's `at` covers."""
+    """Each bound edit: the request's slot on the rows its tap's `at` covers. Edits bound by the
+    same requests with the same `at` (a glob over 32 layers) take the same rows: one mask and
+    one assignment for all of them (a prompt step of 8192 rows took 3 ms one edit at a time)."""
     slot = np.array([rec.slot for rec in rows.recs], dtype=np.int64)
     bound = np.stack([rec.edit_mask for rec in rows.recs]) & (slot >= 0)[:, None]
+    alike: dict[tuple, list[int]] = {}
     for e in np.flatnonzero(bound.any(axis=0)).tolist():
-        m = bound[rows.req, e] & select(layout.edit_at[e], rows.pos, rows.plen)
-        table[layout.edit_row(e), rows.row[m]] = slot[rows.req[m]]
+        at = layout.edit_at[e]
+        alike.setdefault((at if isinstance(at, str) else tuple(at), bound[:, e].tobytes()), []).append(e)
+    for edits in alike.values():
+        m = bound[rows.req, edits[0]] & select(layout.edit_at[edits[0]], rows.pos, rows.plen)
+        which = np.array([layout.edit_row(e) for e in edits])
+        table[which[:, None], rows.row[m][None, :]] = slot[rows.req[m]][None, :]
 
 
 class Repeat:
