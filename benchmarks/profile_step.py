@@ -4,6 +4,7 @@ caller's while one engine decodes, for vanilla vLLM and tapc variants, with tok/
     python3 benchmarks/profile_step.py --shape moe --out profile_moe.md            # V1 runner
     python3 benchmarks/profile_step.py --shape 8b --runner v1 --out profile_8b.md
     python3 benchmarks/profile_step.py --shape 8b --tp 2 --batch 64 --generate 256 --out profile_tp2.md
+    python3 benchmarks/profile_step.py --shape 8b --ablate --batch 64 --generate 256 --out profile_po.md
 
 At batch 1 a decode step takes a few milliseconds of GPU time, and vLLM prepares the next step on
 the host meanwhile; host work added per step (tapc's table fill, copies, bookkeeping) shows in
@@ -36,7 +37,7 @@ import sys
 import threading
 import time
 
-from bench_engine import LLAMA_31_8B, prompts, started
+from bench_engine import ABLATE_TAPS, LLAMA_31_8B, prompts, started
 from bench_moe import ENGINE, QWEN3_30B_A3B, RESID, ROUTER, model_dir
 
 IDLE = {"wait", "select", "poll", "recv", "recv_into", "_wait_for_tstate_lock", "acquire", "sleep", "get",
@@ -238,6 +239,9 @@ def main():
     ap.add_argument("--generate", type=int, default=1024, help="tokens per request: enough samples at batch 1")
     ap.add_argument("--interval", type=float, default=2.0, help="ms between samples")
     ap.add_argument("--threads", type=int, default=3, help="busiest threads reported per process")
+    ap.add_argument("--ablate", action="store_true",
+                    help="8b only: the tapped engine's plan is bench_engine's ablation (project_out on every "
+                         "layer's residual stream); variants nothing asked and project_out")
     ap.add_argument("--out", default="profile_step.md")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
@@ -263,8 +267,17 @@ def main():
                 "tapc, router": TapRequest(capture=ROUTER)}
     else:
         layers = args.layers or LLAMA_31_8B["num_hidden_layers"]
-        path, taps, runner = model_dir(LLAMA_31_8B, layers), [RESID], args.runner or "v2"
-        asks = {"tapc, nothing asked": None, "tapc, residual": TapRequest(capture=RESID)}
+        path, runner = model_dir(LLAMA_31_8B, layers), args.runner or "v2"
+        if args.ablate:
+            import numpy as np
+
+            taps = ABLATE_TAPS
+            refusal = np.random.default_rng(0).standard_normal(LLAMA_31_8B["hidden_size"]).tolist()
+            asks = {"tapc, nothing asked": None,
+                    "tapc, project_out": TapRequest(params={"refusal": refusal})}
+        else:
+            taps = [RESID]
+            asks = {"tapc, nothing asked": None, "tapc, residual": TapRequest(capture=RESID)}
     with model_runner(runner):
         vanilla = started("vanilla", lambda: LLM(path, gpu_memory_utilization=0.42, **common))
         tapped = started("tapc", lambda: VLLM(path, taps=taps, gpu_memory_utilization=0.42, **common))

@@ -23,7 +23,7 @@ import torch
 from tapc.engine.arena import Arena
 from tapc.engine.protocol import WireRequest
 from tapc.engine.requests import TapRequest, check
-from tapc.engine.buffers import Buffers, ParamTables, _UvaTable
+from tapc.engine.buffers import Buffers, ParamTables, Staging, _UvaTable
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.memcpy import copy_segments
 from tapc.engine.runner_v1 import V1Adapter
@@ -140,8 +140,9 @@ class ToyBuffers(Buffers):
         self._uva = [_UvaTable(layout.num_tables * rows, torch.device("cpu")) for _ in range(2)]
         self._next = 0
         self.pools = [torch.zeros(len(g.caps) * rows, g.width, dtype=getattr(torch, g.dtype)) for g in layout.groups]
-        self.params = ParamTables(layout.edits, slots, torch.device("cpu"), layout.localize)
-        self.logit_params = ParamTables(layout.logit_edits, slots, torch.device("cpu"))
+        self.staging = Staging(torch.device("cpu"))
+        self.params = ParamTables(layout.edits, slots, torch.device("cpu"), layout.localize, self.staging)
+        self.logit_params = ParamTables(layout.logit_edits, slots, torch.device("cpu"), staging=self.staging)
         self.logit_rows = torch.full((len(layout.logit_edits), slots), -1, dtype=torch.int32)
         self.nonfinite_values = 0
         self.counting = False

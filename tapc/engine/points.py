@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from tapc.edits import EDITS
-from tapc.engine.buffers import upload_pinned
 from tapc.engine.layout import Layout
 from tapc.engine.positions import select
 from tapc.engine.protocol import BlockFailure, TensorData, WireRequest
@@ -120,6 +119,7 @@ class LogitEdits:
         self.taps = layout.logit_edits
         self.tables = buffers.logit_params.tables
         self.rows = buffers.logit_rows             # device [edits, max_num_seqs]
+        self.staging = buffers.staging
         self.at = layout.logit_edit_at
         self.always = [not names for names in layout.logit_edit_params]
         if self.taps:
@@ -150,6 +150,6 @@ class LogitEdits:
         used = np.flatnonzero((table >= 0).any(axis=1))
         if not used.size:
             return
-        upload_pinned(self.rows, torch.from_numpy(table))
+        self.staging.put(self.rows, table)
         for e in used.tolist():
             self.ops[e](logits, None, self.rows[e], *self.tables[e].values())
