@@ -15,7 +15,8 @@ The worker allocates, once, before vLLM's first forward (engine/buffers.py):
 for its own part of the plan (tapc/ranks.py: its stage, local widths), and `gpu_bytes` says
 what the most loaded GPU allocates. Captures of `logits` / `samples` are kept per step on the
 device until collected (a row per generated token): not preallocated, not counted here. Nor is
-host memory: the pinned staging buffers of the row tables and the captures' arena in /dev/shm
+host memory: the pinned staging buffers of the row tables and of parameter rows
+(engine/buffers.py `Staging`, 8 MiB), and the captures' arena in /dev/shm
 (engine/arena.py), which grows with what requests ask for; `host_row_bytes` says how fast.
 """
 from __future__ import annotations
@@ -104,7 +105,6 @@ def _gpu_parts(taps, shards: dict, tp: int, pp: int):
     for stage in range(pp):
         for rank in range(tp):
             yield indexed_rank_taps(taps, shards, rank, stage)
-
 
 
 def host_row_bytes(taps, shards: dict, tp: int, pp: int) -> int:
