@@ -60,6 +60,14 @@ def prompts(n: int, length: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": rng.integers(0, 128000, length).tolist()} for _ in range(n)]
 
 
+def run_seed(phase: int, rnd: int, workload: int, variant: int) -> int:
+    """The prompts' seed of one run: new prompts for every (phase, round, workload, variant).
+    Every engine keeps vLLM's prefix caching on (tapped ones too: tapc/prefix.py), so a prompt an
+    engine saw before would skip its prefill: the tapped engine's second variant would reuse the
+    first's KV (capturing generated rows reads cache) and look faster than vanilla."""
+    return ((phase * 100 + rnd) * 100 + workload) * 100 + variant
+
+
 def timed(generate, workload: str, seed: int):
     """(output tokens/s for decode, seconds for the harvest) of one run."""
     from vllm import SamplingParams
@@ -101,13 +109,11 @@ def ablation(llm, workload: str):
 def run_rounds(workloads, runs_for, repeats: int, results: dict, report, phase: int) -> None:
     """`repeats` rounds over `workloads`, each running every variant of `runs_for(workload)`
     ({name: generate}) in turn; round 0 is warmup unless it is the only one. Prompts are new for
-    every (phase, round, workload): vanilla keeps vLLM's default prefix caching (tapped engines
-    run without it), so a prompt it saw before would skip its prefill and flatter vanilla."""
+    every run (`run_seed`)."""
     for rnd in range(repeats):
         for i, w in enumerate(workloads):
-            seed = 1000 * phase + 10 * rnd + i
-            for name, gen in runs_for(w).items():
-                value = timed(gen, w, seed=seed)
+            for v, (name, gen) in enumerate(runs_for(w).items()):
+                value = timed(gen, w, seed=run_seed(phase, rnd, i, v))
                 print(f"round {rnd} {w:18s} {name:42s} {value:10.2f}", flush=True)
                 if rnd > 0 or repeats == 1:
                     results.setdefault((w, name), []).append(value)

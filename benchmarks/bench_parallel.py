@@ -34,7 +34,7 @@ import tempfile
 import time
 
 import numpy as np
-from bench_engine import LLAMA_31_8B, prompts, started, write_table
+from bench_engine import LLAMA_31_8B, prompts, run_seed, started, write_table
 
 LLAMA_31_70B = {**LLAMA_31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
                 "num_hidden_layers": 80, "num_key_value_heads": 8}
@@ -86,12 +86,11 @@ def timed(generate, workload: tuple[int, int, int], seed: int) -> float:
 
 def rounds(workloads: dict, runs: dict, repeats: int, results: dict, report, phase: int = 0) -> None:
     """`repeats` rounds, every run of `runs` ({name: generate}) on every workload in turn;
-    round 0 is warmup unless it is the only one. New prompts for every (phase, round, workload):
-    vanilla keeps vLLM's prefix caching on, so a prompt it saw before would skip its prefill."""
+    round 0 is warmup unless it is the only one. New prompts for every run (`run_seed`)."""
     for rnd in range(repeats):
         for i, (w, shape) in enumerate(workloads.items()):
-            for name, gen in runs.items():
-                value = timed(gen, shape, seed=1000 * phase + 10 * rnd + i)
+            for v, (name, gen) in enumerate(runs.items()):
+                value = timed(gen, shape, seed=run_seed(phase, rnd, i, v))
                 print(f"round {rnd} {w:14s} {name:40s} {value:10.2f}", flush=True)
                 if rnd > 0 or repeats == 1:
                     results.setdefault((w, name), []).append(value)
