@@ -1,12 +1,13 @@
 """Copy-out on the device (engine/buffers.py): a prompt step's captures still on their way to
-host memory while decode steps copy theirs through their own snapshot. Every row lands, the
-pools can be rewritten right after each step, and a step's event covers every earlier step."""
+host memory while decode steps copy theirs, through their own snapshot or (a step of few bytes)
+straight from the pools on the compute stream. Every row lands, the pools can be rewritten
+right after each step, and a step's event covers every earlier step."""
 import numpy as np
 import pytest
 import torch
 from engine_toy import HIDDEN, LAYERS, toy_plan
 
-from tapc.engine.buffers import Buffers
+from tapc.engine.buffers import DIRECT_BYTES, Buffers
 from tapc.engine.fill import Segment
 from tapc.engine.layout import Layout
 from tapc.engine.storage import Store
@@ -20,11 +21,17 @@ def pinned(rows, caps, width, dtype):   # a Store's chunk allocator
     return torch.empty(rows, caps, width, dtype=dtype, pin_memory=True)
 
 
-def test_decode_steps_copy_out_while_a_prompt_steps_copies_run_and_every_row_lands():
+# direct_bytes 0: every step through a snapshot; DIRECT_BYTES: decode steps (1.5 KiB) straight
+PATHS = pytest.mark.parametrize("direct", [0, DIRECT_BYTES], ids=["snapshots", "direct"])
+
+
+@PATHS
+def test_decode_steps_copy_out_while_a_prompt_steps_copies_run_and_every_row_lands(direct):
     plan = toy_plan(["model.layers.*.resid"], rows=ROWS, slots=SEQS)
     layout = Layout(plan)
     dev = torch.device("cuda")
     buffers = Buffers(layout, ROWS, SEQS, 2, dev)
+    buffers.direct_bytes = direct
     (pool,) = buffers.pools
     caps = np.arange(LAYERS)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -54,6 +61,7 @@ def test_decode_steps_copy_out_while_a_prompt_steps_copies_run_and_every_row_lan
         # and the next forward rewrites it at once
         pool.fill_(-7.0)
     events[-1].synchronize()   # a collect waits for a request's last step only
+    assert (buffers._small.freed is None) == bool(direct), "the decode steps took the other path"
     for store, rows in zip(stores, want):
         expect = torch.cat(rows)
         got = torch.cat([c.view(-1, LAYERS, HIDDEN) for c in store.chunks])[: store.rows]
@@ -62,9 +70,11 @@ def test_decode_steps_copy_out_while_a_prompt_steps_copies_run_and_every_row_lan
     assert buffers.nonfinite() == nans
 
 
-def test_every_step_copies_through_one_snapshot_when_the_pools_are_decode_sized():
+@PATHS
+def test_every_step_copies_through_one_snapshot_when_the_pools_are_decode_sized(direct):
     plan = toy_plan(["model.layers.*.resid"], rows=SEQS, slots=SEQS)
     buffers = Buffers(Layout(plan), SEQS, SEQS, 2, torch.device("cuda"))
+    buffers.direct_bytes = direct
     assert buffers._small is None
     (pool,) = buffers.pools
     store = Store(0, np.arange(LAYERS), HIDDEN, torch.float32, pinned, 64)
@@ -75,4 +85,5 @@ def test_every_step_copies_through_one_snapshot_when_the_pools_are_decode_sized(
         event = buffers.copy_out([Segment(store, 0, SEQS)], [SEQS * LAYERS])
         pool.fill_(-7.0)
     event.synchronize()
+    assert (buffers._big.freed is None) == bool(direct), "the steps took the other path"
     torch.testing.assert_close(store.chunks[0][: store.rows].view(-1, LAYERS, HIDDEN), torch.cat(want), rtol=0, atol=0)

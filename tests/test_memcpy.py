@@ -1,5 +1,6 @@
 """A step's capture copies issued in one batch, or one by one when the batch declines."""
 import ctypes
+from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
@@ -23,6 +24,9 @@ def segments_and_pool(device="cpu", alloc=cpu_alloc):
     return [Segment(a, 0, 3), Segment(b, 6, 1)], pool, a, b
 
 
+STREAM = NS(cuda_stream=1234)   # a stream's handle as BatchCopy reads it (CPU tests have no stream)
+
+
 def check(pool, a, b):
     torch.testing.assert_close(a.chunks[0][:3].reshape(6, 5).cpu(), pool[:6].cpu(), rtol=0, atol=0)
     torch.testing.assert_close(b.chunks[0][:1].reshape(1, 5).cpu(), pool[6:7].cpu(), rtol=0, atol=0)
@@ -30,7 +34,7 @@ def check(pool, a, b):
 
 def test_a_declined_batch_falls_back_to_one_copy_each():
     segments, pool, a, b = segments_and_pool()
-    copy_segments(segments, [pool], lambda dsts, srcs, sizes: False)
+    copy_segments(segments, [pool], lambda dsts, srcs, sizes, stream: False, STREAM)
     check(pool, a, b)
 
 
@@ -41,14 +45,23 @@ def test_an_issued_batch_is_the_only_copy():
     segments, pool, a, b = segments_and_pool()
     other = pool + 1
 
-    def batch(dsts, srcs, sizes):
+    def batch(dsts, srcs, sizes, stream):
+        assert stream == STREAM.cuda_stream
         for d, s, n in zip(dsts, srcs, sizes):
             assert pool.data_ptr() <= s and s + n <= pool.data_ptr() + pool.numel() * pool.element_size()
             ctypes.memmove(d, other.data_ptr() + (s - pool.data_ptr()), n)
         return True
 
-    copy_segments(segments, [pool], batch)
+    copy_segments(segments, [pool], batch, STREAM)
     check(other, a, b)
+
+
+def test_without_a_stream_the_batch_is_not_asked():
+    """The driver needs a stream's handle; with none named the copies go one by one on the
+    current stream."""
+    segments, pool, a, b = segments_and_pool()
+    copy_segments(segments, [pool], lambda *args: pytest.fail("the batch was asked"))
+    check(pool, a, b)
 
 
 def test_blocks_that_straddle_chunks_go_to_both_by_address():
@@ -60,26 +73,21 @@ def test_blocks_that_straddle_chunks_go_to_both_by_address():
         st = Store(0, np.array([0, 1]), 5, torch.float32, cpu_alloc, first=2)
         st.take(1)   # one row written before this step: one left in the first chunk
 
-        def memmove(dsts, srcs, sizes):
+        def memmove(dsts, srcs, sizes, stream):
             for d, s, n in zip(dsts, srcs, sizes):
                 ctypes.memmove(d, s, n)
             return True
 
-        copy_segments([Segment(st, 2, 3)], [pool], memmove if batch else None)
+        copy_segments([Segment(st, 2, 3)], [pool], memmove if batch else None, STREAM)
         assert len(st.chunks) == 2, "it grew"
         got = torch.cat([c[:n] for c, n in st.filled()])[1:].reshape(-1, 5)
         torch.testing.assert_close(got, pool[2:8], rtol=0, atol=0)
 
 
-def test_the_batch_hands_the_driver_every_address_size_and_the_stream(monkeypatch):
+def test_the_batch_hands_the_driver_every_address_size_and_the_stream():
     """`BatchCopy` as the driver sees it (a stand-in for cuMemcpyBatchAsync_v2 that copies with
     memmove): the arrays of destinations, sources and sizes, their count, one attribute set
-    from copy 0, and the current stream; a driver error turns the batch off for good."""
-    from types import SimpleNamespace as NS
-
-    from tapc.engine import memcpy
-
-    monkeypatch.setattr(memcpy.torch.cuda, "current_stream", lambda: NS(cuda_stream=1234))
+    from copy 0, and the stream named; a driver error turns the batch off for good."""
     seen = []
 
     def driver(dsts, srcs, sizes, n, attrs, first, count, stream):
@@ -89,16 +97,18 @@ def test_the_batch_hands_the_driver_every_address_size_and_the_stream(monkeypatc
         return 0
 
     segments, pool, a, b = segments_and_pool()
-    copy_segments(segments, [pool], BatchCopy(driver))
+    copy_segments(segments, [pool], BatchCopy(driver), STREAM)
     check(pool, a, b)
     assert seen == [(2, [0], 1, 1234)]
+    assert not BatchCopy(driver)([1], [2], [3], 0), "the legacy default stream, which the driver refuses"
+    assert len(seen) == 1
 
     def failing(*args):
         return 1   # CUDA_ERROR_INVALID_VALUE
 
     segments, pool, a, b = segments_and_pool()
     batch = BatchCopy(failing)
-    copy_segments(segments, [pool], batch)
+    copy_segments(segments, [pool], batch, STREAM)
     assert batch.failed
     check(pool, a, b)   # copied one by one instead
 
@@ -116,9 +126,11 @@ def test_driver_batch_copies_device_blocks_into_registered_host_memory():
 
     segments, pool, a, b = segments_and_pool("cuda", registered)
     stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        stream.wait_stream(torch.cuda.default_stream())
-        copy_segments(segments, [pool], batch)
+    issued, driver = [], batch._fn
+    batch._fn = lambda *args: issued.append(args[3]) or driver(*args)
+    stream.wait_stream(torch.cuda.current_stream())
+    copy_segments(segments, [pool], batch, stream)
     stream.synchronize()
+    assert issued == [2], "both blocks in one driver call"
     assert not batch.failed
     check(pool, a, b)

@@ -56,17 +56,17 @@ class BatchCopy:
         except (OSError, AttributeError):
             return None
 
-    def __call__(self, dsts: list[int], srcs: list[int], sizes: list[int]) -> bool:
-        """Copy sizes[i] bytes from address srcs[i] to dsts[i] for all i, on the current stream.
-        False when the batch was not issued: the caller copies them one by one."""
-        if self.failed:
+    def __call__(self, dsts: list[int], srcs: list[int], sizes: list[int], stream: int) -> bool:
+        """Copy sizes[i] bytes from address srcs[i] to dsts[i] for all i, on `stream` (a
+        `cuda_stream` handle; the driver refuses the legacy default stream, 0). False when the
+        batch was not issued: the caller copies them one by one."""
+        if self.failed or stream == 0:
             return False
         n = len(dsts)
         if n == 0:
             return True
         err = self._fn(_c_array(ctypes.c_uint64, dsts), _c_array(ctypes.c_uint64, srcs), _c_array(ctypes.c_size_t, sizes),
-                       n, ctypes.byref(self._attrs), self._first, 1,
-                       ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+                       n, ctypes.byref(self._attrs), self._first, 1, ctypes.c_void_p(stream))
         if err != 0:
             self.failed = True
             log.warning("tapc: cuMemcpyBatchAsync_v2 failed (CUresult %d); captures are copied one by one", err)
@@ -82,15 +82,18 @@ def _c_array(ctype, values: list[int]):
 
 
 def copy_segments(segments: "list[Segment]", pools: list[torch.Tensor],
-                  batch: Callable[[list[int], list[int], list[int]], bool] | None = None) -> None:
+                  batch: Callable[[list[int], list[int], list[int], int], bool] | None = None,
+                  stream: "torch.cuda.Stream | None" = None) -> None:
     """Copy each segment's rows from its group's pool (or a snapshot of it) into its request's
-    storage. Non-blocking: on the device, the caller orders it on a stream and waits for it.
-    `batch` (memcpy.BatchCopy) issues all the copies in one call, by address (a step at batch 64
-    would otherwise make two tensor views a block, 5 us of host time each); where it is None or
-    declines, each is one `copy_`. Pools are contiguous `[rows, width]`, storage chunks
+    storage. Non-blocking: on the device, they go on `stream` (None: the current one), and the
+    caller waits for it. `batch` (memcpy.BatchCopy), given a stream, issues all the copies in
+    one call, by address (a step at batch 64 would otherwise make two tensor views a block, 5 us
+    of host time each); where it is None or declines, each is one `copy_`. The stream is named, not
+    made current: entering `torch.cuda.stream` costs about 10 us of host time (H200 host), paid
+    only by the one-by-one copies. Pools are contiguous `[rows, width]`, storage chunks
     contiguous `[rows, captures, width]`."""
     taken = [(seg, first) for seg in segments if (first := seg.store.take(seg.rows)) is not None]
-    if batch is not None:
+    if batch is not None and stream is not None:
         # each pool's address and bytes a row, once: torch's accessors cost a microsecond a call
         bases = [(pool.data_ptr(), pool.shape[1] * pool.element_size()) for pool in pools]
         dsts, srcs, sizes = [], [], []
@@ -109,8 +112,16 @@ def copy_segments(segments: "list[Segment]", pools: list[torch.Tensor],
                 srcs.append(src)
                 sizes.append(size)
                 src += size
-        if batch(dsts, srcs, sizes):
+        if batch(dsts, srcs, sizes, stream.cuda_stream):
             return
+    if stream is not None:
+        with torch.cuda.stream(stream):
+            _copy_each(taken, pools)
+    else:
+        _copy_each(taken, pools)
+
+
+def _copy_each(taken: list, pools: list[torch.Tensor]) -> None:
     for seg, first in taken:
         pool, src = pools[seg.store.group], seg.start
         for chunk, lo, n in seg.store.span(first, seg.rows):
