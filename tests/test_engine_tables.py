@@ -140,7 +140,8 @@ def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_t
 @pytest.mark.parametrize("seed", range(3))
 def test_a_repeated_decode_step_leaves_the_tables_segments_and_captures_of_a_fresh_fill(seed):
     """Steady decode with arrivals, departures, 1-row recompute steps (a preempted request's
-    rows seen before) and requests asking for position lists: a run that keeps the device's
+    rows seen before), speculative-decoding steps (three rows for a request one position on)
+    and requests asking for position lists: a run that keeps the device's
     tables and the segments when a step repeats the last (`Repeat`, as the runner hooks use it)
     has, at every step, the device tables and segments of a run that fills every step, and
     ends with the same captures; and steps did repeat."""
@@ -175,6 +176,8 @@ def test_a_repeated_decode_step_leaves_the_tables_segments_and_captures_of_a_fre
             live.append(arriving)
         counts = [sp["plen"] if done[sp["rid"]] == 0 else 1 for sp in live]
         recompute = step % 11 == 0 and done[live[0]["rid"]] > live[0]["plen"]
+        if step % 7 == 0 and not recompute and done[live[-1]["rid"]] > live[-1]["plen"]:
+            counts[-1] = 3   # a speculative-decoding step: one row and two drafts, one position on
         computed = [done[sp["rid"]] - (2 if recompute and k == 0 else 0) for k, sp in enumerate(live)]
         qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         batch = StepBatch([sp["rid"] for sp in live], qsl, np.array(computed, dtype=np.int32),

@@ -209,7 +209,13 @@ class Repeat:
     def same(self, batch: StepBatch) -> tuple[list[Segment], list[int]] | None:
         """The kept step's segments and used rows if `batch` repeats it (its next rows), with
         the capturing requests' `next_pos` moved on; None when it must be filled."""
-        if self._key is None or self._key != (tuple(batch.req_ids), batch.padded) or not _decode(batch) \
+        # The kept step was a decode step past every prompt (`keep`). This one repeats it when it
+        # has the same requests, each one position on, and one row each: the rows are as many as
+        # the requests (every request of a step has one at least). Cheaper than `_decode`,
+        # which this runs instead of on every step of a steady decode.
+        n = len(batch.req_ids)
+        if self._key is None or self._key != (tuple(batch.req_ids), batch.padded) \
+                or int(batch.query_start_loc[n]) != n \
                 or not np.array_equal(batch.num_computed, self._computed + 1):   # each request's next row
             return None
         self._computed = batch.num_computed.copy()
