@@ -42,6 +42,20 @@ def test_expected_rows(positions, rows):
     assert expected_rows(positions, 5, 3) == rows
 
 
+def test_expected_rows_counts_what_select_covers():
+    """The closed form against `select`'s mask over the positions that ran, for every kind of
+    `positions` and short, empty and long prompts and outputs (lists with repeats and positions
+    out of range)."""
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        plen, gen = int(rng.integers(0, 12)), int(rng.integers(0, 12))
+        listed = rng.integers(-3, 30, size=int(rng.integers(0, 8))).tolist()
+        for positions in ("all", "prompt", "generated", "last", listed):
+            ran = np.arange(plen + max(gen, 1) - 1)
+            want = int(select(positions, ran, plen).sum())
+            assert expected_rows(positions, plen, gen) == want, (positions, plen, gen)
+
+
 def device_step(layout: Layout, table: np.ndarray, padded: int, pools: list[torch.Tensor],
                 acts: list[torch.Tensor]) -> None:
     """What the capture ops do with a filled table in a forward of `padded` rows: capture c puts

@@ -35,6 +35,15 @@ def select(positions: str | Sequence[int], pos: np.ndarray, prompt_len) -> np.nd
 
 def expected_rows(positions, prompt_len: int, num_generated: int) -> int:
     """How many rows a finished request's capture has: positions that went through the model
-    (0 .. prompt_len + num_generated - 2) and that `positions` covers."""
-    pos = np.arange(prompt_len + max(num_generated, 1) - 1)
-    return int(select(positions, pos, prompt_len).sum())
+    (0 .. prompt_len + num_generated - 2) and that `positions` covers (what `select` over them
+    counts, in closed form: this runs for every request, at admission and at assembly)."""
+    ran = prompt_len + max(num_generated, 1) - 1
+    if positions == "all":
+        return ran
+    if positions == "prompt":
+        return min(prompt_len, ran)
+    if positions == "generated":
+        return max(ran - prompt_len, 0)
+    if positions == "last":
+        return int(0 <= prompt_len - 1 < ran)
+    return len({int(p) for p in positions if 0 <= p < ran})
