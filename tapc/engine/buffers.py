@@ -125,8 +125,7 @@ class Buffers:
         for t, pool, n in zip(snap.tensors, self.pools, used):
             if n:
                 t[:n].copy_(pool[:n])
-                if self._counting:
-                    self._nonfinite += torch.isfinite(t[:n]).logical_not_().sum()
+        self._count(snap.tensors, used)
         ready = torch.cuda.Event()
         ready.record(compute)
         snap.stream.wait_event(ready)
@@ -148,15 +147,22 @@ class Buffers:
         At batch 1 the host's time shows in the step (the V1 runner on the Qwen3-30B-A3B shape: a
         2.1 ms step with 2.0 ms of GPU work), and copy-out through a snapshot took 229 us a step
         there; these copies are a few microseconds of DMA on the GPU instead."""
-        if self._counting:
-            for pool, n in zip(self.pools, used):
-                if n:
-                    self._nonfinite += torch.isfinite(pool[:n]).logical_not_().sum()
-            self._nonfinite_host.copy_(self._nonfinite, non_blocking=True)
+        self._count(self.pools, used)
         copy_segments(segments, self.pools, self._batch, compute)
+        pending = [s for s in (self._big, self._small) if s is not None and _pending(s)]
+        if self._counting and not pending:
+            self._nonfinite_host.copy_(self._nonfinite, non_blocking=True)
         done = torch.cuda.Event()
         done.record(compute)
-        return self._joined(done, [s for s in (self._big, self._small) if s is not None and _pending(s)])
+        return self._joined(done, pending)
+
+    def _count(self, tensors: list[torch.Tensor], used: list[int]) -> None:
+        """While counting, add the non-finite values of each tensor's first `used` rows (on the
+        compute stream, the step's rows as copy-out reads them)."""
+        if self._counting:
+            for t, n in zip(tensors, used):
+                if n:
+                    self._nonfinite += torch.isfinite(t[:n]).logical_not_().sum()
 
     def _joined(self, done: torch.cuda.Event, pending: list["_Snapshot"]) -> torch.cuda.Event:
         """`done`, or where snapshots' copies are still pending, an event recorded once they and
