@@ -31,6 +31,7 @@ its processes, which import this file again.
 """
 import argparse
 import collections
+import gc
 import os
 import platform
 import sys
@@ -105,14 +106,19 @@ def _label(code) -> str:
 class HookTimer:
     """Wall time and calls of tapc's per-step hooks (runner.py `RunnerHooks`) in a worker, by
     wrapping the bound methods the runner adapter calls, and of `end_step`'s parts: the copy-out
-    (buffers.py `copy_out`) and its batched driver copy (memcpy.py `BatchCopy`); `stop` puts them
-    back."""
+    (buffers.py `copy_out`), its direct path (`_copy_direct`, small steps), the segments' copies
+    (memcpy.py `copy_segments`: the host's address lists and the driver call) and the batched
+    driver copy itself (memcpy.py `BatchCopy`); what copy-out spends outside them is its CUDA
+    stream and event calls. `stop` puts them back."""
 
     HOOKS = ("schedule", "begin_step", "end_step")
 
     def __init__(self, hooks):
         self.hooks, self.spent = hooks, {}
-        wrapped = [(hooks, name) for name in self.HOOKS] + [(hooks.buffers, "copy_out")]
+        import tapc.engine.buffers as buffers_module
+
+        wrapped = [(hooks, name) for name in self.HOOKS] + [(hooks.buffers, "copy_out"), (hooks.buffers, "_copy_direct"),
+                                                            (buffers_module, "copy_segments")]
         if getattr(hooks.buffers, "_batch", None) is not None:
             wrapped.append((hooks.buffers, "_batch"))
         # what each object held under the name itself (None: the name was its class's method)
@@ -129,6 +135,19 @@ class HookTimer:
             self.repeated += got is not None
             return got
         repeat.same = counted
+        # the worker process's garbage collections meanwhile (vLLM freezes its startup heap; what
+        # tapc allocates per step and per request is not frozen)
+        self.gc = {g: [0, 0.0] for g in range(3)}
+        self._gc_start = 0.0
+        gc.callbacks.append(self._gc_seen)
+
+    def _gc_seen(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            spent = self.gc[info["generation"]]
+            spent[0] += 1
+            spent[1] += time.perf_counter() - self._gc_start
 
     def _timed(self, name, fn):
         def timed(*args, **kwargs):
@@ -147,11 +166,16 @@ class HookTimer:
             else:
                 setattr(obj, name, own)
         del self.hooks._repeat.__dict__["same"]
+        gc.callbacks.remove(self._gc_seen)
         out = {name: {"calls": n, "us_per_call": s / n * 1e6 if n else 0.0} for name, (n, s) in self.spent.items()}
         out["begin_step"]["repeated"] = self.repeated
         if "_batch" in out:
             out["end_step: driver batch copy"] = out.pop("_batch")
         out["end_step: copy_out"] = out.pop("copy_out")
+        out["end_step: copy_out, direct path"] = out.pop("_copy_direct")
+        out["end_step: copy_segments"] = out.pop("copy_segments")
+        for g, (n, spent) in self.gc.items():
+            out[f"worker process: gc of generation {g}"] = {"calls": n, "us_per_call": spent / n * 1e6 if n else 0.0}
         return out
 
 
