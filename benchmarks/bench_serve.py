@@ -19,6 +19,12 @@ imported by each worker (`tapc serve --block`); the norms it saves are checked a
 requests capturing all rows ask `save: true`; once the servers have stopped (which commits the
 last shard), their rows in the folder's shards are checked against HF's like the fetched ones.
 
+A capturing request's client fetches its captures (`GET /v1/tapc/results/{id}`) as soon as its
+response ends, inside the timed load, as a client would (until 2026-12-01 they were fetched after
+the load, so every result of a load stayed in the server's host memory meanwhile and the load grew
+it, which costs the engine's steps about a second a GiB: the table says how long the tapc
+server spent doing so in each load).
+
 Checked for every finished request of the tapc server, against HF transformers on the same
 weights (teacher-forced on the tokens the request went through, with the request's own
 steering): every capture has exactly the rows its positions promise and equals HF's within
@@ -38,6 +44,7 @@ import base64
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -77,6 +84,7 @@ class Done:
     error: str | None = None
     aborted: bool = False
     inline: dict | None = None   # the response's `tapc` object (inline results)
+    fetched: bytes | None = None  # its captures, fetched as soon as its response ended (safetensors)
 
 
 def write_model(path: str, hidden: int, layers: int, vocab: int) -> None:
@@ -184,6 +192,14 @@ async def send(session, url: str, model: str, job: Job, tapped: bool) -> Done:
                         return done
             done.prompt_tokens = usage["prompt_tokens"]
             done.cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        if done.tid and "capture" in job.kind and not (job.save or (done.inline and "safetensors" in done.inline)):
+            # as a client would: its captures at once (the server then holds nothing of it), in
+            # the timed load, over the same HTTP
+            async with session.get(f"{url}/v1/tapc/results/{done.tid}") as resp:
+                if resp.status != 200:
+                    done.error = f"fetching its captures: HTTP {resp.status}: {await resp.text()}"
+                else:
+                    done.fetched = await resp.read()
     except (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError) as e:
         done.error = f"{type(e).__name__}: {e}"
     return done
@@ -369,11 +385,8 @@ def check(ref: Reference, url: str, done: list[Done], block: bool = False, saved
         if job.inline and not (d.inline and ("safetensors" in d.inline or "fetch" in d.inline)):
             problems.append(f"{where}: asked inline, the response carried {d.inline!r}")
             continue
-        if job.inline and "safetensors" in d.inline:
-            taps = load(base64.b64decode(d.inline["safetensors"]))
-        else:
-            status, data = http_json("GET", f"{url}/v1/tapc/results/{d.tid}")
-            taps = load(data)
+        taps = load(base64.b64decode(d.inline["safetensors"]) if job.inline and "safetensors" in d.inline
+                    else d.fetched)
         want = expected_rows(job.positions, len(job.prompt), len(d.tokens))
         pos = np.arange(len(seq) - 1)
         keep = torch.from_numpy(select(job.positions, pos, len(job.prompt)))
@@ -455,15 +468,24 @@ def summary(done: list[Done], seconds: float) -> dict:
 
 def table_rows(mix: str, v: dict, t: dict) -> list[str]:
     return [f"| {mix} | {name} | {s['requests']} | {s['finished']} | {s['aborted']} | {s['seconds']:.1f} | "
-            f"{s['tok_s']:.0f} | {s['tok_s'] / v['tok_s']:.3f}x | {s['hit_rate']:.3f} |"
+            f"{s['tok_s']:.0f} | {s['tok_s'] / v['tok_s']:.3f}x | {s['hit_rate']:.3f} | {s.get('pinning', '')} |"
             for name, s in (("vanilla vllm serve", v), ("tapc serve", t))]
+
+
+def pinning_s(log: str) -> float:
+    """Seconds the tapc server's workers spent making and pinning host memory for captures so
+    far, from their log lines (engine/arena.py): growth runs on the step's path, so a load that
+    grows the arena pays it in its time."""
+    with open(log, errors="replace") as f:
+        return sum(float(m.group(1)) for m in re.finditer(r"made and pinned in ([0-9.]+) s", f.read()))
 
 
 def report(args, rows: list[str], problems: list[str], final: bool) -> None:
     """The table so far (after each mix, so a run cut short keeps what it measured)."""
     lines = [f"shares of {', '.join(KINDS)} per mix", "",
              "| mix | server | requests | finished | aborted | seconds | output tok/s | ratio | "
-             "untapped prefix-cache hit rate |", "|---|---|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]
+             "untapped prefix-cache hit rate | s pinning capture memory meanwhile |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]
     if final:
         lines.append(f"checks: {'all passed' if not problems else f'{len(problems)} problems'}")
     else:
@@ -546,10 +568,7 @@ def main() -> int:
         # pay for first-use work (kernel JIT, CUDA-graph sizes, host buffers).
         warm = make_jobs(WARMUP, vocab, args.rate, 0.0, seed=1)
         for url, tap in (("http://127.0.0.1:8101", False), ("http://127.0.0.1:8102", True)):
-            warmed, _ = asyncio.run(load(url, model, warm, args.clients, tap))
-            for d in warmed:
-                if d.tid and "capture" in d.job.kind and not d.error:
-                    http_json("GET", f"{url}/v1/tapc/results/{d.tid}")   # fetched: the server holds nothing of it
+            asyncio.run(load(url, model, warm, args.clients, tap))   # (captures fetched as they end)
         ref = None
         for m, mix in enumerate(mixes):
             # prompts of its own for each mix (the first as before): no mix is served from the
@@ -559,8 +578,11 @@ def main() -> int:
             results = {}
             for name, url, tap in (("vanilla", "http://127.0.0.1:8101", False),
                                    ("tapc", "http://127.0.0.1:8102", True)):
+                pinned = pinning_s(logs[8102])
                 done, seconds = asyncio.run(load(url, model, jobs, args.clients, tap))
                 results[name] = (done, summary(done, seconds))
+                if tap:
+                    results[name][1]["pinning"] = f"{pinning_s(logs[8102]) - pinned:.2f}"
             found = [f"tapc: {e}" for e in results["tapc"][1]["errors"]]
             found += [f"vanilla: {e}" for e in results["vanilla"][1]["errors"]]
             lost = len(jobs) - len(results["tapc"][0])

@@ -116,6 +116,7 @@ def test_memory_reserved_at_start_is_pinned_once_and_admissions_within_it_never_
         arena.reserve(10_000)
     assert pinned == [10_240] and arena.size == 10_240, "one segment, rounded up to the alignment"
     assert "grew to" in caplog.text and "reserved at start" in caplog.text
+    assert [r.levelname for r in caplog.records] == ["INFO"], "a reserve at start is no stall"
     arena.reserve(5_000)                                   # less than it holds: nothing to do
     blocks = [arena.tensor(1, 1, 512, torch.float32) for _ in range(5)]   # 2048 bytes each: all fit
     assert pinned == [10_240] and {arena.locate(b)[0] for b in blocks} == {arena.path(0)}
@@ -123,6 +124,7 @@ def test_memory_reserved_at_start_is_pinned_once_and_admissions_within_it_never_
     with caplog.at_level("INFO", logger="tapc"):
         arena.tensor(1, 1, 512, torch.float32)               # past the reserve: grows, and says so
     assert pinned == [10_240, 4096] and "while admitting requests: the step waited for it" in caplog.text
+    assert [r.levelname for r in caplog.records] == ["WARNING"], "a stall on the step's path is a warning"
     assert arena.growth_s > 0
     arena.close()
 

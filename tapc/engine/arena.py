@@ -124,10 +124,14 @@ class Arena:
                     else:
                         free[i] = (off + size, room - size)
                     return seg, off
-        self._grow(max(size, self.segment_bytes), why="while admitting requests: the step waited for it")
+        self._grow(max(size, self.segment_bytes), why="while admitting requests: the step waited for it; "
+                   "capture_memory_gib (of VLLM, `tapc serve --capture-memory-gib`, a spec's capture.memory_gib) "
+                   "pins it at start", stalled=True)
         return self._take(size)
 
-    def _grow(self, size: int, why: str) -> None:
+    def _grow(self, size: int, why: str, stalled: bool = False) -> None:
+        """Make and pin a segment of `size` bytes; `stalled`: on a step's path, which an operator
+        hears of (a warning: every request of the step waited), where a reserve at start is info."""
         t0 = time.perf_counter()
         path = self.path(len(self.maps))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -151,8 +155,9 @@ class Arena:
         self.free.append([(0, size)])
         took = time.perf_counter() - t0
         self.growth_s += took
-        log.info("tapc: host memory for captures grew to %.2f GiB in %s (%.2f GiB made and pinned in %.2f s, %s)",
-                 self.size / 2**30, self.directory, size / 2**30, took, why)
+        log.log(logging.WARNING if stalled else logging.INFO,
+                "tapc: host memory for captures grew to %.2f GiB in %s (%.2f GiB made and pinned in %.2f s, %s)",
+                self.size / 2**30, self.directory, size / 2**30, took, why)
 
     def close(self) -> None:
         for seg in range(len(self.maps)):
