@@ -11,7 +11,10 @@ one of three registered vectors (some capturing too), a share streamed, `--abort
 aborted mid-stream (the client closes the connection), and half behind one shared system
 prompt. The vanilla server gets the same prompts and lengths without taps. `--mix` sets the
 shares of the four kinds; several mixes run one after the other on the same two servers (one
-server start, minutes of GPU time, for all), each with prompts of its own. `--inline S`: a
+server start, minutes of GPU time, for all), each with prompts of its own. Each mix runs
+`--rounds` times on each server, the servers in turn (the other one first every other round),
+with new prompts every round: one 10-second load's reading moved by a fifth from run to run,
+so the table gives medians and each round's own ratio. `--inline S`: a
 share S of the capturing requests ask for their captures in the response (checked the same way).
 `--block`: the tapc server also runs a Python block at a layer, named by import path and
 imported by each worker (`tapc serve --block`); the norms it saves are checked against HF's.
@@ -45,6 +48,7 @@ import json
 import os
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -466,10 +470,22 @@ def summary(done: list[Done], seconds: float) -> dict:
             "hit_rate": sum(d.cached for d in untapped) / max(1, sum(d.prompt_tokens for d in untapped))}
 
 
-def table_rows(mix: str, v: dict, t: dict) -> list[str]:
-    return [f"| {mix} | {name} | {s['requests']} | {s['finished']} | {s['aborted']} | {s['seconds']:.1f} | "
-            f"{s['tok_s']:.0f} | {s['tok_s'] / v['tok_s']:.3f}x | {s['hit_rate']:.3f} | {s.get('pinning', '')} |"
-            for name, s in (("vanilla vllm serve", v), ("tapc serve", t))]
+def table_rows(mix: str, v: list[dict], t: list[dict]) -> list[str]:
+    """A mix's two rows: each server's medians over the rounds, the ratio of the medians, and the
+    median (range) of each round's own ratio."""
+    def med(runs: list[dict], key: str) -> float:
+        return statistics.median(run[key] for run in runs)
+
+    ratios = [b["tok_s"] / a["tok_s"] for a, b in zip(v, t)]
+    rows = []
+    for name, runs in (("vanilla vllm serve", v), ("tapc serve", t)):
+        tapped = runs is t
+        per = f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})" if tapped else ""
+        pinning = f"{sum(run['pinning'] for run in runs):.2f}" if tapped else ""
+        rows.append(f"| {mix} | {name} | {len(runs)} | {med(runs, 'requests'):.0f} | {med(runs, 'finished'):.0f} | "
+                    f"{med(runs, 'aborted'):.0f} | {med(runs, 'seconds'):.1f} | {med(runs, 'tok_s'):.0f} | "
+                    f"{med(runs, 'tok_s') / med(v, 'tok_s'):.3f}x | {per} | {med(runs, 'hit_rate'):.3f} | {pinning} |")
+    return rows
 
 
 def pinning_s(log: str) -> float:
@@ -483,9 +499,10 @@ def pinning_s(log: str) -> float:
 def report(args, rows: list[str], problems: list[str], final: bool) -> None:
     """The table so far (after each mix, so a run cut short keeps what it measured)."""
     lines = [f"shares of {', '.join(KINDS)} per mix", "",
-             "| mix | server | requests | finished | aborted | seconds | output tok/s | ratio | "
-             "untapped prefix-cache hit rate | s pinning capture memory meanwhile |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]
+             "medians over the rounds; per-round ratio: the median (range) of each round's tapc / vanilla", "",
+             "| mix | server | rounds | requests | finished | aborted | seconds | output tok/s | ratio | "
+             "per-round ratio | untapped prefix-cache hit rate | s pinning capture memory meanwhile (all rounds) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]
     if final:
         lines.append(f"checks: {'all passed' if not problems else f'{len(problems)} problems'}")
     else:
@@ -511,6 +528,8 @@ def main() -> int:
     ap.add_argument("--mix", nargs="+", default=[",".join(map(str, MIX))],
                     help=f"shares of {', '.join(KINDS)} (e.g. 1,0,0,0: untapped traffic alone); several "
                          "mixes run one after the other on the same two servers")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="loads of each mix on each server, in turn (new prompts each round); the table shows medians")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--inline", type=float, default=0.0,
@@ -525,7 +544,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the summary table (markdown) here")
     args = ap.parse_args()
     if args.quick:
-        args.requests, args.hidden, args.layers = 300, 512, 4
+        args.requests, args.hidden, args.layers, args.rounds = 300, 512, 4, 1
     mixes = []
     for text in args.mix:
         mix = [float(x) for x in text.split(",")]
@@ -570,29 +589,36 @@ def main() -> int:
         for url, tap in (("http://127.0.0.1:8101", False), ("http://127.0.0.1:8102", True)):
             asyncio.run(load(url, model, warm, args.clients, tap))   # (captures fetched as they end)
         ref = None
+        servers = (("vanilla", "http://127.0.0.1:8101", False), ("tapc", "http://127.0.0.1:8102", True))
         for m, mix in enumerate(mixes):
-            # prompts of its own for each mix (the first as before): no mix is served from the
-            # cache an earlier one filled
-            jobs = make_jobs(args.requests, vocab, args.rate, args.abort, seed=0 if m == 0 else 100 + m, mix=mix,
-                             inline=args.inline, save=args.save)
-            results = {}
-            for name, url, tap in (("vanilla", "http://127.0.0.1:8101", False),
-                                   ("tapc", "http://127.0.0.1:8102", True)):
-                pinned = pinning_s(logs[8102])
-                done, seconds = asyncio.run(load(url, model, jobs, args.clients, tap))
-                results[name] = (done, summary(done, seconds))
-                if tap:
-                    results[name][1]["pinning"] = f"{pinning_s(logs[8102]) - pinned:.2f}"
-            found = [f"tapc: {e}" for e in results["tapc"][1]["errors"]]
-            found += [f"vanilla: {e}" for e in results["vanilla"][1]["errors"]]
-            lost = len(jobs) - len(results["tapc"][0])
-            if lost:
-                found.append(f"{lost} requests lost")
-            ref = ref or Reference(model, vectors)   # after the first timed runs: its GPU memory is not theirs
-            found += check(ref, "http://127.0.0.1:8102", results["tapc"][0], args.block, saved)
-            problems += [f"mix {args.mix[m]}: {p}" for p in found]
-            rows += table_rows(args.mix[m], results["vanilla"][1], results["tapc"][1])
-            report(args, rows, problems, final=False)
+            per: dict[str, list[dict]] = {"vanilla": [], "tapc": []}
+            for r in range(args.rounds):
+                # prompts of their own for each mix and round (the first mix's first round as
+                # before): no load is served from the cache an earlier one filled
+                jobs = make_jobs(args.requests, vocab, args.rate, args.abort,
+                                 seed=(0 if m == 0 else 100 + m) + 1000 * r, mix=mix, inline=args.inline, save=args.save)
+                results = {}
+                # in turn, the other first in every other round: a drift of the machine's speed
+                # over a mix falls on both
+                for name, url, tap in (servers if r % 2 == 0 else servers[::-1]):
+                    pinned = pinning_s(logs[8102])
+                    done, seconds = asyncio.run(load(url, model, jobs, args.clients, tap))
+                    results[name] = (done, summary(done, seconds))
+                    if tap:
+                        results[name][1]["pinning"] = pinning_s(logs[8102]) - pinned
+                found = [f"tapc: {e}" for e in results["tapc"][1]["errors"]]
+                found += [f"vanilla: {e}" for e in results["vanilla"][1]["errors"]]
+                lost = len(jobs) - len(results["tapc"][0])
+                if lost:
+                    found.append(f"{lost} requests lost")
+                ref = ref or Reference(model, vectors)   # after the first timed runs: its GPU memory is not theirs
+                found += check(ref, "http://127.0.0.1:8102", results["tapc"][0], args.block, saved)
+                where = f"mix {args.mix[m]}" + (f", round {r}" if args.rounds > 1 else "")
+                problems += [f"{where}: {p}" for p in found]
+                for name in per:
+                    per[name].append(results[name][1])
+                report(args, rows + table_rows(args.mix[m], per["vanilla"], per["tapc"]), problems, final=False)
+            rows += table_rows(args.mix[m], per["vanilla"], per["tapc"])
         http_json("GET", "http://127.0.0.1:8102/health")
         for _ in range(50):   # saved requests' captures go back once the writer thread has written them
             _, held = http_json("GET", "http://127.0.0.1:8102/v1/tapc/held")
