@@ -64,10 +64,16 @@ def scenario(plan, layout, ask: TapRequest, n_reqs: int, prompt_len: int, decode
     return records, StepBatch(rids, qsl, computed, prompt_lens, padded)
 
 
-def issued(dsts, srcs, sizes) -> bool:
+def issued(dsts, srcs, sizes, stream) -> bool:
     """The driver's batched copy (memcpy.BatchCopy) as issued: the addresses are built, the call
     itself (asynchronous, one ctypes call) is left out."""
     return True
+
+
+class Stream:
+    """A stream as copy_segments reads it (the batched copy is issued only on a named stream)."""
+
+    cuda_stream = 1
 
 
 def time_step(layout, records, batch: StepBatch, repeats: int = 200, repeating: bool = False) -> float:
@@ -89,7 +95,7 @@ def time_step(layout, records, batch: StepBatch, repeats: int = 200, repeating: 
         step = replace(batch, num_computed=batch.num_computed + k + 1) if repeating else batch
         t0 = time.perf_counter()
         got = repeat.same(step) if repeating else fill_step(layout, table[:, :batch.padded], records, batch)
-        copy_segments(got[0], pools, issued)
+        copy_segments(got[0], pools, issued, Stream())
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 
