@@ -133,11 +133,7 @@ class Buffers:
         # The other snapshot's copies may still run (a prompt step's, under the decode steps
         # after it): then this step is done when both streams are, joined on a third.
         pending = [other] if other is not None and _pending(other) else []
-        if self._counting and not pending:
-            with torch.cuda.stream(snap.stream):
-                self._nonfinite_host.copy_(self._nonfinite, non_blocking=True)
-        snap.freed = torch.cuda.Event()
-        snap.freed.record(snap.stream)
+        snap.freed = self._recorded(snap.stream, pending)
         return self._joined(snap.freed, pending)
 
     def _copy_direct(self, segments: list[Segment], used: list[int], compute) -> torch.cuda.Event:
@@ -150,11 +146,7 @@ class Buffers:
         self._count(self.pools, used)
         copy_segments(segments, self.pools, self._batch, compute)
         pending = [s for s in (self._big, self._small) if s is not None and _pending(s)]
-        if self._counting and not pending:
-            self._nonfinite_host.copy_(self._nonfinite, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(compute)
-        return self._joined(done, pending)
+        return self._joined(self._recorded(compute, pending), pending)
 
     def _count(self, tensors: list[torch.Tensor], used: list[int]) -> None:
         """While counting, add the non-finite values of each tensor's first `used` rows (on the
@@ -163,6 +155,17 @@ class Buffers:
             for t, n in zip(tensors, used):
                 if n:
                     self._nonfinite += torch.isfinite(t[:n]).logical_not_().sum()
+
+    def _recorded(self, stream, pending: list["_Snapshot"]) -> torch.cuda.Event:
+        """An event on `stream` after the step's copies there. While counting, and with no other
+        snapshot's copies pending, the running non-finite total goes to the host first, on that
+        stream (else `_joined` sends it once every stream's copies are done)."""
+        if self._counting and not pending:
+            with torch.cuda.stream(stream):
+                self._nonfinite_host.copy_(self._nonfinite, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
     def _joined(self, done: torch.cuda.Event, pending: list["_Snapshot"]) -> torch.cuda.Event:
         """`done`, or where snapshots' copies are still pending, an event recorded once they and
