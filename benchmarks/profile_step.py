@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 
-from bench_engine import ABLATE_TAPS, LLAMA_31_8B, prompts, started
+from bench_engine import ABLATE_TAPS, LLAMA_31_8B, ablation, prompts, started
 from bench_moe import ENGINE, QWEN3_30B_A3B, RESID, ROUTER, model_dir
 
 IDLE = {"wait", "select", "poll", "recv", "recv_into", "_wait_for_tstate_lock", "acquire", "sleep", "get",
@@ -293,12 +293,8 @@ def main():
         layers = args.layers or LLAMA_31_8B["num_hidden_layers"]
         path, runner = model_dir(LLAMA_31_8B, layers), args.runner or "v2"
         if args.ablate:
-            import numpy as np
-
             taps = ABLATE_TAPS
-            refusal = np.random.default_rng(0).standard_normal(LLAMA_31_8B["hidden_size"]).tolist()
-            asks = {"tapc, nothing asked": None,
-                    "tapc, project_out": TapRequest(params={"refusal": refusal})}
+            asks = {"tapc, nothing asked": None, **ablation(None, "decode")}   # bench_engine's request
         else:
             taps = [RESID]
             asks = {"tapc, nothing asked": None, "tapc, residual": TapRequest(capture=RESID)}
