@@ -79,6 +79,9 @@ def capture_pair(x0: torch.Tensor, x1: torch.Tensor, dst0: torch.Tensor, dst1: t
         check_buffer(out, x)
     if x1.shape[0] != x0.shape[0]:
         raise ValueError(f"x1 must have x0's {x0.shape[0]} rows, got {x1.shape[0]}")
+    if out0.untyped_storage().data_ptr() == out1.untyped_storage().data_ptr():
+        # a compiled graph writes each mutated argument back whole: one buffer twice loses a capture
+        raise ValueError("out0 and out1 are one buffer: capture_pair needs two (call capture twice)")
     num_tokens = x0.shape[0]
     if num_tokens == 0:
         return

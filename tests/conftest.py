@@ -32,6 +32,12 @@ from gpu_engines import checkpoints, engines, tapped_engine, vanilla_llama  # no
 
 def pytest_collection_modifyitems(config, items):
     if _cuda():
+        # Under pytest-xdist (`-n N --dist loadgroup`) a group runs on one worker: a GPU test
+        # not marked with a session engine it shares (gpu_engines.shares) goes with its module,
+        # whose module-scoped engines then start once.
+        for item in items:
+            if "gpu" in item.keywords and item.get_closest_marker("xdist_group") is None:
+                item.add_marker(pytest.mark.xdist_group(item.module.__name__))
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine: pytest -m gpu)")
     for item in items:

@@ -8,12 +8,15 @@ HF transformers loads each once (`hf_forward`).
 Engines that one module or one test alone uses are built there and stopped with `shutdown`
 when done.
 
-Several engines are alive at once, so each takes a small share of GPU memory
-(`gpu_memory_utilization` 0.1, about 14 GB of an H200: the 4-layer models and their KV
-caches need far less). vLLM refuses to start when less than its share is free, and its memory
-profile fails when another process frees GPU memory while it profiles: engines are therefore
-stopped explicitly (the core process has exited when `shutdown` returns), never left to the
-garbage collector while the next one starts.
+Several engines are alive at once, in this process and, under pytest-xdist, in the other
+workers' (`python3 -m pytest -m gpu tests -n 6`: each worker has its own session, so tests
+that share an engine are kept on one worker by `shares`). Each engine is given its KV cache
+outright (`kv_cache_memory_bytes`, 256 MiB: 128K tokens of these 4-layer models), which skips
+vLLM's memory profile: that profile reads the device's free memory, and fails or sizes the
+cache wrongly when another process starts or stops an engine meanwhile. vLLM still refuses to
+start when less than `gpu_memory_utilization` (0.1, about 14 GB of an H200) is free, far more
+than an engine here uses. Engines are stopped explicitly (the core process has exited when
+`shutdown` returns), never left to the garbage collector while the next one starts.
 
 vLLM's own compile cache stays off (`VLLM_DISABLE_COMPILE_CACHE=1`): it is keyed by the whole
 configuration, which no two engines of a session share, so it would never hit. Inductor's
@@ -36,11 +39,19 @@ SMALL = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_
 MOE = dict(SMALL, intermediate_size=256)
 # max_num_seqs=3 and a 128-token budget force continuous batching. vLLM captures decode
 # graphs for batch sizes up to twice max_num_seqs: [1, 2, 4] here, already a short list.
-ENGINE = dict(max_num_seqs=3, max_num_batched_tokens=128, gpu_memory_utilization=0.1, skip_tokenizer_init=True,
-              max_model_len=1024, seed=0)
+ENGINE = dict(max_num_seqs=3, max_num_batched_tokens=128, gpu_memory_utilization=0.1,
+              kv_cache_memory_bytes=256 << 20, skip_tokenizer_init=True, max_model_len=1024, seed=0)
 # The tapped engine of tests/test_engine_gpu.py, which tests/test_harvest_gpu.py shares.
 CAPTURES = ["model.layers.*.resid", "model.layers.1.output[0]", "model.layers.2.mlp.down_proj.output"]
 STEER = "model.layers.2.resid | add(steer, alpha=8.0)"
+
+
+def shares(engine: str) -> pytest.MarkDecorator:
+    """Mark tests that use the session engine named `engine` (an `Engines` name): under
+    pytest-xdist (`--dist loadgroup`) they all run on one worker, which starts it once. Every
+    other GPU test is grouped by its module (conftest.py), so module-scoped engines start once
+    too."""
+    return pytest.mark.xdist_group(engine)
 
 
 def engine_env() -> None:

@@ -110,8 +110,12 @@ def test_aborting_many_mid_stream_gives_everything_back(served):
 
     async def one(i: int):
         ask = TapRequest(capture="*", params={"steer": VECTORS[i % 3]})
+        stopped = False
         async for out in engine.generate(prompt(i), greedy(64), f"a{i}", taps=ask):
-            if i % 3 and len(out.outputs[0].token_ids) == 2 + i % 7:
+            # `>=`: a client that reads slower than the engine steps gets several tokens in one
+            # output (vLLM merges what it has not read), so an exact count can be skipped
+            if i % 3 and not stopped and len(out.outputs[0].token_ids) >= 2 + i % 7:
+                stopped = True
                 if i % 3 == 1:
                     await engine.abort(f"a{i}")
                 else:   # as a server's request task when its client disconnects

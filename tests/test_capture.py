@@ -102,6 +102,8 @@ def test_capture_pair_is_two_captures_in_one_launch(widths):
     assert torch.equal(out1[dst1[:37][kept].long()], x1[kept]), "the ids, exactly, where their own table says"
     with pytest.raises(ValueError, match="x1 must have x0's 37 rows, got 36"):
         capture_pair(x0, x1[:36], dst0, dst1, out0, out1)
+    with pytest.raises(ValueError, match="out0 and out1 are one buffer"):
+        capture_pair(x0, x0, dst0, dst1, out0, out0[5:])
 
 
 @pytest.mark.parametrize("columns", [slice(3, 3 + 123), slice(1, None, 2)], ids=["slice", "step2"])

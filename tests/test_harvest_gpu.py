@@ -6,12 +6,13 @@ every resid, `model.layers.1.output[0]` and layer 2's down_proj output, all chec
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL, engine_args, shutdown
+from gpu_engines import SMALL, engine_args, shares, shutdown
 from test_engine_gpu import assert_matches, hf_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+@shares("tapped llama v2")
 def test_harvest_shards_equal_hf(tmp_path, checkpoints, tapped_engine):
     from tapc.data import Shards
     from tapc.harvest import harvest

@@ -286,6 +286,8 @@ def test_neighbouring_captures_of_a_tuples_elements_run_as_one_launch():
     assert [type(op) for _, op in got] == [_Pair, _Capture] and got[0][0] == el[0]
     assert [type(op) for _, op in _paired([(el[0], weights), (el[1], edit), (el[2], ids)])] == [_Capture, type(edit), _Capture]
     assert [type(op) for _, op in _paired([(Point("m", "output"), weights), (el[1], ids)])] == [_Capture, _Capture]
+    # one pool for both (a norm's output[0] and output[1]): two launches, never one writing it twice
+    assert [type(op) for _, op in _paired([(el[0], weights), (el[1], _Capture(module, "d1", "p0"))])] == [_Capture, _Capture]
 
     w = torch.rand(3, 4)
     i = torch.randint(0, 9, (3, 4), dtype=torch.int32)

@@ -10,10 +10,11 @@ rows shows in its shape. Prompts are drawn fresh for this module: the engine is 
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL
+from gpu_engines import SMALL, shares
 from test_engine_gpu import assert_matches, hf_reference
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              shares("tapped llama v2")]
 
 BLOCK = 16   # vLLM's default block size on CUDA
 

@@ -128,6 +128,10 @@ class _Capture:
         else:
             torch.ops.tapc.capture_sum(x, b, dst, pool)
 
+    def shares_pool(self, other: "_Capture") -> bool:
+        a, b = getattr(self.module, self.pool), getattr(other.module, other.pool)
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
     def pair(self, other: "_Capture", x0: torch.Tensor, x1: torch.Tensor) -> None:
         """This capture of x0 and `other`'s of x1 in one launch."""
         m, o = self.module, other.module
@@ -195,10 +199,12 @@ def _paired(after: list) -> list:
     """`after` with each two neighbouring captures of elements of a call's tuple (an MoE
     router's weights and expert ids) as one `_Pair`, under the first one's point: one launch,
     one graph node, where there were two. Captures only read, so running them together changes
-    nothing they see."""
+    nothing they see. Two captures into one pool stay apart: the compiled graph functionalizes
+    `capture_pair`, and two of its written arguments that are one buffer are written back one
+    over the other, which lost the first capture's rows (a norm's `output[0]` and `output[1]`)."""
     out = []
     for point, op in after:
-        if out and _tuple_capture(point, op) and _tuple_capture(*out[-1]):
+        if out and _tuple_capture(point, op) and _tuple_capture(*out[-1]) and not op.shares_pool(out[-1][1]):
             first_point, first = out[-1]
             out[-1] = (first_point, _Pair(first, op, first_point.element, point.element))
             continue
