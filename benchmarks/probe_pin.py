@@ -8,7 +8,9 @@ advises it, registers it with CUDA (`cudaHostRegister`, as the worker does), the
 device-to-host copy of up to 1 GiB into it; every file is unregistered and removed after. A reference
 row uses torch's own pinned allocation (`cudaHostAlloc`, not shareable with another process).
 An H200 host took about 1.2 s a GiB for the arena's way (docs/engine.md): this says which phase
-that is and whether another way is cheaper. Without a GPU only the host phases run.
+that is and whether another way is cheaper. The last case replays CUDA graphs on the main
+thread while another thread pins: whether pinning ahead, off the step's thread, would keep it
+off the step's path. Without a GPU only the host phases run.
 """
 import argparse
 import mmap
@@ -148,6 +150,58 @@ def in_threads(folder: str, size: int, n: int, src) -> dict:
     return {"wall (all threads)": wall}
 
 
+def beside_launches(folder: str, size: int) -> dict:
+    """Would pinning ahead of need, on a thread of its own, keep it off the step's path? The main
+    thread replays a CUDA graph of 200 small kernels (syncing every 8, as a step's sampler does)
+    alone, then while another thread makes and registers `size` bytes the arena's way: the loop's
+    wall time and its longest single launch say whether the registration held the launches."""
+    x = torch.randn(64, 4096, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):   # warm the kernels before capture, as torch asks
+        y = x
+        for _ in range(200):
+            y = y * 1.0001 + 0.0001
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x
+        for _ in range(200):
+            y = y * 1.0001 + 0.0001
+    torch.cuda.synchronize()
+
+    def loop(n: int = 3000) -> tuple[float, float]:
+        longest, t0 = 0.0, time.perf_counter()
+        for i in range(n):
+            a = time.perf_counter()
+            graph.replay()
+            longest = max(longest, time.perf_counter() - a)
+            if i % 8 == 7:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0, longest
+
+    alone, alone_longest = loop()
+    c = Case(folder, size, "beside")
+    pinned = {}
+
+    def pin() -> None:
+        t0 = time.perf_counter()
+        t = arena_way(c)
+        register(t)
+        c.keep.append(t)
+        pinned["s"] = time.perf_counter() - t0
+
+    try:
+        th = threading.Thread(target=pin)
+        th.start()
+        busy, busy_longest = loop()
+        th.join()
+    finally:
+        c.close()
+    return {"graph loop alone": alone, "its longest launch": alone_longest, "made and pinned on a thread": pinned["s"],
+            "graph loop meanwhile": busy, "its longest launch meanwhile": busy_longest}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=float, default=2.0)
@@ -171,9 +225,10 @@ def main():
         results["torch pin_memory (cudaHostAlloc)"] = {"allocate": time.perf_counter() - t0,
                                                        "D2H GB/s": d2h_gbs(pinned, src)}
         del pinned
+        results["pinning on a side thread, graphs replayed meanwhile"] = beside_launches(folder, size)
     for name, times in results.items():
         for phase, v in times.items():
-            per = "" if phase.endswith("GB/s") else f"{v / args.gib:.3f}"
+            per = "" if phase.endswith("GB/s") or "loop" in phase or "launch" in phase else f"{v / args.gib:.3f}"
             lines.append(f"| {name} | {phase} | {v:.3f} | {per} |")
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
