@@ -37,7 +37,10 @@ its workers hold nothing (`GET /v1/tapc/held`) once every result was fetched (th
 requests' too: a response the server sent whole just before its client closed keeps its results).
 Reported: output tokens/s of each server and their ratio (goal >= 0.95x), and the share of
 untapped prompt tokens served from the prefix cache (`usage.prompt_tokens_details`, goal: equal
-to vanilla's).
+to vanilla's). Beside them, what each engine did in the load, from vLLM's own counters at
+/metrics: its steps, tokens a step, prompt tokens it computed and wall ms a step, which say
+whether a slower tapc server computed more prefill (its cache salts), took longer a step (the
+engine's own cost), or ran smaller steps (requests reaching it more slowly: the API side).
 """
 from __future__ import annotations
 
@@ -461,6 +464,37 @@ def check_saved(folder: str, saved: list) -> list[str]:
     return problems
 
 
+# vLLM's own counters (Prometheus text at /metrics), summed over its engines: `iteration_tokens_total`
+# is a histogram of the tokens of each engine step, so its count is the steps and its sum their tokens
+COUNTERS = {"vllm:iteration_tokens_total_count": "steps", "vllm:iteration_tokens_total_sum": "step_tokens",
+            "vllm:prompt_tokens_total": "prompt_tokens", "vllm:prompt_tokens_cached_total": "cached_tokens"}
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    _, text = http_json("GET", f"{url}/metrics")
+    return counters_in(text.decode())
+
+
+def counters_in(text: str) -> dict[str, float]:
+    out = dict.fromkeys(COUNTERS.values(), 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in COUNTERS:
+            out[COUNTERS[name]] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def engine_view(before: dict, after: dict, seconds: float) -> dict:
+    """What the engine did in a load: its steps, tokens a step, prompt tokens it computed (not
+    read from the prefix cache) and wall ms a step. Beside vanilla's on the same load, it splits
+    a slower server into more prefill (cache salts), slower steps (the engine's own cost), or
+    smaller steps (requests reaching it more slowly)."""
+    d = {k: after[k] - before[k] for k in after}
+    steps = max(d["steps"], 1.0)
+    return {"steps": d["steps"], "tokens_a_step": d["step_tokens"] / steps,
+            "computed_k": (d["prompt_tokens"] - d["cached_tokens"]) / 1e3, "ms_a_step": seconds * 1e3 / steps}
+
+
 def summary(done: list[Done], seconds: float) -> dict:
     finished = [d for d in done if not d.error and not d.aborted]
     untapped = [d for d in finished if d.job.kind == "untapped" and d.prompt_tokens]
@@ -484,7 +518,9 @@ def table_rows(mix: str, v: list[dict], t: list[dict]) -> list[str]:
         pinning = f"{sum(run['pinning'] for run in runs):.2f}" if tapped else ""
         rows.append(f"| {mix} | {name} | {len(runs)} | {med(runs, 'requests'):.0f} | {med(runs, 'finished'):.0f} | "
                     f"{med(runs, 'aborted'):.0f} | {med(runs, 'seconds'):.1f} | {med(runs, 'tok_s'):.0f} | "
-                    f"{med(runs, 'tok_s') / med(v, 'tok_s'):.3f}x | {per} | {med(runs, 'hit_rate'):.3f} | {pinning} |")
+                    f"{med(runs, 'tok_s') / med(v, 'tok_s'):.3f}x | {per} | {med(runs, 'hit_rate'):.3f} | {pinning} | "
+                    f"{med(runs, 'steps'):.0f} | {med(runs, 'tokens_a_step'):.1f} | {med(runs, 'computed_k'):.1f} | "
+                    f"{med(runs, 'ms_a_step'):.2f} |")
     return rows
 
 
@@ -500,9 +536,12 @@ def report(args, rows: list[str], problems: list[str], final: bool) -> None:
     """The table so far (after each mix, so a run cut short keeps what it measured)."""
     lines = [f"shares of {', '.join(KINDS)} per mix", "",
              "medians over the rounds; per-round ratio: the median (range) of each round's tapc / vanilla", "",
+             "engine columns, from each server's /metrics: its steps in the load, tokens a step, prompt tokens it "
+             "computed (thousands; the rest came from the prefix cache) and wall ms a step", "",
              "| mix | server | rounds | requests | finished | aborted | seconds | output tok/s | ratio | "
-             "per-round ratio | untapped prefix-cache hit rate | s pinning capture memory meanwhile (all rounds) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]
+             "per-round ratio | untapped prefix-cache hit rate | s pinning capture memory meanwhile (all rounds) | "
+             "engine steps | tokens a step | prompt tokens computed (k) | ms a step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]
     if final:
         lines.append(f"checks: {'all passed' if not problems else f'{len(problems)} problems'}")
     else:
@@ -601,9 +640,9 @@ def main() -> int:
                 # in turn, the other first in every other round: a drift of the machine's speed
                 # over a mix falls on both
                 for name, url, tap in (servers if r % 2 == 0 else servers[::-1]):
-                    pinned = pinning_s(logs[8102])
+                    pinned, counted = pinning_s(logs[8102]), engine_counters(url)
                     done, seconds = asyncio.run(load(url, model, jobs, args.clients, tap))
-                    results[name] = (done, summary(done, seconds))
+                    results[name] = (done, {**summary(done, seconds), **engine_view(counted, engine_counters(url), seconds)})
                     if tap:
                         results[name][1]["pinning"] = pinning_s(logs[8102]) - pinned
                 found = [f"tapc: {e}" for e in results["tapc"][1]["errors"]]
