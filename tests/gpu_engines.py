@@ -9,8 +9,9 @@ Engines that one module or one test alone uses are built there and stopped with 
 when done.
 
 Several engines are alive at once, in this process and, under pytest-xdist, in the other
-workers' (`python3 -m pytest -m gpu tests -n 6`: each worker has its own session, so tests
-that share an engine are kept on one worker by `shares`). Each engine is given its KV cache
+workers' (`python3 -m pytest -m gpu tests -n 6 --dist loadgroup`: each worker has its own
+session, so tests that share an engine are kept on one worker by `shares`; xdist's default
+`--dist load` ignores the groups and starts such an engine on every worker that needs it). Each engine is given its KV cache
 outright (`kv_cache_memory_bytes`, 256 MiB: 128K tokens of these 4-layer models), which skips
 vLLM's memory profile: that profile reads the device's free memory, and fails or sizes the
 cache wrongly when another process starts or stops an engine meanwhile. vLLM still refuses to
