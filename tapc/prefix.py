@@ -53,6 +53,9 @@ class PrefixPolicy:
         self.edits = [t for t in plan.taps if t.kind == EDIT]
         self.blocks = any(t.kind == BLOCK for t in plan.taps)
         self.key = key if key is not None else os.urandom(32)
+        # The last ask's cache use: a batch shares one checked ask among its prompts (64 prompts
+        # with a direction projected out of 32 layers hashed it 2,048 times, 15-35 ms a call).
+        self._last: tuple[Ask, CacheUse] | None = None
 
     def use(self, ask: Ask | None, tid: str | None) -> CacheUse:
         """The cache use of a request with checked ask `ask` and tapc id `tid` (None: untapped)."""
@@ -60,13 +63,18 @@ class PrefixPolicy:
             return CacheUse()
         if self.blocks:
             return CacheUse(skip_read=True, salt=self.unique(tid))
+        if self._last is not None and self._last[0] is ask:
+            return self._last[1]
         skip = bool(ask.capture) and ask.positions not in ALWAYS_COMPUTED
         applied = [t for t in self.edits if _binds(t, ask.params)]
         if not applied:
-            return CacheUse(skip_read=skip)
-        what = [[t.source, {a.param: _canon(ask.params[a.param]) for a in t.args if a.param is not None}]
-                for t in applied]
-        return CacheUse(skip_read=skip, salt=self._sign(["edits", what]))
+            use = CacheUse(skip_read=skip)
+        else:
+            canon = {name: _canon(value) for name, value in ask.params.items()}   # a glob's edits share values
+            what = [[t.source, {a.param: canon[a.param] for a in t.args if a.param is not None}] for t in applied]
+            use = CacheUse(skip_read=skip, salt=self._sign(["edits", what]))
+        self._last = (ask, use)
+        return use
 
     def unique(self, tid: str) -> str:
         """A salt no other request has: for a server, which cannot set `skip_reading_prefix_cache`
