@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import random
@@ -249,8 +250,64 @@ async def load(url: str, model: str, jobs: list[Job], clients: int, tapped: bool
     return sorted(out, key=lambda d: d.job.i), time.perf_counter() - start
 
 
-def start_server(cmd: list[str], log: str) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+def start_server(cmd: list[str], log: str, stacks: str | None = None) -> subprocess.Popen:
+    """`stacks`: a folder where every process of the server leaves its stack samples of each
+    load (`Stacks`)."""
+    env = None
+    if stacks is not None:
+        os.makedirs(stacks, exist_ok=True)
+        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_stacks")
+        env = {**os.environ, "TAPC_STACKS_DIR": stacks,
+               "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+
+
+class Stacks:
+    """`--profile`: stack samples of every process of one server during its timed loads
+    (serve_stacks/sitecustomize.py), summed over the loads, as markdown per process and thread."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.flag = os.path.join(folder, "on")
+
+    def __enter__(self):
+        open(self.flag, "w").close()
+
+    def __exit__(self, *exc):
+        os.remove(self.flag)
+        time.sleep(0.5)   # each process writes its window within a tick of seeing the flag gone
+
+    def report(self, server: str, top: int = 3) -> list[str]:
+        from collections import Counter
+
+        from stacks import report_thread
+
+        procs: dict[str, dict[str, dict]] = {}
+        for path in sorted(f for f in os.listdir(self.folder) if f.endswith(".json")):
+            with open(os.path.join(self.folder, path)) as f:
+                got = json.load(f)
+            threads = procs.setdefault(f"{got['process']} (pid {got['pid']})", {})
+            for tname, t in got["threads"].items():
+                if tname in ("tapc-stacks", "tapc-sampler"):   # the profiler's own
+                    continue
+                acc = threads.setdefault(tname, {"samples": 0, "idle": 0, "inclusive": Counter(), "tapc": Counter(),
+                                                 "innermost": Counter()})
+                acc["samples"] += t["samples"]
+                acc["idle"] += t["idle"]
+                for key in ("inclusive", "tapc", "innermost"):
+                    acc[key].update(dict(t[key]))
+        lines = [f"## {server} server", ""]
+
+        def busy(threads):
+            return sum(t["samples"] - t["idle"] for t in threads.values())
+
+        for proc, threads in sorted(procs.items(), key=lambda kv: -busy(kv[1])):
+            if busy(threads) < 0.05 * max(t["samples"] for t in threads.values()):
+                continue   # a helper process that waited throughout (resource tracker, ...)
+            lines += [f"### process `{proc}`", ""]
+            for tname, t in sorted(threads.items(), key=lambda kv: kv[1]["idle"] - kv[1]["samples"])[:top]:
+                lines += report_thread(tname, {**t, **{k: t[k].most_common(25) for k in ("inclusive", "tapc", "innermost")}})
+        return lines
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, log: str) -> None:
@@ -581,6 +638,9 @@ def main() -> int:
     ap.add_argument("--api-server-count", type=int, default=1,
                     help="API server processes of each server (vLLM's --api-server-count)")
     ap.add_argument("--out", default=None, help="write the summary table (markdown) here")
+    ap.add_argument("--profile", default=None, metavar="MD",
+                    help="sample the stacks of every process of both servers during the timed loads (a "
+                         "thread per process takes the GIL every 2 ms: slower loads) and write them here")
     args = ap.parse_args()
     if args.quick:
         args.requests, args.hidden, args.layers, args.rounds = 300, 512, 4, 1
@@ -602,8 +662,9 @@ def main() -> int:
         common += ["--api-server-count", str(args.api_server_count)]
     env_py = sys.executable
     logs = {port: os.path.join(work, f"{name}.log") for port, name in ((8101, "vanilla"), (8102, "tapc"))}
+    stacks = {name: Stacks(os.path.join(work, f"stacks-{name}")) for name in ("vanilla", "tapc")} if args.profile else {}
     vanilla = start_server([env_py, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", "8101", *common],
-                           logs[8101])
+                           logs[8101], stacks["vanilla"].folder if stacks else None)
     tapped = None
     rows: list[str] = []
     problems: list[str] = []
@@ -618,7 +679,7 @@ def main() -> int:
                                *(["--tap", f"model.layers.{BLOCK_LAYER}.resid -> probe",
                                   "--block", "probe=benchmarks.bench_serve:probe"] if args.block else []),
                                *(["--save-to", save_dir, "--save-shard-tokens", "4096"] if args.save else []), *common],
-                              logs[8102])
+                              logs[8102], stacks["tapc"].folder if stacks else None)
         wait_healthy(tapped, 8102, logs[8102])
         for k, v in enumerate(vectors):
             http_json("POST", "http://127.0.0.1:8102/v1/tapc/vectors", {"name": f"v{k}", "values": v.tolist()})
@@ -641,7 +702,8 @@ def main() -> int:
                 # over a mix falls on both
                 for name, url, tap in (servers if r % 2 == 0 else servers[::-1]):
                     pinned, counted = pinning_s(logs[8102]), engine_counters(url)
-                    done, seconds = asyncio.run(load(url, model, jobs, args.clients, tap))
+                    with stacks.get(name, contextlib.nullcontext()):
+                        done, seconds = asyncio.run(load(url, model, jobs, args.clients, tap))
                     results[name] = (done, {**summary(done, seconds), **engine_view(counted, engine_counters(url), seconds)})
                     if tap:
                         results[name][1]["pinning"] = pinning_s(logs[8102]) - pinned
@@ -677,6 +739,13 @@ def main() -> int:
         if not saved:
             problems.append("--save: no request was saved")
     report(args, rows, problems, final=True)
+    if stacks:
+        lines = [f"# bench_serve --profile: stack samples every {float(os.environ.get('TAPC_STACKS_INTERVAL', '0.002')) * 1e3:g} ms "
+                 "in every process of each server, during its timed loads", ""]
+        for name, st in stacks.items():
+            lines += st.report(name)
+        with open(args.profile, "w") as f:
+            f.write("\n".join(lines) + "\n")
     return 1 if problems else 0
 
 

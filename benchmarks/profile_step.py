@@ -30,78 +30,15 @@ VLLM_ALLOW_INSECURE_SERIALIZATION=1 is set for that. The entry point is guarded:
 its processes, which import this file again.
 """
 import argparse
-import collections
 import gc
 import os
 import platform
 import sys
-import threading
 import time
 
 from bench_engine import ABLATE_TAPS, LLAMA_31_8B, ablation, prompts, started
 from bench_moe import ENGINE, QWEN3_30B_A3B, RESID, ROUTER, model_dir
-
-IDLE = {"wait", "select", "poll", "recv", "recv_into", "_wait_for_tstate_lock", "acquire", "sleep", "get",
-        "dequeue", "acquire_read", "epoll", "_recv", "wait_for"}
-
-
-class Sampler:
-    """Every `interval` seconds, the Python stack of every other thread of this process."""
-
-    def __init__(self, interval: float):
-        self.interval = interval
-        self.samples: collections.Counter = collections.Counter()     # thread -> samples
-        self.inclusive: collections.Counter = collections.Counter()   # (thread, function) -> samples on stack
-        self.innermost: collections.Counter = collections.Counter()   # (thread, function) -> samples on top
-        self.names: dict[int, str] = {}
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="tapc-sampler", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        me = threading.get_ident()
-        while not self.done.wait(self.interval):
-            self.names.update({t.ident: t.name for t in threading.enumerate()})
-            for tid, frame in sys._current_frames().items():
-                if tid == me:
-                    continue
-                seen = []
-                while frame is not None:
-                    seen.append(_label(frame.f_code))
-                    frame = frame.f_back
-                self.samples[tid] += 1
-                self.innermost[(tid, seen[0])] += 1
-                for fn in set(seen):
-                    self.inclusive[(tid, fn)] += 1
-
-    def stop(self, top: int = 25) -> dict:
-        """Plain data (it crosses processes): per thread with samples, its counts."""
-        self.done.set()
-        self.thread.join()
-        out = {}
-        for tid, n in self.samples.items():
-            def best(counter, keep=lambda fn: True):
-                return [(fn, c) for (t, fn), c in counter.most_common() if t == tid and keep(fn)][:top]
-            idle = sum(c for (t, fn), c in self.innermost.items() if t == tid and fn.rsplit(".", 1)[-1] in IDLE)
-            out[f"{self.names.get(tid, tid)}"] = {
-                "samples": n, "idle": idle, "inclusive": best(self.inclusive),
-                "tapc": best(self.inclusive, lambda fn: fn.startswith("tapc")), "innermost": best(self.innermost)}
-        # busiest first: every thread is sampled at every tick, so order by samples not waiting
-        return dict(sorted(out.items(), key=lambda kv: kv[1]["idle"] - kv[1]["samples"]))
-
-
-def _label(code) -> str:
-    """module-ish path and function: `tapc/engine/fill.fill_step`, `vllm/v1/worker/....execute_model`."""
-    path = code.co_filename
-    for root in ("site-packages/", "/tapc/", "/benchmarks/"):
-        if root in path:
-            tail = path.split(root, 1)[1]
-            path = ("tapc/" if root == "/tapc/" else "") + tail
-            break
-    else:
-        path = os.path.basename(path)
-    return f"{path.removesuffix('.py')}.{code.co_name}"
-
+from stacks import Sampler, report_thread
 
 class HookTimer:
     """Wall time and calls of tapc's per-step hooks (runner.py `RunnerHooks`) in a worker, by
@@ -238,20 +175,6 @@ def _stop_sampler(worker) -> dict:
     return {"threads": worker._tapc_sampler.stop(), "device": worker._tapc_device.stop()}
 
 
-def _table(rows: list[tuple[str, int]], total: int) -> list[str]:
-    return [f"| `{fn}` | {c / total:.1%} |" for fn, c in rows]
-
-
-def report_thread(name: str, got: dict) -> list[str]:
-    n = got["samples"]
-    lines = [f"#### thread `{name}`: {n} samples, {got['idle'] / n:.0%} waiting", "",
-             "| on the stack (inclusive) | share |", "|---|---:|", *_table(got["inclusive"], n), ""]
-    if got["tapc"]:
-        lines += ["| tapc's functions (inclusive) | share |", "|---|---:|", *_table(got["tapc"], n), ""]
-    lines += ["| innermost | share |", "|---|---:|", *_table(got["innermost"][:12], n), ""]
-    return lines
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=("moe", "8b"), default="moe")
@@ -282,7 +205,10 @@ def main():
     from tapc import VLLM
     from tapc.api import TapRequest
 
+    import stacks
+
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    cloudpickle.register_pickle_by_value(stacks)
     common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"), tensor_parallel_size=args.tp)
     if args.shape == "moe":
         layers = args.layers or 24
