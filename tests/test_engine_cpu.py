@@ -159,7 +159,36 @@ def test_steering_per_request_and_untouched_others(runner_kind):
     s1 = outs["s1"].taps
     assert not torch.allclose(s1[f"model.layers.{LAYERS - 1}.resid"],
                               reference(reqs[0], [f"model.layers.{LAYERS - 1}.resid"])[f"model.layers.{LAYERS - 1}.resid"])
-    assert sorted(hooks.slots.free) == list(range(8)), "every parameter slot is back"
+    assert hooks.slots.held == 0, "every parameter slot is back"
+
+
+@RUNNERS
+@pytest.mark.parametrize("slots", [8, 5])
+def test_requests_with_equal_values_share_a_slot_written_once(runner_kind, slots, monkeypatch):
+    """Twelve steered requests, arriving in turn, three sharing each of three vectors (before and
+    after three with vectors of their own): each equals its own reference. With 8 slots each vector is
+    written once; with 5, a slot nobody holds goes to other values and comes back rewritten."""
+    plan = toy_plan(["model.layers.1.resid | add(steer, alpha=2.0)", "model.layers.*.resid"], slots=slots)
+    runner, hooks = hooks_for(plan, ToyModel(), slots=slots, runner=runner_kind)
+    writes = []
+    write = hooks.buffers.params.write
+    monkeypatch.setattr(hooks.buffers.params, "write", lambda slot, edits, params: (writes.append(slot),
+                                                                                    write(slot, edits, params)))
+    rng = np.random.default_rng(7)
+    shared = [rng.standard_normal(HIDDEN) for _ in range(3)]
+    vecs = {f"r{i}": rng.standard_normal(HIDDEN) if 3 <= i < 6 else shared[i % 3] for i in range(12)}
+    reqs = [Req(rid, rng.integers(0, 50, 4 + i).tolist(), 3 + i % 4,
+                wire_for(plan, TapRequest(capture="*", params={"steer": v}), rid), arrive=i)
+            for i, (rid, v) in enumerate(vecs.items())]
+    run(runner, reqs, budget=64)
+    outs = collect(hooks, reqs, TapSession(plan))
+    for r in reqs:
+        check(r, dict(outs[r.rid].taps), "all", [(1, vecs[r.rid], 2.0, "all")])
+    if slots == 8:
+        assert len(writes) == 6, f"3 shared vectors and 3 of their own: 6 writes, not one a request ({len(writes)})"
+    else:
+        assert 6 < len(writes) < 12, f"some slots were reused for other values, not every request wrote ({len(writes)})"
+    assert hooks.slots.held == 0
 
 
 def test_parameterless_edit_applies_to_every_request():
@@ -433,7 +462,7 @@ def test_a_steered_request_keeps_its_edit_across_a_preemption(runner_kind):
     outs = collect(hooks, reqs, TapSession(plan))
     for r in reqs:
         check(r, dict(outs[r.rid].taps), "all", [(1, vs[r.rid], 2.0, "all")])
-    assert sorted(hooks.slots.free) == list(range(8))
+    assert hooks.slots.held == 0
 
 
 def test_v1_step_batch_is_the_persistent_batchs_first_requests():

@@ -101,7 +101,7 @@ def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_t
         if not untapped:
             wire = WireRequest(f"t{i}", check(plan, TapRequest(capture=capture, positions=at, params=params), f"r{i}"))
             rec = Record(layout, f"r{i}", wire, plen, gen, cpu_alloc)
-            rec.slot = slots.take() if rec.edits else -1
+            rec.slot = slots.take()[0] if rec.edits else -1
         reqs.append(dict(rid=f"r{i}", plen=plen, total=plen + gen - 1, done=0, rec=rec, seen={}, capture=capture))
     records = {r["rid"]: r["rec"] for r in reqs if r["rec"] is not None}
     table = np.zeros((layout.num_tables, 256), dtype=np.int32)
@@ -177,7 +177,7 @@ def test_a_repeated_decode_step_leaves_the_tables_segments_and_captures_of_a_fre
         for sp in specs:
             wire = WireRequest(sp["rid"], check(plan, sp["ask"], sp["rid"]))
             rec = records[sp["rid"]] = Record(layout, sp["rid"], wire, sp["plen"], sp["gen"], cpu_alloc)
-            rec.slot = slots.take() if rec.edits else -1
+            rec.slot = slots.take()[0] if rec.edits else -1
         runs.append(dict(repeat=repeat, records=records, device=np.full((layout.num_tables, 256), -1, np.int32),
                          pools=[torch.zeros(len(g.caps) * 256, g.width) for g in layout.groups], hits=0))
     done = {sp["rid"]: 0 for sp in specs}
@@ -258,6 +258,27 @@ def test_slots_run_out_loudly():
     slots.take()
     with pytest.raises(EngineError, match="parameter slots are taken"):
         slots.take()
+
+
+def test_slots_share_equal_values_and_keep_them_after_use():
+    slots = Slots(2)
+    a, fresh_a = slots.take("v1")
+    b, fresh_b = slots.take("v1")
+    assert (a, fresh_a, fresh_b) == (b, True, False), "equal values: one slot, written once"
+    c, fresh_c = slots.take("v2")
+    assert c != a and fresh_c and slots.held == 2
+    with pytest.raises(EngineError, match="parameter slots are taken"):
+        slots.take("v3")
+    for s in (a, b, c):
+        slots.give(s)
+    assert slots.held == 0
+    assert slots.take("v1") == (a, False), "a slot nobody holds keeps its values for the next request"
+    # v2's slot is the least recently used idle one: v3 takes it, and v2 must be written again
+    assert slots.take("v3") == (c, True)
+    slots.give(c)
+    assert slots.take("v2") == (c, True)
+    mine, fresh = Slots(1).take()
+    assert fresh, "values shared with no one are always written"
 
 
 @pytest.mark.parametrize("ask,words", [

@@ -38,6 +38,9 @@ class Record:
         # The same, as a mask over the plan's edits: the step fill stacks these for a whole batch.
         self.edit_mask = np.zeros(len(layout.edits), dtype=bool)
         self.edit_mask[self.edits] = True
+        # What its parameter slot holds, as a key: requests with equal keys share one (slots.py).
+        self.values = (tuple(self.edits), tuple(self.logit_edits),
+                       tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(self.params.items())))
         self.store_of: list[Store | None] = [None] * len(layout.groups)
         for st in self.stores:
             self.store_of[st.group] = st

@@ -156,9 +156,10 @@ class RunnerHooks:
     def _bind_slot(self, rec: Record) -> None:
         """A parameter slot for a request with edits that has none, its values written there."""
         if (rec.edits or rec.logit_edits) and rec.slot < 0:
-            rec.slot = self.slots.take()
-            self.buffers.params.write(rec.slot, rec.edits, rec.params)
-            self.buffers.logit_params.write(rec.slot, rec.logit_edits, rec.params)
+            rec.slot, fresh = self.slots.take(rec.values)
+            if fresh:
+                self.buffers.params.write(rec.slot, rec.edits, rec.params)
+                self.buffers.logit_params.write(rec.slot, rec.logit_edits, rec.params)
 
     def _release(self, rec: Record) -> None:
         if rec.slot >= 0:
@@ -220,7 +221,7 @@ class RunnerHooks:
         `uncollected`, results (or errors) waiting for `collect`; `chunks`, capture blocks of the
         arena not given back; `slots`, parameter slots taken."""
         return {"running": len(self.records), "uncollected": len(self.by_id) + len(self.errors),
-                "chunks": len(self.arena.held), "slots": self.buffers.slots - len(self.slots.free)}
+                "chunks": len(self.arena.held), "slots": self.slots.held}
 
 
 def _store_result(layout: Layout, arena: Arena, store: Store, inline: bool) -> StoreResult:
