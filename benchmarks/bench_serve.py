@@ -41,6 +41,9 @@ to vanilla's). Beside them, what each engine did in the load, from vLLM's own co
 /metrics: its steps, tokens a step, prompt tokens it computed and wall ms a step, which say
 whether a slower tapc server computed more prefill (its cache salts), took longer a step (the
 engine's own cost), or ran smaller steps (requests reaching it more slowly: the API side).
+`--profile MD` says where a process's time went: every process of both servers samples its
+stacks during the timed loads (serve_stacks/sitecustomize.py, on their PYTHONPATH), written to
+MD per process and thread; the sampling slows both servers' loads.
 """
 from __future__ import annotations
 
