@@ -104,6 +104,22 @@ def test_salts_say_what_changes_the_kv():
     assert policy.use(None, None).salt is None and not policy.use(None, None).skip_read
 
 
+def test_a_batchs_requests_each_get_their_own_asks_salt():
+    """generate's requests: a TapRequest shared by prompts is checked (and salted) once; each
+    request still gets the salt of its own ask, alternating or not."""
+    from tapc.session import TapSession
+
+    plan = toy_plan(TAPS)
+    session = TapSession(plan)
+    v = np.random.default_rng(0).standard_normal(HIDDEN)
+    a, b = TapRequest(params={"steer": v}), TapRequest(params={"steer": 2 * v})
+    prompts, _ = session.prepare_batch([prompt(i) for i in range(5)], params(), [a, b, a, None, a])
+    salts = [p.get("cache_salt") for p in prompts]
+    assert salts[0] == salts[2] == salts[4] and salts[1] not in (None, salts[0]) and salts[3] is None
+    alone = [p.get("cache_salt") for p in session.prepare_batch([prompt(9)] * 2, params(), b)[0]]
+    assert alone == [salts[1]] * 2, "the same values in another batch: the same salt"
+
+
 def test_logit_edits_need_no_salt_and_blocks_share_nothing():
     plan = toy_plan(["logits | add(bias)"])
     bias = np.ones(50)
