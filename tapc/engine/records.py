@@ -38,9 +38,6 @@ class Record:
         # The same, as a mask over the plan's edits: the step fill stacks these for a whole batch.
         self.edit_mask = np.zeros(len(layout.edits), dtype=bool)
         self.edit_mask[self.edits] = True
-        # What its parameter slot holds, as a key: requests with equal keys share one (slots.py).
-        self.values = (tuple(self.edits), tuple(self.logit_edits),
-                       tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(self.params.items())))
         self.store_of: list[Store | None] = [None] * len(layout.groups)
         for st in self.stores:
             self.store_of[st.group] = st
@@ -49,6 +46,13 @@ class Record:
         # its tokens from 0, and each position is kept once, the first time it went through.
         self.next_pos = 0
         self.finished = False
+
+    @property
+    def values(self) -> tuple:
+        """What its parameter slot holds, as a key: requests with equal keys share one (slots.py).
+        Made when it takes a slot, not at every admission: a request that edits nothing takes none."""
+        return (tuple(self.edits), tuple(self.logit_edits),
+                tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in sorted(self.params.items())))
 
 
 def _bound(edit_params: list[tuple[str, ...]], params: dict) -> list[int]:
