@@ -10,6 +10,9 @@ harvest writes every prompt row (positions="prompt") to safetensors shards under
 (local disk, not /dev/shm), removed after each run. Runs are interleaved, `--repeats` rounds
 after one warmup round; the table shows medians, the ratio is harvest time / vanilla time.
 `--workloads 8192x128` picks some; `TAPC_ATTENTION_BACKEND` picks the attention backend.
+`--profile MD` adds, after the measured rounds, one watched run of vanilla and of each harvest on
+the first workload: the Python stacks of every thread of the caller (feed, writer, its column
+threads) and of the engine-core process, and the GPU's own kernel time (CUPTI), written to MD.
 """
 import argparse
 import json
@@ -75,11 +78,15 @@ def main():
     ap.add_argument("--repeats", type=int, default=2, help="measured rounds after the warmup (default 2)")
     ap.add_argument("--dir", default="/tmp/tapc-bench-harvest", help="where shards are written (local disk)")
     ap.add_argument("--out", default=None, help="also write the table to this markdown file")
+    ap.add_argument("--profile", default=None, metavar="MD",
+                    help="after the rounds, one watched run per engine on the first workload; its report to MD")
     args = ap.parse_args()
     workloads = args.workloads or (QUICK if args.quick else FULL)
     repeats = 1 if args.quick else args.repeats
     args.layers = args.layers or ([1] if args.quick else [1, 4])
 
+    if args.profile:   # the samplers reach the engine core through collective_rpc, as functions
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM
 
     from tapc.api import VLLM
@@ -128,7 +135,41 @@ def main():
                     times.setdefault((w, n), []).append((dt, gb))
         if rnd:
             report()
+    if args.profile:
+        profile(engines, prompts(workloads[0], seed=repeats + 1), args.dir, args.profile, workloads[0])
     shutil.rmtree(model, ignore_errors=True)
+
+
+def profile(engines: dict, ps, root: str, out: str, workload: str, interval: float = 2e-3) -> None:
+    """One run per engine with samplers in the caller and in the engine-core process (profile_step's)."""
+    import cloudpickle
+
+    import profile_step
+    import stacks
+
+    cloudpickle.register_pickle_by_value(profile_step)
+    cloudpickle.register_pickle_by_value(stacks)
+    lines = [f"# bench_harvest profile: {workload}, a sample every {interval * 1e3:.0f} ms", "",
+             "| engine | wall s | GPU kernels s | GPU copies s |", "|---|---:|---:|---:|"]
+    details = []
+    for name, llm in engines.items():
+        inner = getattr(llm, "llm", llm)
+        inner.collective_rpc(profile_step._start_sampler, args=(interval,))
+        here = stacks.Sampler(interval)
+        dt = vanilla_run(llm, ps) if name == "vanilla" else harvest_run(llm, ps, root)[0]
+        caller = here.stop()
+        core = inner.collective_rpc(profile_step._stop_sampler)[0]
+        dev = core["device"]
+        lines.append(f"| {name} | {dt:.2f} | {dev['kernels_ms'] / 1e3:.2f} | {dev['copies_ms'] / 1e3:.2f} |")
+        label = name if name == "vanilla" else f"harvest, {name} layer(s)"
+        details += [f"## {label}", ""]
+        for where, threads in (("engine-core process", core["threads"]), ("caller's process", caller)):
+            details += [f"### {where}", ""]
+            for tname, got in list(threads.items())[:4]:
+                details += stacks.report_thread(tname, got)
+    with open(out, "w") as f:
+        f.write("\n".join(lines + [""] + details) + "\n")
+    print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
