@@ -140,6 +140,40 @@ def main():
     shutil.rmtree(model, ignore_errors=True)
 
 
+class Waits:
+    """Where the harvest's pipeline stalls: the feed waiting for room in the window with the
+    engine idle (`Window.wait`: the writer is behind), and the feed waiting for room in the
+    writer's queue (`Writer.put`); calls and seconds of each."""
+
+    def __init__(self):
+        from tapc.feed import Window
+        from tapc.writer import Writer
+
+        self.spent = {}
+        self.own = [(Window, "wait", Window.wait), (Writer, "put", Writer.put)]
+        for cls, attr, fn in self.own:
+            self.spent[f"{cls.__name__}.{attr}"] = [0, 0.0]
+            setattr(cls, attr, self._timed(f"{cls.__name__}.{attr}", fn))
+
+    def _timed(self, name, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.spent[name][0] += 1
+                self.spent[name][1] += time.perf_counter() - t0
+        return timed
+
+    def stop(self) -> None:
+        for cls, attr, fn in self.own:
+            setattr(cls, attr, fn)
+
+    def report(self) -> list[str]:
+        return ["| the feed waited in | calls | s |", "|---|---:|---:|",
+                *[f"| `{k}` | {n} | {s:.2f} |" for k, (n, s) in self.spent.items()], ""]
+
+
 def profile(engines: dict, ps, root: str, out: str, workload: str, interval: float = 2e-3) -> None:
     """One run per engine with samplers in the caller and in the engine-core process (profile_step's)."""
     import cloudpickle
@@ -154,18 +188,22 @@ def profile(engines: dict, ps, root: str, out: str, workload: str, interval: flo
     details = []
     for name, llm in engines.items():
         inner = getattr(llm, "llm", llm)
+        waits = Waits()
         inner.collective_rpc(profile_step._start_sampler, args=(interval,))
         here = stacks.Sampler(interval)
         dt = vanilla_run(llm, ps) if name == "vanilla" else harvest_run(llm, ps, root)[0]
         caller = here.stop()
         core = inner.collective_rpc(profile_step._stop_sampler)[0]
+        waits.stop()
         dev = core["device"]
         lines.append(f"| {name} | {dt:.2f} | {dev['kernels_ms'] / 1e3:.2f} | {dev['copies_ms'] / 1e3:.2f} |")
         label = name if name == "vanilla" else f"harvest, {name} layer(s)"
         details += [f"## {label}", ""]
+        if name != "vanilla":
+            details += waits.report()
         for where, threads in (("engine-core process", core["threads"]), ("caller's process", caller)):
             details += [f"### {where}", ""]
-            for tname, got in list(threads.items())[:4]:
+            for tname, got in list(threads.items())[:8]:
                 details += stacks.report_thread(tname, got)
     with open(out, "w") as f:
         f.write("\n".join(lines + [""] + details) + "\n")
