@@ -191,6 +191,7 @@ def profile(engines: dict, ps, root: str, out: str, workload: str, interval: flo
         waits = Waits()
         inner.collective_rpc(profile_step._start_sampler, args=(interval,))
         here = stacks.Sampler(interval)
+        print(f"profile {name}: starts at {time.time():.0f}", file=sys.stderr, flush=True)
         dt = vanilla_run(llm, ps) if name == "vanilla" else harvest_run(llm, ps, root)[0]
         caller = here.stop()
         core = inner.collective_rpc(profile_step._stop_sampler)[0]
