@@ -81,13 +81,16 @@ class Window:
 
 def feed(llm, prompts: Iterator[tuple[int, list[int]]], sampling_params, ask: TapRequest, window: Window,
          hand: Callable[[list[Done]], None], collect_every: int = 256,
-         submitted: Callable[[int], None] | None = None, first_seq: int = 0) -> int:
+         submitted: Callable[[int], None] | None = None, first_seq: int = 0,
+         exhausted: Callable[[], None] | None = None) -> int:
     """Run `prompts` ((index, token ids) pairs) through `llm` (a `tapc.VLLM`), calling `hand`
     with each group of finished requests in completion order. A group is collected from the
     engine when `collect_every` requests have finished, when the window is full and a quarter
-    of it has finished, or when the engine has nothing else to run; one `tapc_collect` per group keeps the engine's calls few.
+    of it has finished, at every step once all prompts are in, or when the engine has nothing
+    else to run; one `tapc_collect` per group keeps the engine's calls few.
     `first_seq`: the `seq` of the first prompt (a restart numbers on from where it stopped).
-    Returns the `seq` after the last prompt. On an error, requests still running are aborted."""
+    `submitted(tokens)` follows each prompt handed to the engine; `exhausted()` comes once, when
+    the last one has been (requests may still be running). Returns the `seq` after the last prompt. On an error, requests still running are aborted."""
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm.llm_engine
@@ -119,6 +122,9 @@ def feed(llm, prompts: Iterator[tuple[int, list[int]]], sampling_params, ask: Ta
                     submitted(len(tokens))
                 seq += 1
                 nxt = next(prompts, None)
+            if nxt is None and exhausted is not None:
+                exhausted()
+                exhausted = None
             idle = True
             if engine.has_unfinished_requests():
                 finished += [o for o in engine.step() if o.finished]
@@ -127,7 +133,9 @@ def feed(llm, prompts: Iterator[tuple[int, list[int]]], sampling_params, ask: Ta
             # when the window is full, wait until a quarter of it is done before paying for one.
             full = nxt is not None and not window.room(len(nxt[1]) + params.max_tokens) and \
                 sum(live[o.request_id][3] for o in finished) * 4 >= window.cap
-            if finished and (idle or full or len(finished) >= collect_every):
+            # Once every prompt is in, each step's finished requests go at once: what the writer
+            # has left when the engine is done is then one step's rows, not a group's.
+            if finished and (idle or full or nxt is None or len(finished) >= collect_every):
                 hand(_collect(llm, finished, live))
                 finished = []
             elif idle:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from tapc.engine.positions import expected_rows
 from tapc.engine.requests import ENGINE_POINTS, TapRequest
 from tapc.errors import TapcError
 from tapc.feed import Window, feed
@@ -159,10 +160,19 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
                     progress=bar.written)
     ask = TapRequest(capture=keys, positions=positions)
     todo = itertools.islice(_mine(llm, prompts, split), start[0], None)
+    # Where a request's rows follow from its prompt (the prompt's positions, or one token made),
+    # the writer learns the rows to come once all are submitted, and sizes the last shard.
+    sized = format == "safetensors" and (positions == "prompt" or params.max_tokens == 1)
+    promised = [-start[1]]   # a restart: rows of its first request that the last shard holds
+
+    def submitted(tokens: int) -> None:
+        bar.submitted(tokens)
+        promised[0] += expected_rows(positions, tokens, params.max_tokens)
+
     try:
         with bar, _one_cpu_thread(), _counting_nonfinite(llm):
-            feed(llm, todo, params, ask, window, writer.put, collect_every, submitted=bar.submitted,
-                 first_seq=start[0])
+            feed(llm, todo, params, ask, window, writer.put, collect_every, submitted=submitted,
+                 first_seq=start[0], exhausted=(lambda: writer.expect(promised[0])) if sized else None)
             writer.close()
     except BaseException:
         writer.abandon()

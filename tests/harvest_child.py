@@ -5,7 +5,9 @@
 
 Harvests `PROMPTS` into OUT_DIR with the toy engine (tests/engine_toy.py). With KILL_AT, the
 process SIGKILLs itself as it makes its KILL_AT-th write to a shard file: mid-shard, the open
-shard's `.partial` file on disk, as a crash or `kill -9` would leave it.
+shard's `.partial` file on disk, as a crash or `kill -9` would leave it. `HARVEST_CHILD_PROMPT=1`:
+prompt rows and one token made (every request's rows known when it is submitted, so the writer
+may size the last shard), instead of all rows of two tokens.
 """
 import os
 import signal
@@ -48,8 +50,10 @@ def run(out_dir, kill_at: int | None = None, split=(0, 1)):
 
         SafetensorsShard.write = write_then_die
     llm, _ = toy_vllm(TAPS)
-    return harvest(llm, prompts(), out_dir, shard_tokens=SHARD_TOKENS, positions="all", window_tokens=WINDOW_TOKENS,
-                   collect_every=3, sampling_params=SamplingParams(max_tokens=2), progress=False, split=split)
+    prompt_rows = os.environ.get("HARVEST_CHILD_PROMPT") == "1"
+    return harvest(llm, prompts(), out_dir, shard_tokens=SHARD_TOKENS, positions="prompt" if prompt_rows else "all",
+                   window_tokens=WINDOW_TOKENS, collect_every=3, progress=False, split=split,
+                   sampling_params=SamplingParams(max_tokens=1 if prompt_rows else 2))
 
 
 if __name__ == "__main__":

@@ -97,6 +97,39 @@ def test_shuffled_batches_are_a_permutation_of_the_rows(tmp_path):
         acts.load("model.layers.9.resid", 0)
 
 
+def test_a_prompt_rows_harvest_makes_its_last_shard_at_its_size(tmp_path, monkeypatch):
+    """One token made, prompt rows: every request's rows are known once submitted, so the short
+    last shard is made at its size, never rewritten (no copy of its rows after the engine is
+    done), and holds the model's rows like the others."""
+    import os
+
+    from safetensors.torch import load_file
+    from vllm import SamplingParams
+
+    def no_rewrite(*args):
+        raise AssertionError("the last shard was rewritten (copy_file_range)")
+
+    monkeypatch.setattr(os, "copy_file_range", no_rewrite)
+    llm, _ = toy_vllm(TAPS)
+    ps = prompts()
+    # a window that takes every prompt at once: all are submitted before the first write
+    m = harvest(llm, ps, tmp_path / "acts", shard_tokens=16, positions="prompt", window_tokens=1000,
+                sampling_params=SamplingParams(max_tokens=1), progress=False)
+    assert [s.rows for s in m.shards] == [16, 16, 16, 16, 13] and not m.failed
+    keys = list(toy_plan(TAPS).capture_keys)
+    shards = [load_file(tmp_path / "acts" / s.file) for s in m.shards]   # safetensors' own reader
+    assert all(len(t) == s.rows for s, sh in zip(m.shards, shards) for t in sh.values())
+    cols = {k: torch.cat([sh[k] for sh in shards]) for k in keys + ["request", "position"]}
+    start = 0
+    for i, prompt in enumerate(ps):
+        rows = slice(start, start + len(prompt))
+        assert (cols["request"][rows] == i).all() and torch.equal(cols["position"][rows], torch.arange(len(prompt)))
+        ref = reference(Req(str(i), prompt, 1, tokens=prompt + _generated(prompt, 1)), keys)
+        for k in keys:
+            torch.testing.assert_close(cols[k][rows], ref[k][: len(prompt)], rtol=1e-5, atol=1e-5)
+        start += len(prompt)
+
+
 def test_harvest_goes_on_only_with_the_same_settings_and_refuses_a_plan_without_captures(tmp_path):
     m, _, _ = harvested(tmp_path)
     before = {p.name: p.read_bytes() for p in (tmp_path / "acts").iterdir()}
@@ -148,10 +181,13 @@ def _sorted_rows(x):
     return x[np.lexsort(x.T.numpy()[::-1])]
 
 
-@pytest.mark.parametrize("kill_at", [2, 7, 13])
-def test_a_harvest_killed_mid_shard_goes_on_to_the_same_files(tmp_path, kill_at):
+@pytest.mark.parametrize("kill_at,prompt_rows", [(2, False), (7, False), (13, False), (5, True), (15, True)])
+def test_a_harvest_killed_mid_shard_goes_on_to_the_same_files(tmp_path, kill_at, prompt_rows, monkeypatch):
     """SIGKILL while a shard is half written; the same command again finishes the harvest:
-    every file (shards and manifest) equals an uninterrupted run's, byte for byte."""
+    every file (shards and manifest) equals an uninterrupted run's, byte for byte. With prompt
+    rows the writer may size the last shard (Writer.expect) in one run and not the other: the
+    files are the same."""
+    import os
     import signal
     import subprocess
     import sys
@@ -159,14 +195,15 @@ def test_a_harvest_killed_mid_shard_goes_on_to_the_same_files(tmp_path, kill_at)
 
     import harvest_child
 
+    monkeypatch.setenv("HARVEST_CHILD_PROMPT", "1" if prompt_rows else "0")
     child = [sys.executable, str(Path(__file__).parent / "harvest_child.py"), str(tmp_path / "cut")]
     ref = harvest_child.run(tmp_path / "whole")
     assert len(ref.shards) >= 3 and ref.complete
-    killed = subprocess.run(child + [str(kill_at)], capture_output=True, text=True, timeout=300)
+    killed = subprocess.run(child + [str(kill_at)], capture_output=True, text=True, timeout=300, env=os.environ)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     partial = json.loads((tmp_path / "cut" / "manifest.json").read_text())
     assert not partial["complete"] and any((tmp_path / "cut").glob("*.partial"))
-    done = subprocess.run(child, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(child, capture_output=True, text=True, timeout=300, env=os.environ)
     assert done.returncode == 0, done.stderr[-2000:]
     whole = sorted(p.name for p in (tmp_path / "whole").iterdir())
     assert sorted(p.name for p in (tmp_path / "cut").iterdir()) == whole
@@ -174,7 +211,7 @@ def test_a_harvest_killed_mid_shard_goes_on_to_the_same_files(tmp_path, kill_at)
         assert (tmp_path / "cut" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
     # and the rows are right, not merely the same: every request, in order, once
     cols = {k: torch.cat(list(Shards(tmp_path / "cut").batches(k, 1000, shuffle=False))) for k in ("request", "position")}
-    lens = [n + 2 - 1 for n in harvest_child.LENS]
+    lens = harvest_child.LENS if prompt_rows else [n + 2 - 1 for n in harvest_child.LENS]
     assert cols["request"].tolist() == [i for i, n in enumerate(lens) for _ in range(n)]
     assert cols["position"].tolist() == [p for n in lens for p in range(n)]
 
