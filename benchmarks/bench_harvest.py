@@ -142,15 +142,16 @@ def main():
 
 class Waits:
     """Where the harvest's pipeline stalls: the feed waiting for room in the window with the
-    engine idle (`Window.wait`: the writer is behind), and the feed waiting for room in the
-    writer's queue (`Writer.put`); calls and seconds of each."""
+    engine idle (`Window.wait`: the writer is behind), the feed waiting for room in the
+    writer's queue (`Writer.put`), and the writer's tail once the engine is done
+    (`Writer.close`); calls and seconds of each."""
 
     def __init__(self):
         from tapc.feed import Window
         from tapc.writer import Writer
 
         self.spent = {}
-        self.own = [(Window, "wait", Window.wait), (Writer, "put", Writer.put)]
+        self.own = [(Window, "wait", Window.wait), (Writer, "put", Writer.put), (Writer, "close", Writer.close)]
         for cls, attr, fn in self.own:
             self.spent[f"{cls.__name__}.{attr}"] = [0, 0.0]
             setattr(cls, attr, self._timed(f"{cls.__name__}.{attr}", fn))
