@@ -147,6 +147,8 @@ class Waits:
     (`Writer.close`); calls and seconds of each."""
 
     def __init__(self):
+        from profile_step import timed
+
         from tapc.feed import Window
         from tapc.writer import Writer
 
@@ -154,17 +156,7 @@ class Waits:
         self.own = [(Window, "wait", Window.wait), (Writer, "put", Writer.put), (Writer, "close", Writer.close)]
         for cls, attr, fn in self.own:
             self.spent[f"{cls.__name__}.{attr}"] = [0, 0.0]
-            setattr(cls, attr, self._timed(f"{cls.__name__}.{attr}", fn))
-
-    def _timed(self, name, fn):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.spent[name][0] += 1
-                self.spent[name][1] += time.perf_counter() - t0
-        return timed
+            setattr(cls, attr, timed(self.spent[f"{cls.__name__}.{attr}"], fn))
 
     def stop(self) -> None:
         for cls, attr, fn in self.own:

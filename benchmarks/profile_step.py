@@ -40,6 +40,18 @@ from bench_engine import ABLATE_TAPS, LLAMA_31_8B, ablation, prompts, started
 from bench_moe import ENGINE, QWEN3_30B_A3B, RESID, ROUTER, model_dir
 from stacks import Sampler, report_thread
 
+def timed(spent: list, fn):
+    """`fn`, counting its calls and seconds into `spent` ([calls, seconds])."""
+    def call(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            spent[0] += 1
+            spent[1] += time.perf_counter() - t0
+    return call
+
+
 class HookTimer:
     """Wall time and calls of tapc's per-step hooks (runner.py `RunnerHooks`) in a worker, by
     wrapping the bound methods the runner adapter calls, and of `end_step`'s parts: the copy-out
@@ -62,7 +74,7 @@ class HookTimer:
         self.own = [(obj, name, obj.__dict__.get(name)) for obj, name in wrapped]
         for obj, name in wrapped:
             self.spent[name] = [0, 0.0]
-            setattr(obj, name, self._timed(name, getattr(obj, name)))
+            setattr(obj, name, timed(self.spent[name], getattr(obj, name)))
         # steps that repeated the last decode step (fill.Repeat: no fill, no upload)
         self.repeated, repeat = 0, hooks._repeat
         same = repeat.same
@@ -86,15 +98,6 @@ class HookTimer:
             spent[0] += 1
             spent[1] += time.perf_counter() - self._gc_start
 
-    def _timed(self, name, fn):
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.spent[name][0] += 1
-                self.spent[name][1] += time.perf_counter() - t0
-        return timed
 
     def stop(self) -> dict:
         for obj, name, own in self.own:
