@@ -1,8 +1,9 @@
 """Shard files written through, a request's rows at a time, so host memory never holds a shard.
 
 `SafetensorsShard`: the header is written first for `cap` rows per column, and each column's
-rows land at their offset (`pwrite`); a shard that ends short (the last) is rewritten compactly
-from its own file, never from memory. `ArrowShard`: the HF `datasets` Arrow layout SAELens
+rows land at their offset (`pwrite`); a shard that ends short of the rows it was opened for (the
+last, where the writer could not size it) is rewritten compactly from its own file, never from
+memory. `ArrowShard`: the HF `datasets` Arrow layout SAELens
 loads (`load_from_disk`): one row per context window, a column per hook of
 `Array2D((context, width))`, `token_ids` a fixed-size int32 list, `request` the prompt's index;
 record batches are appended as they fill. Both write to `NAME.partial` and rename when done, so a
