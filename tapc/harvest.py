@@ -167,7 +167,8 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
 
     def submitted(tokens: int) -> None:
         bar.submitted(tokens)
-        promised[0] += expected_rows(positions, tokens, params.max_tokens)
+        if sized:   # one token made, or prompt rows (which do not depend on how many)
+            promised[0] += expected_rows(positions, tokens, 1)
 
     try:
         with bar, _one_cpu_thread(), _counting_nonfinite(llm):
