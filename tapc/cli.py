@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     hv.add_argument("--rank", type=int, default=None, help="run part RANK of --ranks (the --gpus launcher's)")
     hv.add_argument("--ranks", type=int, default=1, help="parts in all, over every node")
     hv.add_argument("--window-tokens", type=int, default=None,
-                    help="tokens in flight (submitted, not yet written); bounds /dev/shm use (default: 16 engine steps of max_num_batched_tokens)")
+                    help="tokens in flight (submitted, not yet written); bounds /dev/shm use "
+                         "(default: 16 engine steps of max_num_batched_tokens)")
     hv.add_argument("--max-tokens", type=int, default=1, help="tokens generated per prompt (default 1)")
     sv = sub.add_parser("serve", help="vLLM's OpenAI-compatible server with the taps (vllm serve; CUDA GPU)",
                         description="Run `vllm serve` with a tap plan; options tapc does not know go to vLLM. "

@@ -90,7 +90,8 @@ def feed(llm, prompts: Iterator[tuple[int, list[int]]], sampling_params, ask: Ta
     else to run; one `tapc_collect` per group keeps the engine's calls few.
     `first_seq`: the `seq` of the first prompt (a restart numbers on from where it stopped).
     `submitted(tokens)` follows each prompt handed to the engine; `exhausted()` comes once, when
-    the last one has been (requests may still be running). Returns the `seq` after the last prompt. On an error, requests still running are aborted."""
+    the last one has been (requests may still be running). Returns the `seq` after the last
+    prompt. On an error, requests still running are aborted."""
     from vllm.sampling_params import RequestOutputKind
 
     engine = llm.llm.llm_engine

@@ -170,9 +170,9 @@ class Writer:
     def expect(self, rows: int) -> None:
         """Every request has been submitted, and this writer will write `rows` rows in all (from
         `start`): the last shard is then opened at its size. Opened at `cap` and ending short, it
-        is rewritten compactly at the close, a copy of all its rows after the engine is done
-        (1.6 s for 1.6 GB on the 2-core CPU machine). A request that fails leaves the shard short (then compacted); a
-        count that is too low only splits the rest into one more shard."""
+        would be rewritten compactly at the close, a copy of all its rows after the engine is
+        done (1.6 s for 1.6 GB on the 2-core CPU machine). A request that fails leaves the shard
+        short (then compacted); a count that is too low only splits the rest into one more shard."""
         self.expected = rows
 
     def close(self) -> None:
