@@ -130,6 +130,53 @@ def test_a_prompt_rows_harvest_makes_its_last_shard_at_its_size(tmp_path, monkey
         start += len(prompt)
 
 
+@pytest.mark.parametrize("expect", [None, "exact", "low", "high"])
+def test_the_writer_makes_the_same_files_whether_or_not_it_sized_the_last_shard(tmp_path, expect):
+    """`Writer.expect` only chooses how the last shard is made: told the exact rows to come, a
+    count that is too high (the shard ends short: compacted), or too low (the rest goes to one
+    more shard), the shards hold the same rows in order; exact or not told, the files are the
+    same bytes."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file
+
+    from tapc.feed import Done, Window
+    from tapc.writer import Layout, Writer
+
+    lens = [5, 17, 3, 9, 30, 1, 12]
+    rng = np.random.default_rng(0)
+    outs = [SimpleNamespace(error=None, taps={"k": torch.from_numpy(rng.standard_normal((n, 8), dtype=np.float32))},
+                            prompt_token_ids=list(range(n)), outputs=[SimpleNamespace(token_ids=[1])]) for n in lens]
+
+    def write(folder, told):
+        layout = Layout(folder, "safetensors", ("k",), ("k",), (8,), torch.float32, 16, "prompt")
+        folder.mkdir()
+        records = []
+        writer = Writer(layout, Window(1 << 20), records.append, threads=1)
+        if told is not None:
+            writer.expect(told)
+        for i, out in enumerate(outs):
+            writer.put([Done(i, i, SimpleNamespace(**vars(out)), lens[i], suspect=False)])
+        writer.close()
+        return records
+
+    total = sum(lens)   # 77 rows: four shards of 16 and 13 rows
+    told = {None: None, "exact": total, "low": total - 7, "high": total + 5}[expect]
+    records = write(tmp_path / "got", told)
+    ref = write(tmp_path / "ref", None)
+    got = [load_file(tmp_path / "got" / r.file) for r in records]
+    assert torch.equal(torch.cat([g["k"] for g in got]), torch.cat([o.taps["k"] for o in outs]))
+    assert torch.equal(torch.cat([g["position"] for g in got]), torch.cat([torch.arange(n) for n in lens]))
+    if expect in (None, "exact"):
+        assert [r.rows for r in records] == [16, 16, 16, 16, 13]
+        for r in ref:
+            assert (tmp_path / "got" / r.file).read_bytes() == (tmp_path / "ref" / r.file).read_bytes()
+    elif expect == "low":   # the shard sized for the 6 rows left fills, the last 7 go to one more
+        assert [r.rows for r in records] == [16, 16, 16, 16, 6, 7]
+    else:
+        assert [r.rows for r in records] == [16, 16, 16, 16, 13]
+
+
 def test_harvest_goes_on_only_with_the_same_settings_and_refuses_a_plan_without_captures(tmp_path):
     m, _, _ = harvested(tmp_path)
     before = {p.name: p.read_bytes() for p in (tmp_path / "acts").iterdir()}
