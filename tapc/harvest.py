@@ -131,6 +131,9 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
     from tapc.progress import HarvestProgress
 
     params = sampling_params or SamplingParams(max_tokens=1, temperature=0.0)
+    if params.max_tokens is None:   # vLLM's "until the context is full": no bound for the window
+        raise TapcError("harvest: sampling_params.max_tokens is None; give a number (tokens in flight, which bound "
+                        "the host memory of the captures, are each prompt's length plus max_tokens)")
     folder = Path(out_dir)
     layout, manifest = open_folder(llm.plan, folder, format=format, dtype=dtype, shard_tokens=shard_tokens,
                                    context_size=context_size, positions=positions,

@@ -177,6 +177,15 @@ def test_the_writer_makes_the_same_files_whether_or_not_it_sized_the_last_shard(
         assert [r.rows for r in records] == [16, 16, 16, 16, 13]
 
 
+def test_a_harvest_without_max_tokens_is_refused_before_it_starts(tmp_path):
+    from vllm import SamplingParams
+
+    llm, _ = toy_vllm(TAPS)
+    with pytest.raises(TapcError, match="max_tokens is None; give a number"):
+        harvest(llm, prompts(), tmp_path / "acts", sampling_params=SamplingParams(max_tokens=None), progress=False)
+    assert not (tmp_path / "acts").exists()
+
+
 def test_harvest_goes_on_only_with_the_same_settings_and_refuses_a_plan_without_captures(tmp_path):
     m, _, _ = harvested(tmp_path)
     before = {p.name: p.read_bytes() for p in (tmp_path / "acts").iterdir()}
