@@ -155,8 +155,8 @@ class Waits:
         self.spent = {}
         self.own = [(Window, "wait", Window.wait), (Writer, "put", Writer.put), (Writer, "close", Writer.close)]
         for cls, attr, fn in self.own:
-            self.spent[f"{cls.__name__}.{attr}"] = [0, 0.0]
-            setattr(cls, attr, timed(self.spent[f"{cls.__name__}.{attr}"], fn))
+            spent = self.spent[f"{cls.__name__}.{attr}"] = [0, 0.0]
+            setattr(cls, attr, timed(spent, fn))
 
     def stop(self) -> None:
         for cls, attr, fn in self.own:

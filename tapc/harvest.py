@@ -166,17 +166,18 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
     # Where a request's rows follow from its prompt (the prompt's positions, or one token made),
     # the writer learns the rows to come once all are submitted, and sizes the last shard.
     sized = format == "safetensors" and (positions == "prompt" or params.max_tokens == 1)
-    promised = [-start[1]]   # a restart: rows of its first request that the last shard holds
+    promised = -start[1]   # a restart: rows of its first request that the last shard holds
 
     def submitted(tokens: int) -> None:
+        nonlocal promised
         bar.submitted(tokens)
         if sized:   # one token made, or prompt rows (which do not depend on how many)
-            promised[0] += expected_rows(positions, tokens, 1)
+            promised += expected_rows(positions, tokens, 1)
 
     try:
         with bar, _one_cpu_thread(), _counting_nonfinite(llm):
             feed(llm, todo, params, ask, window, writer.put, collect_every, submitted=submitted,
-                 first_seq=start[0], exhausted=(lambda: writer.expect(promised[0])) if sized else None)
+                 first_seq=start[0], exhausted=(lambda: writer.expect(promised)) if sized else None)
             writer.close()
     except BaseException:
         writer.abandon()

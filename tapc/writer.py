@@ -249,9 +249,9 @@ class Writer:
         at = self.skip   # a restart: rows of this request the last committed shard already has
         while at < n:
             if self.file is None:
-                left = None if self.expected is None else self.expected - self.written
-                cap = left if left is not None and 0 < left < self.layout.cap else None
-                self.file = self.layout.open(self.shard_no, self._observe, self.pool, cap)
+                left = self.layout.cap if self.expected is None else self.expected - self.written
+                self.file = self.layout.open(self.shard_no, self._observe, self.pool,
+                                             left if 0 < left < self.layout.cap else None)
             take = min(n - at, self.file.cap - self.file.rows)
             part = {c: v[at: at + take] for c, v in cols.items()}
             self.file.write(part)   # its keys' statistics are taken as the file writes them (`_observe`)
