@@ -345,7 +345,9 @@ class Reference:
     attention keeps every real position's activations what they are alone, up to the batched
     kernels' rounding)."""
 
-    TOKENS = 32768   # padded tokens per batch
+    # Padded tokens per batch at the default model (1024 wide, 8 layers); wider or deeper models
+    # get fewer, in proportion: the hooks keep every layer's float32 rows of a batch on the GPU.
+    TOKENS = 32768
 
     def __init__(self, path: str, vectors, device: str = "cuda"):
         import torch
@@ -353,6 +355,8 @@ class Reference:
 
         self.torch, self.device = torch, device
         self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+        config = self.model.config
+        self.tokens = max(2048, self.TOKENS * 1024 * 8 // (config.hidden_size * config.num_hidden_layers))
         self.vectors = [torch.tensor(v, dtype=torch.float32, device=device) for v in vectors]
 
     def run(self, seqs: list[tuple[list[int], int, bool]]) -> list[tuple[dict, object]]:
@@ -362,7 +366,7 @@ class Reference:
         out: list = [None] * len(seqs)
         batch: list[int] = []
         for i in order:
-            if batch and (len(batch) + 1) * len(seqs[i][0]) > self.TOKENS:
+            if batch and (len(batch) + 1) * len(seqs[i][0]) > self.tokens:
                 self._batch([seqs[j] for j in batch], batch, out)
                 batch = []
             batch.append(i)
@@ -605,7 +609,7 @@ def report(args, rows: list[str], problems: list[str], final: bool) -> None:
     if final:
         lines.append(f"checks: {'all passed' if not problems else f'{len(problems)} problems'}")
     else:
-        lines.append(f"(running: {len(problems)} problems so far)")
+        lines.append(f"(running: {len(problems)} problems in the checks run so far)")
     lines += [f"- {p}" for p in problems[:50]]
     text = "\n".join(lines)
     print(text, flush=True)
@@ -715,12 +719,14 @@ def main() -> int:
                 lost = len(jobs) - len(results["tapc"][0])
                 if lost:
                     found.append(f"{lost} requests lost")
+                for name in per:
+                    per[name].append(results[name][1])
+                # the round's table before its check: a check that fails to run keeps what was timed
+                report(args, rows + table_rows(args.mix[m], per["vanilla"], per["tapc"]), problems, final=False)
                 ref = ref or Reference(model, vectors)   # after the first timed runs: its GPU memory is not theirs
                 found += check(ref, "http://127.0.0.1:8102", results["tapc"][0], args.block, saved)
                 where = f"mix {args.mix[m]}" + (f", round {r}" if args.rounds > 1 else "")
                 problems += [f"{where}: {p}" for p in found]
-                for name in per:
-                    per[name].append(results[name][1])
                 report(args, rows + table_rows(args.mix[m], per["vanilla"], per["tapc"]), problems, final=False)
             rows += table_rows(args.mix[m], per["vanilla"], per["tapc"])
         http_json("GET", "http://127.0.0.1:8102/health")
