@@ -407,16 +407,49 @@ class Reference:
             out[where[b]] = (seen, logits[b, :n])
 
 
-def check(ref: Reference, url: str, done: list[Done], block: bool = False, saved: list | None = None) -> list[str]:
+def greedy_miss(rows, tokens: list[int]) -> str | None:
+    """Whether `tokens` are greedy under the reference's logits `rows` ([tokens, vocab], the rows
+    that chose them): each HF's top choice, but for near ties; what is wrong, or None."""
+    import torch
+
+    top2 = rows.topk(2, dim=-1).values
+    chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
+    # Two bf16 steps at the logit's size: vLLM's bf16 logits are one step from the float32
+    # reference's at a near tie (the GPU tests use the same margin against a bf16 HF).
+    margin = 2e-2 * rows.abs().amax(dim=-1) + 1e-3
+    bad = ((top2[:, 0] - chosen) > margin) & ((top2[:, 0] - top2[:, 1]) > margin)
+    if not bad.any():
+        return None
+    k = int(bad.nonzero()[0])
+    return f"generated token {k} is not the greedy choice (HF top {top2[k, 0]:.4f}, chosen {chosen[k]:.4f})"
+
+
+def vanilla_misses(ref: Reference, done: list[Done]) -> tuple[int, int]:
+    """The greedy-token check on vanilla vllm serve's own answers (its unsteered requests: it
+    steers none): (requests outside the margin, requests checked). The margin's baseline: a
+    wider or deeper model than the default puts vLLM's bf16 logits further from the float32
+    reference's, on vanilla's path as on tapc's."""
+    todo = [d for d in done if not (d.error or d.aborted) and "steer" not in d.job.kind
+            and len(d.tokens) == d.job.max_tokens]
+    refs = ref.run([((d.job.prompt + d.tokens)[:-1], -1, False) for d in todo])
+    return sum(greedy_miss(logits[len(d.job.prompt) - 1:], d.tokens) is not None
+               for d, (_, logits) in zip(todo, refs)), len(todo)
+
+
+def check(ref: Reference, url: str, done: list[Done], block: bool = False,
+          saved: list | None = None) -> tuple[list[str], tuple[int, int]]:
     """Every finished tapc request against HF; the captures fetched from the server (`block`:
     and the norms the server's block saved). Saving requests: (their number, where, HF's rows,
-    their tokens) go to `saved`, checked in the folder once the server has stopped."""
+    their tokens) go to `saved`, checked in the folder once the server has stopped. Returns the
+    problems, and (outside the greedy margin, checked) among its requests that steer nothing:
+    beside `vanilla_misses`, whether the margin or tapc is what they miss by."""
     import torch
     from safetensors.torch import load
 
     from tapc.engine.positions import expected_rows, select
 
     problems, todo = [], []
+    unsteered = [0, 0]   # of its requests that steer nothing: those outside the greedy margin, all
     for d in done:
         job = d.job
         if d.aborted and d.tid:
@@ -433,18 +466,12 @@ def check(ref: Reference, url: str, done: list[Done], block: bool = False, saved
         job = d.job
         where = f"request {job.i} ({job.kind}, {job.positions}, stream={job.stream})"
         seq = job.prompt + d.tokens
-        # greedy under its own edits: each token HF's top choice, but for near ties
-        rows = logits[len(job.prompt) - 1:]
-        top2 = rows.topk(2, dim=-1).values
-        chosen = rows.gather(1, torch.tensor(d.tokens, device=rows.device)[:, None])[:, 0]
-        # Two bf16 steps at the logit's size: vLLM's bf16 logits are one step from the float32
-        # reference's at a near tie (the GPU tests use the same margin against a bf16 HF).
-        margin = 2e-2 * rows.abs().amax(dim=-1) + 1e-3
-        bad = ((top2[:, 0] - chosen) > margin) & ((top2[:, 0] - top2[:, 1]) > margin)
-        if bad.any():
-            k = int(bad.nonzero()[0])
-            problems.append(f"{where}: generated token {k} is not the greedy choice "
-                            f"(HF top {top2[k, 0]:.4f}, chosen {chosen[k]:.4f})")
+        miss = greedy_miss(logits[len(job.prompt) - 1:], d.tokens)
+        if miss:
+            problems.append(f"{where}: {miss}")
+        if "steer" not in job.kind:
+            unsteered[0] += miss is not None
+            unsteered[1] += 1
         if "capture" not in job.kind:
             continue
         if job.save:
@@ -474,7 +501,7 @@ def check(ref: Reference, url: str, done: list[Done], block: bool = False, saved
                 problems.append(f"{where}: {key} has {got.shape[0]} rows, its positions promise {want}")
                 continue
             problems += differs(where, key, got, seen[key][keep])
-    return problems
+    return problems, (unsteered[0], unsteered[1])
 
 
 def taken_after_abort(url: str, d: Done) -> list[str]:
@@ -596,8 +623,9 @@ def pinning_s(log: str) -> float:
         return sum(float(m.group(1)) for m in re.finditer(r"made and pinned in ([0-9.]+) s", f.read()))
 
 
-def report(args, rows: list[str], problems: list[str], final: bool) -> None:
-    """The table so far (after each mix, so a run cut short keeps what it measured)."""
+def report(args, rows: list[str], problems: list[str], final: bool, baseline: list[str] = ()) -> None:
+    """The table so far (after each mix, so a run cut short keeps what it measured); `baseline`:
+    the greedy-token check on vanilla's answers, a line per load."""
     lines = [f"shares of {', '.join(KINDS)} per mix", "",
              "medians over the rounds; per-round ratio: the median (range) of each round's tapc / vanilla", "",
              "engine columns, from each server's /metrics: its steps in the load, tokens a step, prompt tokens it "
@@ -606,6 +634,7 @@ def report(args, rows: list[str], problems: list[str], final: bool) -> None:
              "per-round ratio | untapped prefix-cache hit rate | s pinning capture memory meanwhile (all rounds) | "
              "engine steps | tokens a step | prompt tokens computed (k) | ms a step |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]
+    lines += [*baseline, ""] if baseline else []
     if final:
         lines.append(f"checks: {'all passed' if not problems else f'{len(problems)} problems'}")
     else:
@@ -676,6 +705,7 @@ def main() -> int:
     rows: list[str] = []
     problems: list[str] = []
     save_dir, saved = os.path.join(work, "saved"), []
+    baseline: list[str] = []
     try:
         # One after the other: vLLM's memory profile at start fails when another process on the
         # GPU changes its memory use meanwhile.
@@ -724,10 +754,15 @@ def main() -> int:
                 # the round's table before its check: a check that fails to run keeps what was timed
                 report(args, rows + table_rows(args.mix[m], per["vanilla"], per["tapc"]), problems, final=False)
                 ref = ref or Reference(model, vectors)   # after the first timed runs: its GPU memory is not theirs
-                found += check(ref, "http://127.0.0.1:8102", results["tapc"][0], args.block, saved)
+                checked, (missed, of) = check(ref, "http://127.0.0.1:8102", results["tapc"][0], args.block, saved)
+                found += checked
                 where = f"mix {args.mix[m]}" + (f", round {r}" if args.rounds > 1 else "")
                 problems += [f"{where}: {p}" for p in found]
-                report(args, rows + table_rows(args.mix[m], per["vanilla"], per["tapc"]), problems, final=False)
+                base_missed, base_of = vanilla_misses(ref, results["vanilla"][0])
+                baseline.append(f"{where}: requests that steer nothing with a generated token outside the greedy "
+                                f"margin: tapc serve {missed} of {of}, vanilla vllm serve {base_missed} of {base_of}")
+                report(args, rows + table_rows(args.mix[m], per["vanilla"], per["tapc"]), problems, final=False,
+                       baseline=baseline)
             rows += table_rows(args.mix[m], per["vanilla"], per["tapc"])
         http_json("GET", "http://127.0.0.1:8102/health")
         for _ in range(50):   # saved requests' captures go back once the writer thread has written them
@@ -747,7 +782,7 @@ def main() -> int:
         problems += check_saved(save_dir, saved)
         if not saved:
             problems.append("--save: no request was saved")
-    report(args, rows, problems, final=True)
+    report(args, rows, problems, final=True, baseline=baseline)
     if stacks:
         lines = [f"# bench_serve --profile: stack samples every {float(os.environ.get('TAPC_STACKS_INTERVAL', '0.002')) * 1e3:g} ms "
                  "in every process of each server, during its timed loads", ""]
