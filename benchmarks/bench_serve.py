@@ -32,7 +32,9 @@ Checked for every finished request of the tapc server, against HF transformers o
 weights (teacher-forced on the tokens the request went through, with the request's own
 steering): every capture has exactly the rows its positions promise and equals HF's within
 bf16 tolerance; every generated token is HF's greedy choice unless HF's top two are within a
-near-tie margin (vLLM is not batch-invariant). No response lost; the server healthy after, and
+near-tie margin (vLLM is not batch-invariant; the same token check runs on vanilla's own answers
+to the requests that steer nothing, and both counts are printed a load: the margin's baseline,
+as a wider model puts bf16 logits further from the float32 reference's). No response lost; the server healthy after, and
 its workers hold nothing (`GET /v1/tapc/held`) once every result was fetched (the aborted
 requests' too: a response the server sent whole just before its client closed keeps its results).
 Reported: output tokens/s of each server and their ratio (goal >= 0.95x), and the share of
