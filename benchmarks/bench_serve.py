@@ -503,7 +503,7 @@ def check(ref: Reference, url: str, done: list[Done], block: bool = False,
                 problems.append(f"{where}: {key} has {got.shape[0]} rows, its positions promise {want}")
                 continue
             problems += differs(where, key, got, seen[key][keep])
-    return problems, (unsteered[0], unsteered[1])
+    return problems, tuple(unsteered)
 
 
 def taken_after_abort(url: str, d: Done) -> list[str]:
@@ -754,7 +754,8 @@ def main() -> int:
                 for name in per:
                     per[name].append(results[name][1])
                 # the round's table before its check: a check that fails to run keeps what was timed
-                report(args, rows + table_rows(args.mix[m], per["vanilla"], per["tapc"]), problems, final=False)
+                report(args, rows + table_rows(args.mix[m], per["vanilla"], per["tapc"]), problems, final=False,
+                       baseline=baseline)
                 ref = ref or Reference(model, vectors)   # after the first timed runs: its GPU memory is not theirs
                 checked, (missed, of) = check(ref, "http://127.0.0.1:8102", results["tapc"][0], args.block, saved)
                 found += checked
