@@ -100,8 +100,9 @@ def test_the_batch_hands_the_driver_every_address_size_and_the_stream():
     copy_segments(segments, [pool], BatchCopy(driver), STREAM)
     check(pool, a, b)
     assert seen == [(2, [0], 1, 1234)]
-    assert not BatchCopy(driver)([1], [2], [3], 0), "the legacy default stream, which the driver refuses"
-    assert len(seen) == 1
+    # the legacy default stream (0), which the driver refuses, goes as the per-thread one (0x2)
+    assert BatchCopy(driver)([pool.data_ptr()], [pool.data_ptr()], [4], 0)
+    assert seen[1] == (1, [0], 1, 0x2)
 
     def failing(*args):
         return 1   # CUDA_ERROR_INVALID_VALUE
@@ -134,3 +135,33 @@ def test_driver_batch_copies_device_blocks_into_registered_host_memory():
     assert issued == [2], "both blocks in one driver call"
     assert not batch.failed
     check(pool, a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_the_legacy_default_stream_the_batch_keeps_its_order():
+    """torch's default stream (the V1 runner's compute stream) is the legacy one, which the driver's
+    batch refuses; the batch goes on the per-thread default stream instead, which the driver orders
+    with it both ways. A forward still running when the copies are issued (a sleep, then the pool
+    written) lands whole, and the next forward's overwrite, issued right after, waits for them."""
+    batch = BatchCopy.load()
+    assert batch is not None, "the driver has no cuMemcpyBatchAsync_v2 (CUDA 13 driver API)"
+    legacy = torch.cuda.default_stream()
+    assert legacy.cuda_stream == 0
+    issued, driver = [], batch._fn
+    batch._fn = lambda *args: issued.append(args[3]) or driver(*args)
+    with torch.cuda.stream(legacy):
+        segments, pool, a, b = segments_and_pool("cuda", lambda rows, caps, width, dtype: torch.zeros(
+            rows, caps, width, dtype=dtype, pin_memory=True))
+        want = pool.clone()
+        pool.fill_(-1.0)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)   # tens of ms of GPU time before the pool holds its rows
+        pool.copy_(want)
+        copy_segments(segments, [pool], batch, legacy)
+        pool.fill_(-7.0)                # the next forward
+        done = torch.cuda.Event()
+        done.record(legacy)
+    done.synchronize()
+    assert issued == [2] and not batch.failed, "the batch was issued, not declined"
+    check(want, a, b)

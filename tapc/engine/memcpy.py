@@ -25,6 +25,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("tapc")
 
 _SRC_ACCESS_ORDER_STREAM = 0x1      # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: read the source in stream order
+# The batch refuses the legacy default stream (handle 0), which is torch's default stream and the
+# V1 runner's compute stream. The per-thread default stream (CU_STREAM_PER_THREAD) is a blocking
+# stream, so the driver orders it with the legacy stream both ways: the copies start after the
+# legacy stream's earlier work (the forward) and its later work (an event, the next forward) waits
+# for them, the same order as on the legacy stream itself, with no event or stream call added.
+_LEGACY_STREAM, _PER_THREAD_STREAM = 0x0, 0x2
 _FLAG_PREFER_OVERLAP_WITH_COMPUTE = 0x1
 
 
@@ -58,10 +64,12 @@ class BatchCopy:
 
     def __call__(self, dsts: list[int], srcs: list[int], sizes: list[int], stream: int) -> bool:
         """Copy sizes[i] bytes from address srcs[i] to dsts[i] for all i, on `stream` (a
-        `cuda_stream` handle; the driver refuses the legacy default stream, 0). False when the
-        batch was not issued: the caller copies them one by one."""
-        if self.failed or stream == 0:
+        `cuda_stream` handle; the legacy default stream, 0, is stood in for by the per-thread one).
+        False when the batch was not issued: the caller copies them one by one."""
+        if self.failed:
             return False
+        if stream == _LEGACY_STREAM:
+            stream = _PER_THREAD_STREAM
         n = len(dsts)
         if n == 0:
             return True
