@@ -58,7 +58,9 @@ class BatchCopy:
     def load(cls) -> "BatchCopy | None":
         """The driver's batched copy, or None where there is none (no driver, or older than 13)."""
         try:
-            return cls(ctypes.CDLL("libcuda.so.1").cuMemcpyBatchAsync_v2)
+            # PyDLL keeps the GIL over the call (a few microseconds in the driver): a release would
+            # let vLLM's output thread take it, and the engine's step wait for it back
+            return cls(ctypes.PyDLL("libcuda.so.1").cuMemcpyBatchAsync_v2)
         except (OSError, AttributeError):
             return None
 
