@@ -32,9 +32,11 @@ Checked for every finished request of the tapc server, against HF transformers o
 weights (teacher-forced on the tokens the request went through, with the request's own
 steering): every capture has exactly the rows its positions promise and equals HF's within
 bf16 tolerance; every generated token is HF's greedy choice unless HF's top two are within a
-near-tie margin (vLLM is not batch-invariant; the same token check runs on vanilla's own answers
-to the requests that steer nothing, and both counts are printed a load: the margin's baseline,
-as a wider model puts bf16 logits further from the float32 reference's). No response lost; the server healthy after, and
+near-tie margin (vLLM is not batch-invariant). A wider model puts vLLM's bf16 logits further from
+the float32 reference's, on vanilla's path as on tapc's, so a token within `NEAR` margins is a near
+miss: the same check runs on vanilla's own answers to the requests that steer nothing, both
+servers' near misses are printed a load, and tapc's are a problem only where they are more often
+than vanilla's; a farther miss is a problem on its own. No response lost; the server healthy after, and
 its workers hold nothing (`GET /v1/tapc/held`) once every result was fetched (the aborted
 requests' too: a response the server sent whole just before its client closed keeps its results).
 Reported: output tokens/s of each server and their ratio (goal >= 0.95x), and the share of
@@ -54,6 +56,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -409,9 +412,22 @@ class Reference:
             out[where[b]] = (seen, logits[b, :n])
 
 
-def greedy_miss(rows, tokens: list[int]) -> str | None:
+# A token HF scores at most this many margins below its top choice is a near miss: bf16 drift,
+# which grows with the model's width and depth (at 4096 wide, 8 layers, vanilla vllm serve's
+# answers missed the margin by up to 2.2 margins as often as tapc serve's: 149 and 158 of 1,135).
+# Near misses are counted on both servers and compared; a farther one is a problem on its own.
+NEAR = 4.0
+
+
+@dataclass
+class Miss:
+    text: str
+    near: bool   # within NEAR margins of HF's top
+
+
+def greedy_miss(rows, tokens: list[int]) -> Miss | None:
     """Whether `tokens` are greedy under the reference's logits `rows` ([tokens, vocab], the rows
-    that chose them): each HF's top choice, but for near ties; what is wrong, or None."""
+    that chose them): each HF's top choice, but for near ties; the first one that is not, or None."""
     import torch
 
     top2 = rows.topk(2, dim=-1).values
@@ -419,23 +435,46 @@ def greedy_miss(rows, tokens: list[int]) -> str | None:
     # Two bf16 steps at the logit's size: vLLM's bf16 logits are one step from the float32
     # reference's at a near tie (the GPU tests use the same margin against a bf16 HF).
     margin = 2e-2 * rows.abs().amax(dim=-1) + 1e-3
-    bad = ((top2[:, 0] - chosen) > margin) & ((top2[:, 0] - top2[:, 1]) > margin)
+    gap = top2[:, 0] - chosen
+    bad = (gap > margin) & ((top2[:, 0] - top2[:, 1]) > margin)
     if not bad.any():
         return None
     k = int(bad.nonzero()[0])
-    return f"generated token {k} is not the greedy choice (HF top {top2[k, 0]:.4f}, chosen {chosen[k]:.4f})"
+    far = bad & (gap > NEAR * margin)
+    return Miss(f"generated token {k} is not the greedy choice (HF top {top2[k, 0]:.4f}, chosen {chosen[k]:.4f})",
+                near=not bool(far.any()))
 
 
-def vanilla_misses(ref: Reference, done: list[Done]) -> tuple[int, int]:
+def more_often(k: int, n: int, j: int, m: int) -> bool:
+    """Whether k near misses of n are more than j of m (the baseline) explains: a one-sided
+    two-proportion test at three standard errors, plus one request."""
+    if n == 0:
+        return False
+    p = (k + j) / (n + m) if n + m else 0.0
+    bound = j / m if m else 0.0
+    return k / n > bound + 3 * math.sqrt(p * (1 - p) * (1 / n + (1 / m if m else 1.0))) + 1 / n
+
+
+def vanilla_misses(ref: Reference, done: list[Done]) -> tuple[int, int, int]:
     """The greedy-token check on vanilla vllm serve's own answers (its unsteered requests: it
-    steers none): (requests outside the margin, requests checked). The margin's baseline: a
-    wider or deeper model than the default puts vLLM's bf16 logits further from the float32
-    reference's, on vanilla's path as on tapc's."""
+    steers none): (requests with a near miss, with a farther one, requests checked). The baseline
+    for tapc's near misses: a wider or deeper model puts vLLM's bf16 logits further from the
+    float32 reference's, on vanilla's path as on tapc's."""
     todo = [d for d in done if not (d.error or d.aborted) and "steer" not in d.job.kind
             and len(d.tokens) == d.job.max_tokens]
     refs = ref.run([((d.job.prompt + d.tokens)[:-1], -1, False) for d in todo])
-    return sum(greedy_miss(logits[len(d.job.prompt) - 1:], d.tokens) is not None
-               for d, (_, logits) in zip(todo, refs)), len(todo)
+    misses = [greedy_miss(logits[len(d.job.prompt) - 1:], d.tokens) for d, (_, logits) in zip(todo, refs)]
+    near = sum(m is not None and m.near for m in misses)
+    return near, sum(m is not None for m in misses) - near, len(todo)
+
+
+def near_miss_problems(where: str, tapc: dict[str, tuple[int, int]], vanilla: tuple[int, int, int]) -> list[str]:
+    """tapc's near misses ({"unsteered": (k, n), "steered": (k, n)}) against vanilla's answers to
+    the requests that steer nothing (`vanilla_misses`): a problem where tapc's are more often."""
+    j, _, m = vanilla
+    return [f"{where}: {kind} requests' generated tokens miss the greedy margin more often on tapc serve ({k} of {n}) "
+            f"than vanilla vllm serve's unsteered ones ({j} of {m})"
+            for kind, (k, n) in tapc.items() if more_often(k, n, j, m)]
 
 
 def check(ref: Reference, url: str, done: list[Done], block: bool = False,
@@ -443,15 +482,16 @@ def check(ref: Reference, url: str, done: list[Done], block: bool = False,
     """Every finished tapc request against HF; the captures fetched from the server (`block`:
     and the norms the server's block saved). Saving requests: (their number, where, HF's rows,
     their tokens) go to `saved`, checked in the folder once the server has stopped. Returns the
-    problems, and (outside the greedy margin, checked) among its requests that steer nothing:
-    beside `vanilla_misses`, whether the margin or tapc is what they miss by."""
+    problems (a generated token far outside the greedy margin among them), and its near misses
+    ({"unsteered": (near misses, checked), "steered": ...}), which `near_miss_problems` compares
+    with vanilla's."""
     import torch
     from safetensors.torch import load
 
     from tapc.engine.positions import expected_rows, select
 
     problems, todo = [], []
-    unsteered = [0, 0]   # of its requests that steer nothing: those outside the greedy margin, all
+    near = {"unsteered": [0, 0], "steered": [0, 0]}   # requests with a near miss, requests checked
     for d in done:
         job = d.job
         if d.aborted and d.tid:
@@ -469,11 +509,11 @@ def check(ref: Reference, url: str, done: list[Done], block: bool = False,
         where = f"request {job.i} ({job.kind}, {job.positions}, stream={job.stream})"
         seq = job.prompt + d.tokens
         miss = greedy_miss(logits[len(job.prompt) - 1:], d.tokens)
-        if miss:
-            problems.append(f"{where}: {miss}")
-        if "steer" not in job.kind:
-            unsteered[0] += miss is not None
-            unsteered[1] += 1
+        if miss and not miss.near:
+            problems.append(f"{where}: {miss.text}")
+        counts = near["steered" if "steer" in job.kind else "unsteered"]
+        counts[0] += miss is not None and miss.near
+        counts[1] += 1
         if "capture" not in job.kind:
             continue
         if job.save:
@@ -503,7 +543,7 @@ def check(ref: Reference, url: str, done: list[Done], block: bool = False,
                 problems.append(f"{where}: {key} has {got.shape[0]} rows, its positions promise {want}")
                 continue
             problems += differs(where, key, got, seen[key][keep])
-    return problems, tuple(unsteered)
+    return problems, {kind: tuple(c) for kind, c in near.items()}
 
 
 def taken_after_abort(url: str, d: Done) -> list[str]:
@@ -757,13 +797,17 @@ def main() -> int:
                 report(args, rows + table_rows(args.mix[m], per["vanilla"], per["tapc"]), problems, final=False,
                        baseline=baseline)
                 ref = ref or Reference(model, vectors)   # after the first timed runs: its GPU memory is not theirs
-                checked, (missed, of) = check(ref, "http://127.0.0.1:8102", results["tapc"][0], args.block, saved)
+                checked, near = check(ref, "http://127.0.0.1:8102", results["tapc"][0], args.block, saved)
                 found += checked
                 where = f"mix {args.mix[m]}" + (f", round {r}" if args.rounds > 1 else "")
                 problems += [f"{where}: {p}" for p in found]
-                base_missed, base_of = vanilla_misses(ref, results["vanilla"][0])
-                baseline.append(f"{where}: requests that steer nothing with a generated token outside the greedy "
-                                f"margin: tapc serve {missed} of {of}, vanilla vllm serve {base_missed} of {base_of}")
+                base = vanilla_misses(ref, results["vanilla"][0])
+                problems += near_miss_problems(where, near, base)
+                baseline.append(f"{where}: requests with a generated token outside the greedy margin (within "
+                                f"{NEAR:g} margins): tapc serve {near['unsteered'][0]} of {near['unsteered'][1]} that "
+                                f"steer nothing and {near['steered'][0]} of {near['steered'][1]} steered, vanilla vllm "
+                                f"serve {base[0]} of {base[2]} (all that steer nothing), and {base[1]} farther (tapc's "
+                                "farther ones are listed below as problems)")
                 report(args, rows + table_rows(args.mix[m], per["vanilla"], per["tapc"]), problems, final=False,
                        baseline=baseline)
             rows += table_rows(args.mix[m], per["vanilla"], per["tapc"])
