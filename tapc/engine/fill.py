@@ -152,7 +152,13 @@ def _fill_captures(layout: Layout, table: np.ndarray, rows: _BatchRows, used: li
         if all(st.caps_key == mine[0].caps_key for st in mine[1:]):
             # The usual case, every request asking for the same captures: one broadcast.
             caps = mine[0].caps
-            table[caps[:, None], row[None, :]] = first[None, :] + np.arange(caps.size)[:, None]
+            c, r = _span(caps), _span(row)
+            if c is not None and r is not None:
+                # and one block of the table (a prompt step capturing every row): slices, not a
+                # scatter (8192 rows x 32 captures: 0.15 against 2 ms on a 2-core CPU)
+                np.add(first[None, :], np.arange(caps.size)[:, None], out=table[c, r], casting="unsafe")
+            else:
+                table[caps[:, None], row[None, :]] = first[None, :] + np.arange(caps.size)[:, None]
         else:
             # One entry per (row, capture j): pool row first + j, table row = the capture.
             j = np.arange(int(nc.sum())) - np.repeat(np.cumsum(nc) - nc, nc)
@@ -163,6 +169,12 @@ def _fill_captures(layout: Layout, table: np.ndarray, rows: _BatchRows, used: li
         segments += [Segment(stores[k], starts[k], counts[k]) for k in np.flatnonzero(block).tolist()]
         used[g] += int(block.sum())
     return segments
+
+
+def _span(a: np.ndarray) -> slice | None:
+    """`a` (strictly increasing, as capture indices and a step's rows are) as a slice, where it is
+    one run of consecutive integers."""
+    return slice(int(a[0]), int(a[-1]) + 1) if a.size and int(a[-1]) - int(a[0]) == a.size - 1 else None
 
 
 def _fill_edits(layout: Layout, table: np.ndarray, rows: _BatchRows) -> None:
