@@ -101,6 +101,7 @@ class Done:
     aborted: bool = False
     inline: dict | None = None   # the response's `tapc` object (inline results)
     fetched: bytes | None = None  # its captures, fetched as soon as its response ended (safetensors)
+    taps: dict | None = None      # or (`--via shm`) copied from the server's shared memory
 
 
 def write_model(path: str, hidden: int, layers: int, vocab: int) -> None:
@@ -169,7 +170,7 @@ def taps_of(job: Job) -> dict | None:
     return {"tapc": json.dumps(ask)} if ask else None
 
 
-async def send(session, url: str, model: str, job: Job, tapped: bool) -> Done:
+async def send(session, url: str, model: str, job: Job, tapped: bool, via: str = "http") -> Done:
     import aiohttp
 
     done = Done(job)
@@ -210,15 +211,29 @@ async def send(session, url: str, model: str, job: Job, tapped: bool) -> Done:
             done.cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         if done.tid and "capture" in job.kind and not (job.save or (done.inline and "safetensors" in done.inline)):
             # as a client would: its captures at once (the server then holds nothing of it), in
-            # the timed load, over the same HTTP
-            async with session.get(f"{url}/v1/tapc/results/{done.tid}") as resp:
+            # the timed load, over the same HTTP; or, `via` shm, where they lie, copied out before
+            # the server gets the memory back
+            async with session.get(f"{url}/v1/tapc/results/{done.tid}", params={"via": via}) as resp:
                 if resp.status != 200:
                     done.error = f"fetching its captures: HTTP {resp.status}: {await resp.text()}"
-                else:
+                elif via == "http":
                     done.fetched = await resp.read()
+                else:
+                    lent = await resp.json()
+                    done.taps = await asyncio.to_thread(kept, lent["tensors"])
+                    async with session.delete(f"{url}/v1/tapc/results/{done.tid}") as back:
+                        if back.status != 200:
+                            done.error = f"giving back its captures: HTTP {back.status}: {await back.text()}"
     except (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError) as e:
         done.error = f"{type(e).__name__}: {e}"
     return done
+
+
+def kept(described: dict) -> dict:
+    """A copy of each tensor a `via=shm` reply describes (tapc.client.shared_views)."""
+    from tapc.client import shared_views
+
+    return {k: v.clone() for k, v in shared_views(described).items()}
 
 
 async def sse_lines(resp):
@@ -235,7 +250,8 @@ async def sse_lines(resp):
         yield b"".join(parts)
 
 
-async def load(url: str, model: str, jobs: list[Job], clients: int, tapped: bool) -> tuple[list[Done], float]:
+async def load(url: str, model: str, jobs: list[Job], clients: int, tapped: bool,
+               via: str = "http") -> tuple[list[Done], float]:
     import aiohttp
 
     queue: asyncio.Queue = asyncio.Queue()
@@ -250,7 +266,7 @@ async def load(url: str, model: str, jobs: list[Job], clients: int, tapped: bool
             delay = job.at - (time.perf_counter() - start)
             if delay > 0:
                 await asyncio.sleep(delay)
-            out.append(await send(session, url, model, job, tapped))
+            out.append(await send(session, url, model, job, tapped, via))
 
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -525,8 +541,14 @@ def check(ref: Reference, url: str, done: list[Done], block: bool = False,
         if job.inline and not (d.inline and ("safetensors" in d.inline or "fetch" in d.inline)):
             problems.append(f"{where}: asked inline, the response carried {d.inline!r}")
             continue
-        taps = load(base64.b64decode(d.inline["safetensors"]) if job.inline and "safetensors" in d.inline
-                    else d.fetched)
+        if d.taps is not None:
+            taps = d.taps
+        else:
+            taps = load(base64.b64decode(d.inline["safetensors"]) if job.inline and "safetensors" in d.inline
+                        else d.fetched)
+        missing = sorted(set(seen) - set(taps))
+        if missing:
+            problems.append(f"{where}: its results lack {len(missing)} captures ({missing[0]}, ...)")
         want = expected_rows(job.positions, len(job.prompt), len(d.tokens))
         pos = np.arange(len(seq) - 1)
         keep = torch.from_numpy(select(job.positions, pos, len(job.prompt)))
@@ -688,7 +710,8 @@ def report(args, rows: list[str], problems: list[str], final: bool, baseline: li
         with open(args.out, "w") as f:
             f.write(f"bench_serve ({'quick' if args.quick else 'full'}, {args.hidden} wide, {args.layers} layers, "
                     f"{args.clients} clients, {args.requests} requests a mix, {args.api_server_count} API server "
-                    f"process(es), {args.inline:g} of capturing requests inline{', a block by path' if args.block else ''}"
+                    f"process(es), {args.inline:g} of capturing requests inline, captures fetched via {args.via}"
+                    f"{', a block by path' if args.block else ''}"
                     f"{f', {args.save:g} of all-row captures saved' if args.save else ''})\n\n{text}\n")
 
 
@@ -713,6 +736,9 @@ def main() -> int:
                          "then has taps, and the graph splits there")
     ap.add_argument("--save", type=float, default=0.0,
                     help="share of the requests capturing all rows that ask to be saved in the server's save folder")
+    ap.add_argument("--via", choices=("http", "shm"), default="http",
+                    help="how clients fetch their captures: the bytes over HTTP, or (the client on the server's "
+                         "host) where they lie in the server's shared memory, copied, then given back")
     ap.add_argument("--api-server-count", type=int, default=1,
                     help="API server processes of each server (vLLM's --api-server-count)")
     ap.add_argument("--out", default=None, help="write the summary table (markdown) here")
@@ -766,7 +792,7 @@ def main() -> int:
         # pay for first-use work (kernel JIT, CUDA-graph sizes, host buffers).
         warm = make_jobs(WARMUP, vocab, args.rate, 0.0, seed=1)
         for url, tap in (("http://127.0.0.1:8101", False), ("http://127.0.0.1:8102", True)):
-            asyncio.run(load(url, model, warm, args.clients, tap))   # (captures fetched as they end)
+            asyncio.run(load(url, model, warm, args.clients, tap, args.via))   # (captures fetched as they end)
         ref = None
         servers = (("vanilla", "http://127.0.0.1:8101", False), ("tapc", "http://127.0.0.1:8102", True))
         for m, mix in enumerate(mixes):
@@ -782,7 +808,7 @@ def main() -> int:
                 for name, url, tap in (servers if r % 2 == 0 else servers[::-1]):
                     pinned, counted = pinning_s(logs[8102]), engine_counters(url)
                     with stacks.get(name, contextlib.nullcontext()):
-                        done, seconds = asyncio.run(load(url, model, jobs, args.clients, tap))
+                        done, seconds = asyncio.run(load(url, model, jobs, args.clients, tap, args.via))
                     results[name] = (done, {**summary(done, seconds), **engine_view(counted, engine_counters(url), seconds)})
                     if tap:
                         results[name][1]["pinning"] = pinning_s(logs[8102]) - pinned

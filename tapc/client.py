@@ -8,7 +8,11 @@
     captures = tc.results(tid)                                   # {key: torch.Tensor}, read once
 
 With `ask(..., inline=True)` the results come in the response itself: `tc.inline(resp)` (or,
-streamed, `tc.inline(chunk)` of the chunk that has them) reads them.
+streamed, `tc.inline(chunk)` of the chunk that has them) reads them. A client on the server's
+host can read them where they are, with no bytes over HTTP:
+
+    with tc.shared(tid) as captures:                             # views of the server's memory
+        kept = captures["model.layers.3.resid"].clone()          # valid inside the `with` only
 
 `ask(...)` is the `extra_body` of any `openai` call (`vllm_xargs`, docs/serving.md), so the plain
 client works too: `client.chat.completions.create(..., extra_body=tc.ask(...))`, with the
@@ -17,8 +21,11 @@ request's tapc id in the response's `x-tapc-id` header (`with_raw_response`).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
-from collections.abc import Sequence
+import math
+import mmap
+from collections.abc import Iterator, Sequence
 
 from tapc.errors import RequestError, TapcError
 
@@ -82,6 +89,27 @@ class TapcClient:
             raise TapcError(f"tapc results {tid}: HTTP {r.status_code}: {_message(r)}")
         return _load(r.content)
 
+    @contextlib.contextmanager
+    def shared(self, tid: str, wait: float = 60.0) -> Iterator[dict]:
+        """A finished request's results as `results` gives them, once, for a client on the
+        server's host (and user): views of the server's shared memory, no copy and no bytes over
+        HTTP. Valid inside the `with` only: its end gives the memory back to the server, which
+        fills it with other requests' captures, so `.clone()` what you keep. The server holds
+        them for its keep time at most (10 minutes by default). A request whose taps failed
+        raises `RequestError` with the server's words."""
+        r = self._http.get(f"{self._base}/tapc/results/{tid}", params={"wait": wait, "via": "shm"},
+                           headers=self._auth)
+        if r.status_code != 200:
+            raise (RequestError if r.status_code == 400 else TapcError)(
+                f"tapc results {tid} via=shm: HTTP {r.status_code}: {_message(r)}")
+        try:
+            lent = r.json()
+            if lent.get("error"):
+                raise RequestError(lent["error"])
+            yield shared_views(lent["tensors"])
+        finally:
+            self._http.delete(f"{self._base}/tapc/results/{tid}", headers=self._auth)
+
     def inline(self, response) -> dict:
         """The results a request asked for inline, from its completion (or the streamed chunk
         that carries them: the last before the stream ends), as `results` gives them; results
@@ -108,6 +136,33 @@ def _message(r) -> str:
         return r.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         return r.text
+
+
+def shared_views(described: dict) -> dict:
+    """Tensors over the files a `via=shm` reply describes (name -> path, offset, dtype, shape,
+    stride, storage_offset), each file mapped once, copy-on-write: the caller's writes stay its
+    own."""
+    import torch
+
+    from tapc.shardfiles import SAFETENSORS_DTYPES
+
+    dtypes = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+    maps: dict[str, mmap.mmap] = {}
+    out = {}
+    for name, d in described.items():
+        dtype, shape, stride = dtypes[d["dtype"]], d["shape"], d["stride"]
+        if math.prod(shape) == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+            continue
+        if d["path"] not in maps:
+            with open(d["path"], "rb") as f:
+                maps[d["path"]] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        # the elements from the storage's first to the view's last
+        extent = d["storage_offset"] + sum((n - 1) * st for n, st in zip(shape, stride)) + 1
+        base = torch.frombuffer(maps[d["path"]], dtype=torch.uint8, count=extent * dtype.itemsize,
+                                offset=d["offset"]).view(dtype)
+        out[name] = base.as_strided(shape, stride, d["storage_offset"])
+    return out
 
 
 def _load(data: bytes) -> dict:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from tapc.engine.arena import shm_directory
 from tapc.engine.positions import expected_rows
 from tapc.engine.requests import ENGINE_POINTS, TapRequest
 from tapc.errors import TapcError
@@ -153,7 +154,7 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
     bar.skipped = start[0]
     bar.say(f"tapc harvest -> {folder} ({format}{', continuing at prompt ' + str(start[0]) if start[0] else ''}): "
             f"at most {window.cap:,} tokens in flight, {window.cap * row_bytes / 2**30:.2f} GiB of captures in "
-            f"{os.environ.get('TAPC_SHM_DIR', '/dev/shm')}; rows are written through to the shard files")
+            f"{shm_directory()}; rows are written through to the shard files")
 
     def commit(record: ShardRecord) -> None:
         manifest.add(record)

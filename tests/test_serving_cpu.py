@@ -312,6 +312,78 @@ def test_the_python_client_registers_completes_and_fetches():
             tc.complete(model="toy", prompt=prompt, max_tokens=3, taps=tc.ask(params={"steer": "sad"}))
 
 
+def test_a_client_on_the_servers_host_reads_results_where_they_are_and_gives_them_back():
+    """`via=shm`: the captures as views of the engine's own arena blocks (no bytes over HTTP),
+    equal to the toy model's rows; they stay the client's (held on the worker) until it gives
+    them back, once; a block's saved tensors (not arena memory) come through a file of their
+    own, removed with the give-back. The Python client does both in one `with`."""
+    import torch
+
+    from tapc.client import TapcClient, shared_views
+
+    taps = [*TAPS, "model.layers.0.resid -> probe"]
+    app, hooks = stand_in_app(taps, blocks={"probe": "test_serving_cpu:saving_probe"})
+    prompt = np.random.default_rng(7).integers(0, 50, 8).tolist()
+    with client(app) as c:
+        r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5,
+                                            "vllm_xargs": xargs(capture=["model.layers.*.resid"])})
+        tid = r.headers["x-tapc-id"]
+        lent = c.get(f"/v1/tapc/results/{tid}", params={"via": "shm"}).json()
+        assert lent["error"] == "" and lent["keep_s"] > 0
+        arena = {d["path"] for k, d in lent["tensors"].items() if not k.startswith("saved/")}
+        assert len(arena) >= 1 and all(os.path.basename(p).startswith("tapc-") for p in arena)
+        assert all(d["stride"][0] > d["shape"][1] for k, d in lent["tensors"].items() if not k.startswith("saved/")), \
+            "each key a strided view of its request's [rows, keys, width] block, as it lies"
+        (copied,) = {d["path"] for k, d in lent["tensors"].items() if k.startswith("saved/")}
+        got = shared_views(lent["tensors"])
+        check_rows(as_req(prompt, r.json()["choices"][0]["tokens"]), {k: v for k, v in got.items()
+                                                                     if not k.startswith("saved/")}, "all")
+        saved = torch.cat([got[k] for k in sorted((k for k in got if k.startswith("saved/x/")),
+                                                  key=lambda k: int(k.rsplit("/", 1)[1]))])
+        assert torch.equal(saved, got["model.layers.0.resid"]), "the block's saved rows, through their own file"
+        c.portal.call(app.state.tapc.collector.settle)
+        assert hooks.held()["chunks"] > 0, "lent: the worker does not reuse them"
+        assert c.get(f"/v1/tapc/results/{tid}", params={"via": "shm", "wait": 0}).status_code == 404, "lent once"
+        assert c.delete(f"/v1/tapc/results/{tid}").json() == {"id": tid, "given_back": True}
+        assert not os.path.exists(copied)
+        assert c.delete(f"/v1/tapc/results/{tid}").status_code == 404
+        del got, saved
+        c.portal.call(app.state.tapc.collector.settle)
+        assert hooks.held() == {"running": 0, "uncollected": 0, "chunks": 0, "slots": 0}
+
+        tc = TapcClient("http://testserver/v1", api_key="k", http_client=c)
+        _, tid = tc.complete(model="toy", prompt=prompt, max_tokens=3, taps=tc.ask(capture="model.layers.1.resid"))
+        with tc.shared(tid) as views:
+            kept = views["model.layers.1.resid"].clone()
+        assert kept.shape == (len(prompt) + 2, HIDDEN)
+        assert c.delete(f"/v1/tapc/results/{tid}").status_code == 404, "the `with` gave them back"
+        assert c.get(f"/v1/tapc/results/{tid}", params={"via": "pigeon"}).status_code == 400
+
+
+def test_lent_results_not_given_back_are_dropped_after_the_keep_time():
+    app, hooks = stand_in_app()
+    app.state.tapc.results.keep_s = 0.0
+    prompt = [5, 3, 8, 1]
+    with client(app) as c:
+        tids = []
+        for _ in range(2):
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "vllm_xargs": xargs(capture="*")})
+            tids.append(r.headers["x-tapc-id"])
+            assert c.get(f"/v1/tapc/results/{tids[-1]}", params={"via": "shm"}).status_code == 200
+        # the second result's arrival swept the first, lent past its keep time
+        assert c.delete(f"/v1/tapc/results/{tids[0]}").status_code == 404
+        assert c.delete(f"/v1/tapc/results/{tids[1]}").status_code == 200
+        c.portal.call(app.state.tapc.collector.settle)
+        assert hooks.held()["chunks"] == 0
+
+
+def test_results_by_shared_memory_need_one_api_server_process(tmp_path):
+    app, _ = stand_in_app(shared=str(tmp_path / "shared"))
+    with client(app) as c:
+        r = c.get("/v1/tapc/results/nope", params={"via": "shm"})
+        assert r.status_code == 400 and "one API server process" in r.json()["error"]["message"]
+
+
 def test_the_wire_as_text_round_trips_and_refuses_blocks():
     from tapc.engine.protocol import WireRequest
     from tapc.engine.requests import TapRequest, check

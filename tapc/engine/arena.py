@@ -45,10 +45,15 @@ SEGMENT_BYTES = 1 << 30
 ALIGN = 512       # bytes; keeps every block aligned for DMA and for any dtype
 
 
+def shm_directory() -> str:
+    """Where tapc's shared-memory files go: `TAPC_SHM_DIR`, else /dev/shm."""
+    return os.environ.get("TAPC_SHM_DIR", "/dev/shm")
+
+
 class Arena:
     def __init__(self, register: Callable[[torch.Tensor], None] | None = None, directory: str | None = None,
                  segment_bytes: int = SEGMENT_BYTES):
-        self.directory = directory or os.environ.get("TAPC_SHM_DIR", "/dev/shm")
+        self.directory = directory or shm_directory()
         self.prefix = f"tapc-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.register = register
         self.segment_bytes = segment_bytes
@@ -177,6 +182,7 @@ class ArenaReader:
 
     def __init__(self):
         self._maps: dict[str, mmap.mmap] = {}
+        self._bases: list[tuple[int, int, str]] = []   # (address, bytes, file) of each mapping, sorted
         self._unused: list[tuple[str, int]] = []
 
     def view(self, path: str, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -188,10 +194,21 @@ class ArenaReader:
         if m is None:
             with open(path, "r+b") as f:
                 m = self._maps[path] = mmap.mmap(f.fileno(), 0)
+            bisect.insort(self._bases, (np.frombuffer(m, dtype=np.uint8).ctypes.data, len(m), path))
         a = np.frombuffer(m, dtype=np.uint8, count=n, offset=offset)
         # Every tensor made from it keeps `a` alive: it dies with the caller's last view.
         weakref.finalize(a, self.unused, path, offset)
         return torch.from_numpy(a).view(dtype).view(shape)
+
+    def where(self, t: torch.Tensor) -> tuple[str, int] | None:
+        """The file and byte offset of the memory under `t` (its storage's first byte), where that
+        is one of the arena's blocks; None for any other memory (a copy, a tensor made here)."""
+        ptr = t.untyped_storage().data_ptr()
+        i = bisect.bisect_right(self._bases, (ptr, math.inf, "")) - 1
+        if i < 0:
+            return None
+        base, size, path = self._bases[i]
+        return (path, ptr - base) if ptr < base + size else None
 
     def unused(self, path: str, offset: int) -> None:
         """The block at (path, offset) can go back (finalizers call this from any thread)."""

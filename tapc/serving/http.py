@@ -7,7 +7,10 @@ Routes, all under `/v1/` so that vLLM's `--api-key` guards them as it guards its
     GET    /v1/tapc/plan             the plan (TapPlan JSON): what requests may capture and bind
     GET    /v1/tapc/results/{id}     a finished request's captures, safetensors bytes (once), streamed
                                      from the captures' own memory (results.py; with several API
-                                     server processes, from the folder they share)
+                                     server processes, from the folder they share); `?via=shm`:
+                                     for a client on the same host, JSON saying where they are
+                                     in shared memory, held for it until
+    DELETE /v1/tapc/results/{id}     gives them back
     GET    /v1/tapc/held             what requests hold on the workers now (all zero when idle)
 and a middleware on vLLM's `/v1/completions` and `/v1/chat/completions`: a body with
 `vllm_xargs["tapc"]` is checked and rewritten (server.py `admit`; a bad one gets HTTP 400 with
@@ -141,20 +144,40 @@ def router() -> APIRouter:
         return JSONResponse({"workers": await server.collector.engine.collective_rpc("tapc_held")})
 
     @r.get("/v1/tapc/results/{tid}")
-    async def results(request: Request, tid: str, wait: float = 60.0):
+    async def results(request: Request, tid: str, wait: float = 60.0, via: str = "http"):
         server = server_of(request)
         if server is None:
             return error(503, "tapc: this server runs no tap plan")
+        if via not in ("http", "shm"):
+            return error(400, f"tapc results: via={via!r}; give http (the bytes) or shm (where they are in "
+                              "shared memory, for a client on the server's host)")
+        if via == "shm" and not server.lends:
+            return error(400, "tapc results: via=shm needs a server with one API server process (with several, "
+                              "results travel through their shared folder); fetch them over HTTP")
+        wait = min(max(wait, 0.0), 600.0)
         try:
-            reply = await server.fetch(tid, min(max(wait, 0.0), 600.0))
+            reply = await (server.lend(tid, wait) if via == "shm" else server.fetch(tid, wait))
         except RequestError as e:   # a block saved a tensor safetensors cannot hold
             return error(500, f"tapc: results of {tid!r} cannot be sent: {e}")
         if reply is None:
             return error(404, f"tapc: no results for {tid!r} (not a tapped request, fetched already, still "
                               f"running after {wait:g} s, or kept longer than {server.results.keep_s:g} s)")
+        if via == "shm":
+            return JSONResponse(reply)
         headers = {"x-tapc-error": reply.error_type} if reply.error_type else {}
         return StreamingResponse(reply.chunks, media_type="application/octet-stream",
                                  headers={**headers, "content-length": str(reply.size)})
+
+    @r.delete("/v1/tapc/results/{tid}")
+    async def give_back(request: Request, tid: str):
+        """The client is done with results it got `via=shm`: their memory goes back."""
+        server = server_of(request)
+        if server is None:
+            return error(503, "tapc: this server runs no tap plan")
+        if not server.give_back(tid):
+            return error(404, f"tapc: no results of {tid!r} are lent (never asked via=shm, given back already, "
+                              f"or held longer than {server.results.keep_s:g} s)")
+        return JSONResponse({"id": tid, "given_back": True})
 
     return r
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tapc.engine.arena import shm_directory
 from tapc.errors import RequestError
 from tapc.shardfiles import SAFETENSORS_DTYPES, tensor_bytes
 
@@ -65,11 +66,12 @@ class MemoryResults:
     `released` is called once a result's captures are dropped (their chunks can go back)."""
 
     def __init__(self, keep_s: float, released: Callable[[], None]):
-        self.keep_s = keep_s       # results not fetched within this long are dropped
+        self.keep_s = keep_s       # results not fetched (or lent and not given back) within this long are dropped
         self._released = released
         self._vectors: dict[str, np.ndarray] = {}
         self._running: dict[str, asyncio.Event] = {}
         self._done: dict[str, Stored] = {}
+        self._lent: dict[str, Lent] = {}
 
     def vectors(self) -> dict[str, np.ndarray]:
         return self._vectors
@@ -85,21 +87,27 @@ class MemoryResults:
         cutoff = time.monotonic() - self.keep_s
         for old in [t for t, s in self._done.items() if s.at < cutoff]:
             del self._done[old]
+        for old in [t for t, lent in self._lent.items() if lent.at < cutoff]:
+            self.give_back(old)
         self._done[tid] = stored
         done = self._running.pop(tid, None)
         if done is not None:
             done.set()
 
-    async def take(self, tid: str, wait_s: float) -> Reply | None:
-        """The result of `tid` (waiting up to `wait_s` for a request still running), once; None:
-        unknown (never tapped, fetched already, or dropped after `keep_s`). RequestError: it
-        cannot be sent (a block saved a tensor safetensors has no dtype for)."""
+    async def _ready(self, tid: str, wait_s: float) -> Stored | None:
+        """The result of `tid`, once, waiting up to `wait_s` for a request still running."""
         if tid in self._running:
             try:
                 await asyncio.wait_for(asyncio.shield(self._running[tid].wait()), wait_s)
             except asyncio.TimeoutError:
                 return None
-        stored = self._done.pop(tid, None)
+        return self._done.pop(tid, None)
+
+    async def take(self, tid: str, wait_s: float) -> Reply | None:
+        """The result of `tid` (waiting up to `wait_s` for a request still running), once; None:
+        unknown (never tapped, fetched already, or dropped after `keep_s`). RequestError: it
+        cannot be sent (a block saved a tensor safetensors has no dtype for)."""
+        stored = await self._ready(tid, wait_s)
         if stored is None:
             return None
         error_type = _error_type(stored)
@@ -127,6 +135,86 @@ class MemoryResults:
         finally:
             tensors.clear()     # the last views of its capture chunks: they go back to the
             self._released()    # workers with the next collect, or on their own soon
+
+
+    async def lend(self, tid: str, wait_s: float, where: Callable) -> dict | None:
+        """The result of `tid`, once, as `take` gives it, for a client on this host: where each
+        tensor's bytes are in shared memory, not the bytes. A capture is described where it
+        lies, in the engine's arena (`where`: ArenaReader.where); any other tensor (a capture
+        joined from several blocks, a block's saved tensor) is copied into one file of its own.
+        The memory is held until `give_back(tid)`, or for `keep_s`. JSON: `id`, `error`,
+        `error_type`, `saved` (as the safetensors metadata), `keep_s`, and `tensors`: name ->
+        {path, offset (bytes, of the first element's storage), dtype (safetensors' name), shape,
+        stride, storage_offset (elements)}."""
+        stored = await self._ready(tid, wait_s)
+        if stored is None:
+            return None
+        try:
+            tensors, meta = parts(stored)
+        except RequestError:
+            self._released()
+            raise
+        lent = Lent(stored)
+        described, copied = {}, {}
+        for name, t in tensors.items():
+            at = where(t)
+            if at is None:
+                copied[name] = t
+            else:
+                described[name] = _described(t, *at)
+        if copied:
+            lent.path = os.path.join(shm_directory(), f"tapc-lent-{os.getpid()}-{tid}")
+            offsets = await asyncio.to_thread(_write_lent, lent.path, list(copied.values()))
+            for (name, t), offset in zip(copied.items(), offsets):
+                described[name] = {**_described(t.contiguous(), lent.path, offset), "storage_offset": 0}
+        self._lent[tid] = lent
+        return {"id": tid, **meta, "keep_s": self.keep_s, "tensors": described}
+
+    def give_back(self, tid: str) -> bool:
+        """The client is done with the memory `lend` described: it goes back (False: nothing is
+        lent under `tid`)."""
+        lent = self._lent.pop(tid, None)
+        if lent is None:
+            return False
+        lent.stored.drop_tensors()
+        if lent.path is not None:
+            _remove(lent.path)
+        self._released()
+        return True
+
+
+@dataclass
+class Lent:
+    """A result lent to a client on this host: its tensors (held, so their arena blocks stay
+    the client's) and the file of those copied out of the arena, if any."""
+
+    stored: Stored
+    path: str | None = None
+    at: float = field(default_factory=time.monotonic)
+
+
+def _described(t, path: str, offset: int) -> dict:
+    return {"path": path, "offset": offset, "dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+            "stride": list(t.stride()), "storage_offset": t.storage_offset()}
+
+
+def _write_lent(path: str, tensors: list) -> list[int]:
+    """The tensors' bytes into a new file only this user can read, each at a 64-byte aligned
+    offset; the offsets."""
+    offsets, at = [], 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        for t in tensors:
+            at += -at % 64
+            offsets.append(at)
+            data = tensor_bytes(t)
+            done = 0
+            while done < len(data):   # one write moves at most about 2 GiB
+                done += os.pwrite(fd, data[done:], at + done)
+            at += len(data)
+    finally:
+        os.close(fd)
+    return offsets
 
 
 class FolderResults:
@@ -339,13 +427,10 @@ def _error_type(stored: Stored) -> str:
     return "" if stored.error is None else type(stored.error).__name__
 
 
-def encode(stored: Stored) -> tuple[bytes, list]:
-    """A request's results in the safetensors format, as its header and the tensors whose bytes
-    follow it in that order: each capture under its key, each saved tensor under
-    `saved/<name>/<i>`; the metadata holds `error` (and `error_type`, its class) and the saved
-    values that are not tensors (JSON). The bytes go out as the tensors' own (`tensor_bytes`):
-    a capture of every layer over a long prompt is gigabytes, which one `bytes` would hold
-    twice and copy on the server's event loop."""
+def parts(stored: Stored) -> tuple[dict, dict]:
+    """What a result sends: its tensors by name (each capture under its key, each saved tensor
+    under `saved/<name>/<i>`) and its metadata: `error` (and `error_type`, its class) and the
+    saved values that are not tensors (JSON). RequestError: a tensor safetensors has no dtype for."""
     import torch
 
     tensors = dict(stored.taps)
@@ -356,12 +441,22 @@ def encode(stored: Stored) -> tuple[bytes, list]:
                 tensors[f"saved/{name}/{i}"] = v.detach().cpu()
             else:
                 other.setdefault(name, {})[str(i)] = v
-    meta = {"error": "" if stored.error is None else str(stored.error), "error_type": _error_type(stored),
-            "saved": json.dumps(other, default=repr)}
-    header, offset = {"__metadata__": meta}, 0
     for name, t in tensors.items():
         if t.dtype not in SAFETENSORS_DTYPES:
             raise RequestError(f"{name}: dtype {t.dtype} has no safetensors name")
+    meta = {"error": "" if stored.error is None else str(stored.error), "error_type": _error_type(stored),
+            "saved": json.dumps(other, default=repr)}
+    return tensors, meta
+
+
+def encode(stored: Stored) -> tuple[bytes, list]:
+    """A request's results in the safetensors format (`parts`), as its header and the tensors
+    whose bytes follow it in that order. The bytes go out as the tensors' own (`tensor_bytes`):
+    a capture of every layer over a long prompt is gigabytes, which one `bytes` would hold
+    twice and copy on the server's event loop."""
+    tensors, meta = parts(stored)
+    header, offset = {"__metadata__": meta}, 0
+    for name, t in tensors.items():
         size = t.numel() * t.element_size()
         header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                         "data_offsets": [offset, offset + size]}

@@ -12,7 +12,8 @@
   async_engine.Collector), assembled, and kept (results.py) until the client fetches it.
 - `abandoned(tid)`: the response did not complete (the client went away, an error): what the
   request held on the workers goes back.
-- `fetch(tid)`: a finished request's results, as safetensors bytes, once.
+- `fetch(tid)`: a finished request's results, as safetensors bytes, once; or `lend(tid)`, for a
+  client on the same host: where they are in shared memory, held until it calls `give_back`.
 - `inline(tid, usage)`: instead of `finished`, for a request that asked for its results in its
   response (`inline: true`): them, base64 safetensors, while the response waits. For a request
   that asked to `save` them (the server's save folder, saving.py): its number there, at once,
@@ -195,6 +196,22 @@ class TapcServer:
         running), once; None: unknown (never tapped, fetched already, or dropped after
         `keep_s`). RequestError: they cannot be sent (results.py `encode`)."""
         return await self.results.take(tid, wait_s)
+
+    @property
+    def lends(self) -> bool:
+        """Whether results can be lent by shared memory: with one API server process, whose
+        results are the captures' own arena memory."""
+        return isinstance(self.results, MemoryResults)
+
+    async def lend(self, tid: str, wait_s: float) -> dict | None:
+        """The results of `tid`, once, for a client on this host (where `lends`): where their
+        bytes are in shared memory, held for it until `give_back` (results.py
+        `MemoryResults.lend`). None and RequestError: as `fetch`."""
+        return await self.results.lend(tid, wait_s, self.session.arena.where)
+
+    def give_back(self, tid: str) -> bool:
+        """The client is done with what `lend` described (False: nothing is lent under `tid`)."""
+        return self.lends and self.results.give_back(tid)
 
     # ---------------------------------------------------------------- vectors
 
