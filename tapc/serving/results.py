@@ -72,6 +72,7 @@ class MemoryResults:
         self._running: dict[str, asyncio.Event] = {}
         self._done: dict[str, Stored] = {}
         self._lent: dict[str, Lent] = {}
+        atexit.register(self._drop_lent)   # the files of lent tensors copied out of the arena
 
     def vectors(self) -> dict[str, np.ndarray]:
         return self._vectors
@@ -136,7 +137,6 @@ class MemoryResults:
             tensors.clear()     # the last views of its capture chunks: they go back to the
             self._released()    # workers with the next collect, or on their own soon
 
-
     async def lend(self, tid: str, wait_s: float, where: Callable) -> dict | None:
         """The result of `tid`, once, as `take` gives it, for a client on this host: where each
         tensor's bytes are in shared memory, not the bytes. A capture is described where it
@@ -181,6 +181,12 @@ class MemoryResults:
             _remove(lent.path)
         self._released()
         return True
+
+
+    def _drop_lent(self) -> None:
+        for lent in self._lent.values():
+            if lent.path is not None:
+                _remove(lent.path)
 
 
 @dataclass
