@@ -6,7 +6,8 @@ streams captured, one steering edit).
 
 The pools and host storage live on the meta device and the copies are built as the GPU path
 builds them, one batch of addresses for the driver (`issued`), but not sent: on the GPU they
-are asynchronous and only their issue is host time. A decode step that repeats the last one (the same requests, one position on) is not
+are asynchronous and only their issue is host time. The last row is a served batch of
+bench_serve's default mix (`served_scenario`). A decode step that repeats the last one (the same requests, one position on) is not
 filled (tapc/engine/fill.py `Repeat`): the last column times those. Async scheduling overlaps this with the previous step on the GPU (about 12 ms at
 batch 64 for an 8B model, 4.6 ms at batch 1), beside vLLM's own host work.
 """
@@ -62,6 +63,29 @@ def scenario(plan, layout, ask: TapRequest, n_reqs: int, prompt_len: int, decode
     prompt_lens = np.full(n_reqs, prompt_len, dtype=np.int32)
     padded = int(qsl[-1])
     return records, StepBatch(rids, qsl, computed, prompt_lens, padded)
+
+
+def served_scenario(plan, layout, steer: dict, n_reqs: int = 64, prefilling: int = 2, prompt_len: int = 230):
+    """(records, step) of a served batch as bench_serve's default mix makes them: of n_reqs
+    requests 40% untapped, 20% capturing (positions all, prompt, generated, last in turn), 25%
+    steered, 15% both; the first `prefilling` run their whole prompt, the others decode."""
+    rng = np.random.default_rng(0)
+    asks = {"capture": [TapRequest(capture="model.layers.*.resid", positions=p)
+                        for p in ("all", "prompt", "generated", "last")],
+            "steer": [TapRequest(params=steer)],
+            "both": [TapRequest(capture="model.layers.*.resid", positions=p, params=steer) for p in ("all", "generated")]}
+    records, rids = {}, [f"r{i}" for i in range(n_reqs)]
+    for i, rid in enumerate(rids):
+        kind = ("untapped", "capture", "steer", "both")[int(np.searchsorted([0.4, 0.6, 0.85], rng.random(), side="right"))]
+        if kind != "untapped":
+            ask = asks[kind][i % len(asks[kind])]
+            rec = Record(layout, rid, WireRequest(rid, check(plan, ask, "bench")), prompt_len, 128, meta_alloc)
+            rec.slot = 0 if rec.edits else -1
+            records[rid] = rec
+    per = np.array([prompt_len] * prefilling + [1] * (n_reqs - prefilling))
+    qsl = np.concatenate([[0], np.cumsum(per)]).astype(np.int32)
+    computed = np.where(per > 1, 0, prompt_len + 10).astype(np.int32)
+    return records, StepBatch(rids, qsl, computed, np.full(n_reqs, prompt_len, dtype=np.int32), int(qsl[-1]))
 
 
 def issued(dsts, srcs, sizes, stream) -> bool:
@@ -120,6 +144,9 @@ def main():
         fresh = time_step(layout, records, batch)
         again = f"{time_step(layout, *scenario(plan, layout, ask, n, plen, decode), repeating=True):.3f}" if decode else ""
         print(f"| {name} | {fresh:.3f} | {again} |")
+    records, batch = served_scenario(plan, layout, steer)
+    print(f"| served: 64 requests of bench_serve's mix, 2 of them prefilling 230 tokens | "
+          f"{time_step(layout, records, batch):.3f} |  |")
 
 
 if __name__ == "__main__":
