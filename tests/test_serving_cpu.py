@@ -377,11 +377,26 @@ def test_lent_results_not_given_back_are_dropped_after_the_keep_time():
         assert hooks.held()["chunks"] == 0
 
 
-def test_results_by_shared_memory_need_one_api_server_process(tmp_path):
-    app, _ = stand_in_app(shared=str(tmp_path / "shared"))
-    with client(app) as c:
-        r = c.get("/v1/tapc/results/nope", params={"via": "shm"})
-        assert r.status_code == 400 and "one API server process" in r.json()["error"]["message"]
+def test_with_several_api_server_processes_results_are_lent_from_their_shared_folder(tmp_path):
+    """A result finished on one process is lent by another (its file in the folder they share,
+    tensor by tensor), once, and given back through either; nothing is left behind."""
+    from tapc.client import shared_views
+
+    a, _ = stand_in_app(shared=str(tmp_path))
+    b, _ = stand_in_app(shared=str(tmp_path))
+    prompt = np.random.default_rng(13).integers(0, 50, 6).tolist()
+    with client(a) as ca, client(b) as cb:
+        r = ca.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3,
+                                             "vllm_xargs": xargs(capture=["model.layers.*.resid"])})
+        tid = r.headers["x-tapc-id"]
+        lent = cb.get(f"/v1/tapc/results/{tid}", params={"via": "shm"}).json()
+        assert lent["error"] == "" and {d["path"] for d in lent["tensors"].values()} == {str(tmp_path / f"{tid}.lent")}
+        check_rows(as_req(prompt, r.json()["choices"][0]["tokens"]), shared_views(lent["tensors"]), "all")
+        assert ca.get(f"/v1/tapc/results/{tid}", params={"via": "shm", "wait": 0}).status_code == 404, "lent once"
+        assert ca.delete(f"/v1/tapc/results/{tid}").status_code == 200
+        assert cb.delete(f"/v1/tapc/results/{tid}").status_code == 404
+        assert cb.get("/v1/tapc/results/x", params={"via": "pigeon"}).status_code == 400
+    assert sorted(os.listdir(tmp_path)) == ["vectors"], "nothing left behind but the vectors"
 
 
 def test_the_wire_as_text_round_trips_and_refuses_blocks():

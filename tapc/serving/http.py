@@ -9,7 +9,7 @@ Routes, all under `/v1/` so that vLLM's `--api-key` guards them as it guards its
                                      from the captures' own memory (results.py; with several API
                                      server processes, from the folder they share); `?via=shm`:
                                      for a client on the same host, JSON saying where they are
-                                     in shared memory, held for it until
+                                     in shared memory (once), held for it until
     DELETE /v1/tapc/results/{id}     gives them back
     GET    /v1/tapc/held             what requests hold on the workers now (all zero when idle)
 and a middleware on vLLM's `/v1/completions` and `/v1/chat/completions`: a body with
@@ -151,9 +151,6 @@ def router() -> APIRouter:
         if via not in ("http", "shm"):
             return error(400, f"tapc results: via={via!r}; give http (the bytes) or shm (where they are in "
                               "shared memory, for a client on the server's host)")
-        if via == "shm" and not server.lends:
-            return error(400, "tapc results: via=shm needs a server with one API server process (with several, "
-                              "results travel through their shared folder); fetch them over HTTP")
         wait = min(max(wait, 0.0), 600.0)
         try:
             reply = await (server.lend(tid, wait) if via == "shm" else server.fetch(tid, wait))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import json
+import math
 import mmap
 import os
 import re
@@ -313,15 +314,58 @@ class FolderResults:
 
     async def take(self, tid: str, wait_s: float) -> Reply | None:
         """As `MemoryResults.take`, whichever API server process served `tid`."""
+        mine = await self._claimed(tid, wait_s, self._path(tid, f".taken-{os.getpid()}"))
+        if mine is None:
+            return None
+        with open(mine, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+        os.unlink(mine)   # the mapping keeps its pages until closed
+        n = int.from_bytes(data[:8], "little")
+        meta = json.loads(data[8:8 + n]).get("__metadata__", {})
+        return Reply(size, meta.get("error_type", ""), _stream_mapped(data))
+
+    async def lend(self, tid: str, wait_s: float, where: Callable | None = None) -> dict | None:
+        """As `MemoryResults.lend`, whichever API server process served `tid`: its safetensors file
+        in the shared folder is the memory (`where` is not needed), claimed as `<tid>.lent`, so
+        that whichever process gets the give-back removes it; the sweep drops it after `keep_s`."""
+        path = await self._claimed(tid, wait_s, self._path(tid, ".lent"))
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        meta = header.pop("__metadata__", {})
+        tensors = {}
+        for name, d in header.items():
+            stride = [math.prod(d["shape"][i + 1:]) for i in range(len(d["shape"]))]
+            tensors[name] = {"path": path, "offset": 8 + n + d["data_offsets"][0], "dtype": d["dtype"],
+                             "shape": d["shape"], "stride": stride, "storage_offset": 0}
+        return {"id": tid, **meta, "keep_s": self.keep_s, "tensors": tensors}
+
+    def give_back(self, tid: str) -> bool:
+        """As `MemoryResults.give_back`, whichever process lent it."""
+        if not re.fullmatch(r"[0-9a-f]{32}", tid):
+            return False
+        try:
+            os.unlink(self._path(tid, ".lent"))
+        except FileNotFoundError:
+            return False
+        return True
+
+    async def _claimed(self, tid: str, wait_s: float, mine: str) -> str | None:
+        """The result file of `tid`, renamed to `mine` by this process alone (one claim wins),
+        waiting up to `wait_s` for a request still running; None: unknown. RequestError: its
+        result could not be written or sent (the error's file says why)."""
         if not re.fullmatch(r"[0-9a-f]{32}", tid):   # tapc ids are uuid4 hex: nothing else names a file here
             return None
         deadline = time.monotonic() + wait_s
         while True:
-            got = self._claim(tid)
-            if got is not None:
-                return got
+            if self._claim(tid, mine):
+                return mine
             if not os.path.exists(self._path(tid, ".running")):
-                return self._claim(tid)   # written between the claim and this look, or unknown
+                # written between the claim and this look, or unknown
+                return mine if self._claim(tid, mine) else None
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
@@ -334,30 +378,23 @@ class FolderResults:
             else:
                 await asyncio.sleep(min(self.POLL_S, left))
 
-    def _claim(self, tid: str) -> Reply | None:
-        mine = self._path(tid, f".taken-{os.getpid()}")
+    def _claim(self, tid: str, mine: str) -> bool:
         try:
             os.rename(self._path(tid, ".safetensors"), mine)
         except FileNotFoundError:
             try:
                 os.rename(self._path(tid, ".error"), mine)
             except FileNotFoundError:
-                return None
+                return False
             with open(mine, "rb") as f:
                 why = f.read().decode()
             os.unlink(mine)
             raise RequestError(why)
-        with open(mine, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            data = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
-        os.unlink(mine)   # the mapping keeps its pages until closed
-        n = int.from_bytes(data[:8], "little")
-        meta = json.loads(data[8:8 + n]).get("__metadata__", {})
-        return Reply(size, meta.get("error_type", ""), _stream_mapped(data))
+        return True
 
     def _drop_written(self) -> None:
         for tid in self._written:
-            for suffix in (".safetensors", ".error"):
+            for suffix in (".safetensors", ".error", ".lent"):
                 _remove(self._path(tid, suffix))
 
     def _sweep(self) -> None:

@@ -197,21 +197,15 @@ class TapcServer:
         `keep_s`). RequestError: they cannot be sent (results.py `encode`)."""
         return await self.results.take(tid, wait_s)
 
-    @property
-    def lends(self) -> bool:
-        """Whether results can be lent by shared memory: with one API server process, whose
-        results are the captures' own arena memory."""
-        return isinstance(self.results, MemoryResults)
-
     async def lend(self, tid: str, wait_s: float) -> dict | None:
-        """The results of `tid`, once, for a client on this host (where `lends`): where their
-        bytes are in shared memory, held for it until `give_back` (results.py
-        `MemoryResults.lend`). None and RequestError: as `fetch`."""
+        """The results of `tid`, once, for a client on this host: where their bytes are in shared
+        memory, held for it until `give_back` (results.py `MemoryResults.lend`; with several API
+        server processes, their shared folder's file). None and RequestError: as `fetch`."""
         return await self.results.lend(tid, wait_s, self.session.arena.where)
 
     def give_back(self, tid: str) -> bool:
         """The client is done with what `lend` described (False: nothing is lent under `tid`)."""
-        return self.lends and self.results.give_back(tid)
+        return self.results.give_back(tid)
 
     # ---------------------------------------------------------------- vectors
 
