@@ -138,8 +138,10 @@ class Buffers:
 
     def _copy_direct(self, segments: list[Segment], used: list[int], compute) -> torch.cuda.Event:
         """A step of few bytes (a decode step at a small batch) copies straight from the pools on
-        the compute stream: the next forward, queued behind the copies, cannot rewrite the pools
-        early, and the step costs no snapshot copy, no event between streams and no stream switch.
+        the compute stream (on the V1 runner's, the legacy default stream, through the per-thread
+        one that the driver orders with it: memcpy.py): the next forward, queued behind the copies,
+        cannot rewrite the pools early, and the step costs no snapshot copy, no event between
+        streams and no stream switch.
         At batch 1 the host's time shows in the step (the V1 runner on the Qwen3-30B-A3B shape: a
         2.1 ms step with 2.0 ms of GPU work), and copy-out through a snapshot took 229 us a step
         there; these copies are a few microseconds of DMA on the GPU instead."""
