@@ -466,7 +466,7 @@ def more_often(k: int, n: int, j: int, m: int) -> bool:
     two-proportion test at three standard errors, plus one request."""
     if n == 0:
         return False
-    p = (k + j) / (n + m) if n + m else 0.0
+    p = (k + j) / (n + m)
     bound = j / m if m else 0.0
     return k / n > bound + 3 * math.sqrt(p * (1 - p) * (1 / n + (1 / m if m else 1.0))) + 1 / n
 
@@ -494,7 +494,7 @@ def near_miss_problems(where: str, tapc: dict[str, tuple[int, int]], vanilla: tu
 
 
 def check(ref: Reference, url: str, done: list[Done], block: bool = False,
-          saved: list | None = None) -> tuple[list[str], tuple[int, int]]:
+          saved: list | None = None) -> tuple[list[str], dict[str, tuple[int, int]]]:
     """Every finished tapc request against HF; the captures fetched from the server (`block`:
     and the norms the server's block saved). Saving requests: (their number, where, HF's rows,
     their tokens) go to `saved`, checked in the folder once the server has stopped. Returns the

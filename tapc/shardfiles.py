@@ -50,7 +50,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _write_tensors(fd: int, tensors: list[torch.Tensor], offset: int, observe=None) -> None:
+def write_tensors(fd: int, tensors: list[torch.Tensor], offset: int, observe=None) -> None:
     """The tensors' bytes, one after the other, from `offset`. A tensor whose rows are apart in
     memory (one key of a capture block holding several) is copied contiguous first: a copy is
     one torch call, a row-by-row iovec list a Python object per row. `observe(t)` sees each
@@ -126,7 +126,7 @@ class SafetensorsShard:
 
         def flush_column(c: Column) -> None:
             see = None if self.observe is None else (lambda t: self.observe(c.name, t))
-            _write_tensors(self.fd, self.waiting[c.name], self.base + self.offsets[c.name] + self.flushed * c.row_bytes,
+            write_tensors(self.fd, self.waiting[c.name], self.base + self.offsets[c.name] + self.flushed * c.row_bytes,
                            see)
 
         for _ in (map if self.pool is None else self.pool.map)(flush_column, self.columns):

@@ -32,7 +32,7 @@ import numpy as np
 
 from tapc.engine.arena import shm_directory
 from tapc.errors import RequestError
-from tapc.shardfiles import SAFETENSORS_DTYPES, tensor_bytes
+from tapc.shardfiles import SAFETENSORS_DTYPES, tensor_bytes, write_tensors
 
 CHUNK = 1 << 20   # bytes handed to the transport at a time (it buffers what the socket has not taken)
 
@@ -167,7 +167,7 @@ class MemoryResults:
             lent.path = os.path.join(shm_directory(), f"tapc-lent-{os.getpid()}-{tid}")
             offsets = await asyncio.to_thread(_write_lent, lent.path, list(copied.values()))
             for (name, t), offset in zip(copied.items(), offsets):
-                described[name] = {**_described(t.contiguous(), lent.path, offset), "storage_offset": 0}
+                described[name] = _described_contiguous(lent.path, offset, SAFETENSORS_DTYPES[t.dtype], list(t.shape))
         self._lent[tid] = lent
         return {"id": tid, **meta, "keep_s": self.keep_s, "tensors": described}
 
@@ -182,7 +182,6 @@ class MemoryResults:
             _remove(lent.path)
         self._released()
         return True
-
 
     def _drop_lent(self) -> None:
         for lent in self._lent.values():
@@ -205,23 +204,22 @@ def _described(t, path: str, offset: int) -> dict:
             "stride": list(t.stride()), "storage_offset": t.storage_offset()}
 
 
+def _described_contiguous(path: str, offset: int, dtype: str, shape: list[int]) -> dict:
+    """`_described` of a row-major tensor at `offset` of `path` (dtype by its safetensors name)."""
+    return {"path": path, "offset": offset, "dtype": dtype, "shape": shape,
+            "stride": [math.prod(shape[i + 1:]) for i in range(len(shape))], "storage_offset": 0}
+
+
 def _write_lent(path: str, tensors: list) -> list[int]:
-    """The tensors' bytes into a new file only this user can read, each at a 64-byte aligned
-    offset; the offsets."""
-    offsets, at = [], 0
+    """The tensors' bytes, row-major, one after the other into a new file only this user can
+    read; their offsets."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        for t in tensors:
-            at += -at % 64
-            offsets.append(at)
-            data = tensor_bytes(t)
-            done = 0
-            while done < len(data):   # one write moves at most about 2 GiB
-                done += os.pwrite(fd, data[done:], at + done)
-            at += len(data)
+        write_tensors(fd, tensors, 0)
     finally:
         os.close(fd)
-    return offsets
+    return [sum(sizes[:i]) for i in range(len(sizes))]
 
 
 class FolderResults:
@@ -336,11 +334,8 @@ class FolderResults:
             n = int.from_bytes(f.read(8), "little")
             header = json.loads(f.read(n))
         meta = header.pop("__metadata__", {})
-        tensors = {}
-        for name, d in header.items():
-            stride = [math.prod(d["shape"][i + 1:]) for i in range(len(d["shape"]))]
-            tensors[name] = {"path": path, "offset": 8 + n + d["data_offsets"][0], "dtype": d["dtype"],
-                             "shape": d["shape"], "stride": stride, "storage_offset": 0}
+        tensors = {name: _described_contiguous(path, 8 + n + d["data_offsets"][0], d["dtype"], d["shape"])
+                   for name, d in header.items()}
         return {"id": tid, **meta, "keep_s": self.keep_s, "tensors": tensors}
 
     def give_back(self, tid: str) -> bool:
