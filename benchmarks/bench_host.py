@@ -48,15 +48,19 @@ def meta_alloc(rows, caps, width, dtype):
     return torch.empty((rows, caps, width), dtype=dtype, device="meta")
 
 
+def record(layout, rid: str, checked, prompt_len: int) -> Record:
+    """A request's record as the worker admits it, its edits (if any) bound to slot 0."""
+    rec = Record(layout, rid, WireRequest(rid, checked), prompt_len, 128, meta_alloc)
+    rec.slot = 0 if rec.edits else -1
+    return rec
+
+
 def scenario(plan, layout, ask: TapRequest, n_reqs: int, prompt_len: int, decode: bool):
     """(records, step arguments): n_reqs requests, all decoding one token at position
     prompt_len + 5, or all prefilling their whole prompt in one step."""
     checked = check(plan, ask, "bench")
-    records, rids = {}, [f"r{i}" for i in range(n_reqs)]
-    for rid in rids:
-        rec = Record(layout, rid, WireRequest(rid, checked), prompt_len, 128, meta_alloc)
-        rec.slot = 0 if rec.edits else -1
-        records[rid] = rec
+    rids = [f"r{i}" for i in range(n_reqs)]
+    records = {rid: record(layout, rid, checked, prompt_len) for rid in rids}
     per = 1 if decode else prompt_len
     qsl = np.arange(n_reqs + 1, dtype=np.int32) * per
     computed = np.full(n_reqs, prompt_len + 5 if decode else 0, dtype=np.int32)
@@ -78,10 +82,7 @@ def served_scenario(plan, layout, steer: dict, n_reqs: int = 64, prefilling: int
     for i, rid in enumerate(rids):
         kind = ("untapped", "capture", "steer", "both")[int(np.searchsorted([0.4, 0.6, 0.85], rng.random(), side="right"))]
         if kind != "untapped":
-            ask = asks[kind][i % len(asks[kind])]
-            rec = Record(layout, rid, WireRequest(rid, check(plan, ask, "bench")), prompt_len, 128, meta_alloc)
-            rec.slot = 0 if rec.edits else -1
-            records[rid] = rec
+            records[rid] = record(layout, rid, check(plan, asks[kind][i % len(asks[kind])], "bench"), prompt_len)
     per = np.array([prompt_len] * prefilling + [1] * (n_reqs - prefilling))
     qsl = np.concatenate([[0], np.cumsum(per)]).astype(np.int32)
     computed = np.where(per > 1, 0, prompt_len + 10).astype(np.int32)

@@ -58,7 +58,7 @@ def app_for(results: int, rows: int, layers: int, width: int) -> FastAPI:
 async def fetch_all(port: int, n: int, clients: int, via: str) -> tuple[int, float]:
     import aiohttp
 
-    from tapc.client import shared_views
+    from bench_serve import kept
 
     todo, got = list(range(n)), [0]
 
@@ -72,8 +72,8 @@ async def fetch_all(port: int, n: int, clients: int, via: str) -> tuple[int, flo
                     got[0] += len(body)
                     continue
                 lent = await resp.json()
-            kept = await asyncio.to_thread(lambda: {k: v.clone() for k, v in shared_views(lent["tensors"]).items()})
-            got[0] += sum(v.numel() * v.element_size() for v in kept.values())
+            copies = await asyncio.to_thread(kept, lent["tensors"])
+            got[0] += sum(v.numel() * v.element_size() for v in copies.values())
             async with session.delete(f"http://127.0.0.1:{port}/r/{lent['tid']}") as resp:
                 assert (await resp.json())["given_back"]
 
