@@ -102,6 +102,7 @@ class Done:
     inline: dict | None = None   # the response's `tapc` object (inline results)
     fetched: bytes | None = None  # its captures, fetched as soon as its response ended (safetensors)
     taps: dict | None = None      # or (`--via shm`) copied from the server's shared memory
+    result_error: str = ""        # the error its fetched results carry ('' if none)
 
 
 def write_model(path: str, hidden: int, layers: int, vocab: int) -> None:
@@ -218,8 +219,11 @@ async def send(session, url: str, model: str, job: Job, tapped: bool, via: str =
                     done.error = f"fetching its captures: HTTP {resp.status}: {await resp.text()}"
                 elif via == "http":
                     done.fetched = await resp.read()
+                    n = int.from_bytes(done.fetched[:8], "little")
+                    done.result_error = json.loads(done.fetched[8:8 + n]).get("__metadata__", {}).get("error", "")
                 else:
                     lent = await resp.json()
+                    done.result_error = lent.get("error", "")
                     done.taps = await asyncio.to_thread(kept, lent["tensors"])
                     async with session.delete(f"{url}/v1/tapc/results/{done.tid}") as back:
                         if back.status != 200:
@@ -548,7 +552,8 @@ def check(ref: Reference, url: str, done: list[Done], block: bool = False,
                         else d.fetched)
         missing = sorted(set(seen) - set(taps))
         if missing:
-            problems.append(f"{where}: its results lack {len(missing)} captures ({missing[0]}, ...)")
+            problems.append(f"{where}: its results lack {len(missing)} captures ({missing[0]}, ...)"
+                            + (f"; their error: {d.result_error}" if d.result_error else ""))
         want = expected_rows(job.positions, len(job.prompt), len(d.tokens))
         pos = np.arange(len(seq) - 1)
         keep = torch.from_numpy(select(job.positions, pos, len(job.prompt)))

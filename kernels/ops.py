@@ -16,6 +16,7 @@ that run the compiled graph without CUDA graphs (vLLM does the same for its own 
 from typing import Callable, Optional
 
 import torch
+import triton
 
 from . import capture as _capture
 from . import edit as _edit
@@ -23,6 +24,26 @@ from .common import runs_triton
 
 # Kept alive for the life of the process: the ops are unregistered when it is collected.
 _LIB = torch.library.Library("tapc", "DEF")
+
+# The names of the Triton kernels the ops launch: how the engine knows a graph node is a tap's.
+KERNELS = frozenset(v.__name__ for m in (_capture, _edit) for v in vars(m).values()
+                    if isinstance(v, triton.runtime.KernelInterface))
+
+LaunchObserver = Callable[[tuple[torch.Tensor, ...]], None]
+_launch_observer: Optional[LaunchObserver] = None
+
+
+def set_launch_observer(fn: Optional[LaunchObserver]) -> None:
+    """Call fn(tables) after each op's launch, `tables` the row tables the op read (its `dst` or
+    `slot` arguments); None removes it. The engine sets one while vLLM captures its graphs, to
+    learn which graph node each tap's kernel is (tapc/engine/switch.py)."""
+    global _launch_observer
+    _launch_observer = fn
+
+
+def _launched(*tables: torch.Tensor) -> None:
+    if _launch_observer is not None:
+        _launch_observer(tables)
 
 
 def _register(schema: str, impl: Callable) -> None:
@@ -37,41 +58,48 @@ def _register(schema: str, impl: Callable) -> None:
 def capture(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
     """out[dst[i]] = x[i].to(out.dtype) for rows i < x.shape[0] with dst[i] >= 0."""
     (_capture.capture if runs_triton(x) else _capture.capture_ref)(x, dst, out)
+    _launched(dst)
 
 
 def capture_pair(x0: torch.Tensor, x1: torch.Tensor, dst0: torch.Tensor, dst1: torch.Tensor,
                  out0: torch.Tensor, out1: torch.Tensor) -> None:
     """Two captures (x0 -> out0 by dst0, x1 -> out1 by dst1) in one launch."""
     (_capture.capture_pair if runs_triton(x0) else _capture.capture_pair_ref)(x0, x1, dst0, dst1, out0, out1)
+    _launched(dst0, dst1)
 
 
 def capture_sum(a: torch.Tensor, b: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
     """out[dst[i]] = a[i] + b[i] (fp32 add, stored in out.dtype) for rows with dst[i] >= 0."""
     (_capture.capture_sum if runs_triton(a) else _capture.capture_sum_ref)(a, b, dst, out)
+    _launched(dst)
 
 
 def add_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor, vec: torch.Tensor,
          alpha: torch.Tensor) -> None:
     """x[i] += alpha[slot[i]] * vec[slot[i]] for rows with slot[i] >= 0."""
     (_edit.add_ if runs_triton(x) else _edit.add_ref)(x, b, slot, vec, alpha)
+    _launched(slot)
 
 
 def scale_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor,
            factor: torch.Tensor) -> None:
     """s = x (+ b) becomes factor[slot[i]] * s, written through x."""
     (_edit.scale_ if runs_triton(x) else _edit.scale_ref)(x, b, slot, factor)
+    _launched(slot)
 
 
 def set_cols_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor, cols: torch.Tensor,
               vals: torch.Tensor) -> None:
     """s[cols[k, j]] = vals[k, j] with k = slot[i], entries cols >= 0; written through x."""
     (_edit.set_cols_ if runs_triton(x) else _edit.set_cols_ref)(x, b, slot, cols, vals)
+    _launched(slot)
 
 
 def project_out_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor,
                  dirs: torch.Tensor) -> None:
     """s -= (s . d) d with d = dirs[slot[i]], dot in fp32; written through x."""
     (_edit.project_out_ if runs_triton(x) else _edit.project_out_ref)(x, b, slot, dirs)
+    _launched(slot)
 
 
 BoundaryHandler = Callable[[int, torch.Tensor, Optional[torch.Tensor]], None]

@@ -405,9 +405,13 @@ def run(runner, reqs: list[Req], budget: int) -> None:
 
 
 def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank: int = 0, stage: int = 0,
-              runner: str = "v2", inline: bool = False):
+              runner: str = "v2", inline: bool = False, switch: bool = False):
     """The toy runner of vLLM's `runner` ("v2" or "v1") with `plan` installed in `model`, as the
-    worker installs it; and its hooks (`inline`: a worker on another node than the API)."""
+    worker installs it; and its hooks (`inline`: a worker on another node than the API; `switch`:
+    with a `Switch` for the hooks to set, `hooks.switch`, without a driver: no graphs here)."""
+    from tapc.engine.switch import Switch
+    from tapc.kernels import ops
+
     from tapc.engine.install import install
     from tapc.engine.layout import Layout
 
@@ -422,7 +426,8 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank
     # as the worker does
     points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
     # Small arena segments, so a run spans several files and reuses freed space.
-    hooks = RunnerHooks(layout, buffers, Arena(segment_bytes=4096), points, inline=inline)
+    hooks = RunnerHooks(layout, buffers, Arena(segment_bytes=4096), points, inline=inline,
+                        switch=Switch(None, buffers.table, ops.KERNELS) if switch else None)
     patches.apply(runner, adapter(runner, hooks), points)
     return runner, hooks
 

@@ -159,3 +159,30 @@ def test_bad_request_fails_alone(tapped):
         llm.generate(prompts()[:1], sampling()[:1], taps=TapRequest(params={"stear": [0.0] * 256}))
     out = llm.generate(prompts()[:1], sampling()[:1], taps=TapRequest(capture="model.layers.0.resid"))[0]
     assert out.taps["model.layers.0.resid"].shape == (PROMPT_LENS[0] + MAX_TOKENS[0] - 1, 256)
+
+
+def test_tap_kernels_switch_with_what_the_steps_ask(tapped):
+    """Every FULL graph knows its tap kernels (tapc/engine/switch.py); batches that ask for
+    nothing, for one key, then for every key, on one engine: each capture still equals HF's,
+    so a kernel switched off for one batch is on again when a later one asks for its tap."""
+    from tapc.api import TapRequest
+
+    arch, path, llm = tapped
+    switched = llm.llm.collective_rpc("tapc_switched")[0]
+    # 3 capture keys over 4 layers and the steering edit: 4 + 1 + 1 captures and 1 edit a graph
+    assert switched and all(n == 7 for _, n in switched), f"{arch}: tap nodes per FULL graph {switched}"
+    plain = llm.generate(prompts(3), sampling())
+    assert all(o.taps == {} for o in plain)
+    one = "model.layers.1.output[0]"
+    for keys in ([one], "*"):
+        asks = [TapRequest(capture=keys), None, None, TapRequest(capture=keys), None, TapRequest(capture=keys)]
+        outs = llm.generate(prompts(3), sampling(), taps=asks)
+        for i, (out, ask) in enumerate(zip(outs, asks)):
+            if ask is None:
+                assert list(out.outputs[0].token_ids) == list(plain[i].outputs[0].token_ids), f"{arch} request {i}"
+                continue
+            tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+            ref = hf_reference(path, tokens[:-1])
+            assert set(out.taps) == ({one} if keys != "*" else set(llm.plan.capture_keys))
+            for key, value in out.taps.items():
+                assert_matches(value, ref[key], f"{arch} request {i} ({keys}) {key}")

@@ -49,7 +49,7 @@ def test_runner_captures_segmented_graphs_and_the_class_comes_back():
             raise RuntimeError("capture failed")
 
     runner = Runner()
-    capture_patch(runner).apply()
+    capture_patch(runner, SegmentedGraph).apply()
     with pytest.raises(RuntimeError, match="capture failed"):
         runner.capture_model()
     assert seen == [SegmentedGraph]

@@ -68,10 +68,19 @@ class Layout:
         self.logit_edit_params = _param_names(self.logit_edits)
         # Edits without parameters are part of the engine's model: they apply to every request.
         self.always = [e for e, names in enumerate(self.edit_params) if not names]
+        self.always_taps = self.taps_mask(map(self.edit_row, self.always))
         self.localize = [_localizer(shards.get(t.key), tp_rank, t.action) for t in self.edits]
 
     def edit_row(self, e: int) -> int:
         return len(self.captures) + e
+
+    @staticmethod
+    def taps_mask(rows) -> int:
+        """Table rows as a bitmask (bit k: row k), the form switch.py compares per step."""
+        mask = 0
+        for k in rows:
+            mask |= 1 << k
+        return mask
 
 
 def _at(taps) -> list:

@@ -11,12 +11,14 @@ model, not listed here):
   (`logits` before, `samples` after; points.py);
 - the process's `tapc::boundary` handler (kernels/ops.py) becomes the block runtime, breaking
   FULL graphs while they are captured (graphs.py `breaking`);
-- with Python blocks, the runner's `capture_model` captures with `torch.cuda.CUDAGraph` swapped
-  for `SegmentedGraph` (graphs.py), and only while it runs.
+- the runner's `capture_model` captures with `torch.cuda.CUDAGraph` swapped, only while it runs:
+  for `SegmentedGraph` (graphs.py) with Python blocks, else for a `SwitchedGraph` (switch.py),
+  with the tap ops' launch observer set (kernels/ops.py) so that each graph learns its tap nodes.
 `Patches.undo` puts everything back, last applied first.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -66,11 +68,13 @@ class Patches:
             self.applied.pop().undo()
 
 
-def apply(runner, adapter, points=None, breaks: bool = False) -> Patches:
+def apply(runner, adapter, points=None, breaks: bool = False, switch=None) -> Patches:
     """Route `runner`'s step (vLLM's V2 or V1 model runner, or a stand-in with its methods) through
     `adapter` (runner_v2.V2Adapter, runner_v1.V1Adapter); with `points` (EnginePoints), the sampler and
-    the boundary handler; with `breaks` (the plan has Python blocks), FULL graphs captured broken at them."""
-    from tapc.engine.graphs import breaking
+    the boundary handler; with `breaks` (the plan has Python blocks), FULL graphs captured broken at
+    them; else, with `switch` (switch.Switch), graphs whose tap kernels it switches."""
+    from tapc.engine.graphs import SegmentedGraph, breaking
+    from tapc.engine.switch import SwitchedGraph
     from tapc.kernels import ops
 
     patches = Patches()
@@ -81,7 +85,9 @@ def apply(runner, adapter, points=None, breaks: bool = False) -> Patches:
             patches.add(sampler_patch(runner.sampler, points))
         patches.add(Patch(ops, "_boundary_handler", breaking(points.runtime)))
     if breaks:
-        patches.add(capture_patch(runner))
+        patches.add(capture_patch(runner, SegmentedGraph))
+    elif switch is not None:
+        patches.add(capture_patch(runner, SwitchedGraph.bound(switch), Patch(ops, "_launch_observer", switch.observe)))
     return patches
 
 
@@ -101,17 +107,16 @@ def sampler_patch(sampler, points) -> Patch:
     return Patch(sampler, "__class__", TappedSampler)
 
 
-def capture_patch(runner) -> Patch:
-    """`runner.capture_model` that captures SegmentedGraphs: vLLM's graph code makes its graphs
+def capture_patch(runner, graph_class: type, during: Patch | None = None) -> Patch:
+    """`runner.capture_model` that captures `graph_class`es: vLLM's graph code makes its graphs
     with `torch.cuda.CUDAGraph()`, so the class is swapped for the capture and put back after,
-    also when it raises (capture runs once, at engine start, on one thread)."""
-    from tapc.engine.graphs import SegmentedGraph
-
+    also when it raises (capture runs once, at engine start, on one thread); `during` is held
+    for the capture too."""
     capture = runner.capture_model
 
     @functools.wraps(capture)
     def capture_model(*args, **kwargs):
-        with Patch(torch.cuda, "CUDAGraph", SegmentedGraph):
+        with Patch(torch.cuda, "CUDAGraph", graph_class), during or contextlib.nullcontext():
             return capture(*args, **kwargs)
 
     return Patch(runner, "capture_model", capture_model)

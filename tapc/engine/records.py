@@ -38,6 +38,9 @@ class Record:
         # The same, as a mask over the plan's edits: the step fill stacks these for a whole batch.
         self.edit_mask = np.zeros(len(layout.edits), dtype=bool)
         self.edit_mask[self.edits] = True
+        # The taps (table rows) it may own rows of, as a bitmask: a step's graphs run the tap
+        # kernels of its requests' taps only (switch.py).
+        self.taps = layout.taps_mask([*caps.tolist(), *map(layout.edit_row, self.edits)])
         self.store_of: list[Store | None] = [None] * len(layout.groups)
         for st in self.stores:
             self.store_of[st.group] = st

@@ -29,6 +29,7 @@ from tapc.engine.records import Record
 from tapc.engine.slots import Slots
 from tapc.engine.step import StepBatch
 from tapc.engine.storage import Store
+from tapc.engine.switch import Switch
 from tapc.errors import ProtocolError, RequestError
 
 log = logging.getLogger("tapc")
@@ -36,8 +37,10 @@ log = logging.getLogger("tapc")
 
 class RunnerHooks:
     def __init__(self, layout: Layout, buffers: Buffers, arena: Arena, points: EnginePoints | None = None,
-                 inline: bool = False):
+                 inline: bool = False, switch: Switch | None = None):
         self.points = points                     # logits, samples and Python blocks (points.py)
+        self.switch = switch                     # which tap kernels the step's graphs run (switch.py)
+        self._taps = 0                           # what the last filled step's requests ask for, as a mask
         self.inline = inline                     # the API is on another node: send rows, not arena places
         self.layout = layout
         self.buffers = buffers
@@ -77,8 +80,12 @@ class RunnerHooks:
                 self._step = fill_step(self.layout, self.buffers.host_table(batch.padded), self.records, batch)
                 self.buffers.upload(batch.padded, owns_rows=owns)
                 self._repeat.keep(batch, self.records, self._step)
+                self._taps = self._asked(batch) if owns else 0
         else:
             self._step = None
+            self._taps = 0
+        if self.switch is not None:
+            self.switch.want = self._taps
         if self.points is not None:
             self.points.begin_step(self.records, batch, self.unadmitted)
 
@@ -94,6 +101,19 @@ class RunnerHooks:
     def reset(self) -> None:
         self._repeat.forget()
         self.buffers.reset()
+        self._taps = 0
+        if self.switch is not None:
+            self.switch.want = 0
+
+    def _asked(self, batch: StepBatch) -> int:
+        """The taps the step's requests may own rows of (a superset of those they do: a node
+        left on does nothing, one left off would capture nothing)."""
+        taps = self.layout.always_taps
+        for rid in batch.req_ids:
+            rec = self.records.get(rid)
+            if rec is not None:
+                taps |= rec.taps
+        return taps
 
     # ---------------------------------------------------------------- requests
 

@@ -29,7 +29,9 @@ from tapc.engine.points import EnginePoints
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.runner_v1 import V1Adapter
 from tapc.engine.runner_v2 import V2Adapter
+from tapc.engine.switch import Driver, Switch, SwitchedGraph
 from tapc.errors import EngineError
+from tapc.kernels import ops
 from tapc.plan import TapPlan
 
 
@@ -57,9 +59,12 @@ class TapWorker(Worker):
         self.tapc_has_blocks = any(t.action == "block" for t in plan.taps)
         arena = Arena(register=_register)
         arena.reserve(config.get("capture_memory", 0))   # capture_memory_gib: pinned now, not on a step's path
-        self.tapc = RunnerHooks(layout, buffers, arena, points, inline=not _on_api_node())
+        # Graphs broken by blocks are not switched (switch.py); nor where the driver cannot.
+        driver = None if layout.blocks else Driver.load()
+        switch = Switch(driver, buffers.table, ops.KERNELS) if driver is not None else None
+        self.tapc = RunnerHooks(layout, buffers, arena, points, inline=not _on_api_node(), switch=switch)
         self.tapc_adapter = adapter_cls(runner, self.tapc)
-        self.tapc_patches = patches.apply(runner, self.tapc_adapter, points, breaks=bool(layout.blocks))
+        self.tapc_patches = patches.apply(runner, self.tapc_adapter, points, breaks=bool(layout.blocks), switch=switch)
 
     def tapc_collect(self, ids: list[str], release: list[tuple[str, int]] = ()) -> dict:
         """The results of these tapc ids, as a `protocol.CollectReply` in wire form, after giving
@@ -94,6 +99,12 @@ class TapWorker(Worker):
         captured: what `tapc explain` promises, as the engine built it."""
         graphs = self.tapc_adapter.graphs()
         return sorted((d.num_tokens, len(g.steps) if isinstance(g, SegmentedGraph) else 0) for d, g in graphs.items())
+
+    def tapc_switched(self) -> list[tuple[int, int]]:
+        """(tokens, tap kernel nodes it switches) of each FULL graph the runner captured: 0
+        for each where nothing is switched (blocks, or a driver without the calls)."""
+        graphs = self.tapc_adapter.graphs()
+        return sorted((d.num_tokens, len(g.nodes) if isinstance(g, SwitchedGraph) else 0) for d, g in graphs.items())
 
     def tapc_set_blocks(self, blocks: bytes) -> None:
         """Engine-wide Python blocks, by name (cloudpickled by the API). Every worker gets them;

@@ -1,0 +1,209 @@
+"""Tap kernels switched off inside the captured CUDA graphs on steps that ask nothing of them.
+
+A tap kernel that no row of a step asks for still runs when its graph is replayed: it reads
+its row table, finds -1 and returns. That is about 1 us of GPU time a node whatever the batch:
+72 nodes, 3.6% of a decode step at batch 1 on the MoE shape (docs/engine.md, Cost). The CUDA
+driver can disable a kernel node of an instantiated graph between launches
+(`cuGraphNodeSetEnabled`: the node is an empty node until enabled again), so:
+
+- while vLLM captures its graphs (`capture_model`, patches.py), its `torch.cuda.CUDAGraph` is
+  `SwitchedGraph`, which keeps its CUDA graph after instantiation (the node handles belong to
+  it), and each tap op, right after its launch, hands over the row tables it reads
+  (kernels/ops.py `set_launch_observer`): the graph under capture notes the node that launch
+  made (the capture stream's last node, checked to be one of tapc's kernels by name) and the
+  taps (table rows) it serves;
+- before each forward the hooks say which taps the step's requests ask for (`Switch.want`, a
+  bitmask over the table rows, runner.py); a graph, when replayed, enables the nodes of those
+  taps and disables the others, calling the driver only for nodes whose state changes (none
+  while the steps ask for the same taps).
+
+A node is only off where no request of the step asks for its tap: its table owns no row then,
+and the kernel would have done nothing. Graphs broken by Python blocks (graphs.py) are not
+switched. Where the driver lacks these calls (older than CUDA 12.3), nothing is switched.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from tapc.errors import EngineError
+
+log = logging.getLogger("tapc")
+
+_CAPTURE_ACTIVE = 1          # CU_STREAM_CAPTURE_STATUS_ACTIVE
+_KERNEL_NODE = 0             # CU_GRAPH_NODE_TYPE_KERNEL
+ALL = -1                     # every tap: as a graph is captured, and where no step said otherwise
+
+
+class Driver:
+    """The CUDA driver calls a switch needs, through ctypes (PyDLL: each is a few microseconds
+    and keeps the GIL, like memcpy.py's)."""
+
+    def __init__(self, lib):
+        vp, p = ctypes.c_void_p, ctypes.POINTER
+        self._v3 = hasattr(lib, "cuStreamGetCaptureInfo_v3")
+        self._info = lib.cuStreamGetCaptureInfo_v3 if self._v3 else lib.cuStreamGetCaptureInfo_v2
+        self._info.argtypes = [vp, p(ctypes.c_int), p(ctypes.c_uint64), p(vp), p(p(vp))] + \
+            ([p(vp)] if self._v3 else []) + [p(ctypes.c_size_t)]
+        self._type = _fn(lib.cuGraphNodeGetType, [vp, p(ctypes.c_int)])
+        params = getattr(lib, "cuGraphKernelNodeGetParams_v2", None) or lib.cuGraphKernelNodeGetParams
+        self._params = _fn(params, [vp, vp])
+        self._name = _fn(lib.cuFuncGetName, [p(ctypes.c_char_p), vp])
+        self._set = _fn(lib.cuGraphNodeSetEnabled, [vp, vp, ctypes.c_uint])
+        self._get = _fn(lib.cuGraphNodeGetEnabled, [vp, vp, p(ctypes.c_uint)])
+        self._names: dict[int, str | None] = {}   # function handle -> its name
+
+    @classmethod
+    def load(cls) -> "Driver | None":
+        try:
+            return cls(ctypes.PyDLL("libcuda.so.1"))
+        except (OSError, AttributeError):
+            return None
+
+    def last_node(self, stream: int) -> tuple[int, int] | None:
+        """(graph, node) of the one node the stream's next work would follow, while the stream
+        captures; None otherwise."""
+        status, graph, n = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_size_t()
+        deps = ctypes.POINTER(ctypes.c_void_p)()
+        extra = [ctypes.byref(ctypes.c_void_p())] if self._v3 else []   # the edges: not read
+        err = self._info(ctypes.c_void_p(stream), ctypes.byref(status), ctypes.byref(ctypes.c_uint64()),
+                         ctypes.byref(graph), ctypes.byref(deps), *extra, ctypes.byref(n))
+        if err != 0 or status.value != _CAPTURE_ACTIVE or n.value != 1:
+            return None
+        return graph.value, deps[0]
+
+    def kernel_name(self, node: int) -> str | None:
+        """The name of a kernel node's function; None for other nodes."""
+        kind = ctypes.c_int()
+        if self._type(ctypes.c_void_p(node), ctypes.byref(kind)) != 0 or kind.value != _KERNEL_NODE:
+            return None
+        params = (ctypes.c_uint64 * 16)()    # CUDA_KERNEL_NODE_PARAMS(_v2): the function comes first
+        if self._params(ctypes.c_void_p(node), params) != 0 or not params[0]:
+            return None
+        func = params[0]
+        if func not in self._names:   # a graph capture meets the same few functions thousands of times
+            name = ctypes.c_char_p()
+            ok = self._name(ctypes.byref(name), ctypes.c_void_p(func)) == 0 and name.value
+            self._names[func] = name.value.decode() if ok else None
+        return self._names[func]
+
+    def set_enabled(self, graph_exec: int, node: int, on: bool) -> int:
+        return self._set(ctypes.c_void_p(graph_exec), ctypes.c_void_p(node), int(on))
+
+    def enabled(self, graph_exec: int, node: int) -> bool:
+        out = ctypes.c_uint()
+        err = self._get(ctypes.c_void_p(graph_exec), ctypes.c_void_p(node), ctypes.byref(out))
+        if err != 0:
+            raise EngineError(f"cuGraphNodeGetEnabled failed (CUresult {err})")
+        return bool(out.value)
+
+
+def _fn(fn, argtypes):
+    fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    return fn
+
+
+class Switch:
+    """One worker's switch: which taps the next replay runs, and how a tap op's tables map to
+    taps (`table`: Buffers.table, `[taps, rows]` int32, a tap's tables are views into its row).
+    Without a driver (the CPU stand-in) it only holds what the hooks want."""
+
+    def __init__(self, driver: Driver | None, table: torch.Tensor, kernels: frozenset[str]):
+        self.driver = driver
+        self.kernels = kernels
+        self.want = ALL
+        self._base = table.data_ptr()
+        self._row_bytes = table.stride(0) * table.element_size()
+        self._end = self._base + table.shape[0] * self._row_bytes
+
+    def taps_of(self, tables) -> int:
+        """The bitmask of the taps whose rows of `table` these tensors start in (0 for others)."""
+        mask = 0
+        for t in tables:
+            ptr = t.data_ptr()
+            if self._base <= ptr < self._end:
+                mask |= 1 << ((ptr - self._base) // self._row_bytes)
+        return mask
+
+    def observe(self, tables) -> None:
+        """A tap op's launch (kernels/ops.py's launch observer): under a SwitchedGraph's capture,
+        its node and taps are noted."""
+        graph = SwitchedGraph.capturing
+        if graph is None or graph.switch is not self:
+            return
+        found = self.driver.last_node(torch.cuda.current_stream().cuda_stream)
+        taps = self.taps_of(tables)
+        # Only a node of tapc's own kernels: an op that launched nothing (no rows) leaves the
+        # model's last kernel there, which must never be switched.
+        if found is not None and taps and self.driver.kernel_name(found[1]) in self.kernels:
+            graph.note(*found, taps)
+
+
+class SwitchedGraph(torch.cuda.CUDAGraph):
+    """vLLM's `torch.cuda.CUDAGraph` while it captures (patches.py): the same graph, whose tap
+    kernel nodes `replay` turns on and off as the switch says."""
+
+    switch: Switch | None = None                   # set on the subclass the worker makes
+    capturing: "SwitchedGraph | None" = None       # the graph under capture (one at a time)
+
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(cls, True)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(keep_graph=True)   # node handles belong to the graph: keep it
+        self.nodes: dict[int, int] = {}           # node -> the taps it serves
+        self._graph = None                        # the CUDA graph the nodes were noted in
+        self._state = ALL                         # the want its nodes are set for
+
+    @classmethod
+    def bound(cls, switch: Switch) -> type["SwitchedGraph"]:
+        return type(cls.__name__, (cls,), {"switch": switch})
+
+    def capture_begin(self, *args, **kwargs) -> None:
+        super().capture_begin(*args, **kwargs)
+        SwitchedGraph.capturing = self
+
+    def capture_end(self) -> None:
+        SwitchedGraph.capturing = None
+        super().capture_end()
+        if self.nodes and self.raw_cuda_graph() != self._graph:
+            log.warning("tapc: a captured graph is not the one its tap nodes were noted in; it is not switched")
+            self.nodes = {}
+        self.instantiate()
+
+    def note(self, graph: int, node: int, taps: int) -> None:
+        # A node seen before is an earlier op's, met again after an op that launched nothing.
+        if self._graph not in (None, graph) or node in self.nodes:
+            return
+        self._graph = graph
+        self.nodes[node] = taps
+
+    def replay(self) -> None:
+        want = self.switch.want
+        if want != self._state and self.nodes:
+            self._set(want)
+        super().replay()
+
+    def _set(self, want: int) -> None:
+        exec_, driver = self.raw_cuda_graph_exec(), self.switch.driver
+        for node, taps in self.nodes.items():
+            on = bool(taps & want)
+            if on != bool(taps & self._state):
+                err = driver.set_enabled(exec_, node, on)
+                if err != 0:
+                    self._give_up(err)
+                    return
+        self._state = want
+
+    def _give_up(self, err: int) -> None:
+        """Every node on again and no more switching: a node left off could capture nothing."""
+        exec_, driver = self.raw_cuda_graph_exec(), self.switch.driver
+        for node in self.nodes:
+            again = driver.set_enabled(exec_, node, True)
+            if again != 0:
+                raise EngineError(f"tapc could not turn a tap kernel of a CUDA graph back on (CUresult {again})")
+        log.warning("tapc: cuGraphNodeSetEnabled failed (CUresult %d); this graph's tap kernels stay on", err)
+        self.nodes = {}
+        self._state = ALL

@@ -1,0 +1,136 @@
+"""Which tap kernels a step's graphs run (tapc/engine/switch.py), on the CPU stand-in.
+
+On a GPU a kernel whose taps the step's requests do not ask for is a disabled graph node. Here
+the toy engine's ops stand in for the nodes: an op whose taps are not in the switch's `want`
+is skipped, and at every skip its row tables must own none of the step's rows (what the kernel
+would have done is nothing). The captures are then compared with the model run alone, as in
+test_engine_cpu.py, under continuous batching, steering and a parameterless edit.
+"""
+import numpy as np
+import pytest
+import torch
+from engine_toy import HIDDEN, Req, ToyModel, collect, hooks_for, run, toy_plan, wire_for
+from test_engine_cpu import TAPS, check, make_requests
+
+from tapc.engine.requests import TapRequest
+from tapc.engine.switch import ALL, Switch, SwitchedGraph
+from tapc.kernels import capture as kcapture
+from tapc.kernels import edit as kedit
+from tapc.kernels import ops
+from tapc.session import TapSession
+
+# What the ops call (the Triton kernels, in the interpreter here, or the torch references), and
+# where their row tables are among the arguments.
+CALLS = [(kcapture, "capture", (1,)), (kcapture, "capture_pair", (2, 3)), (kcapture, "capture_sum", (2,)),
+         (kedit, "add_", (2,)), (kedit, "scale_", (2,)), (kedit, "set_cols_", (2,)), (kedit, "project_out_", (2,))]
+
+
+@pytest.fixture
+def switched(monkeypatch):
+    """Installs the stand-in; returns the calls seen, {"on": n, "off": n}, and a setter for the
+    hooks whose switch the ops obey."""
+    seen = {"on": 0, "off": 0}
+    state = {}
+
+    def wrap(fn, at):
+        def op(*args):
+            x, tables = args[0], [args[i] for i in at]
+            switch: Switch = state["hooks"].switch
+            if switch.taps_of(tables) & switch.want:
+                seen["on"] += 1
+                return fn(*args)
+            seen["off"] += 1
+            owned = [int((t[: x.shape[0]] >= 0).sum()) for t in tables]
+            assert not any(owned), f"a switched-off {fn.__name__} owns {owned} rows of this step"
+        return op
+
+    for module, name, at in CALLS:
+        for fn in (name, f"{name.rstrip('_')}_ref"):
+            monkeypatch.setattr(module, fn, wrap(getattr(module, fn), at))
+    return seen, lambda hooks: state.__setitem__("hooks", hooks)
+
+
+@pytest.mark.parametrize("runner_kind", ["v2", "v1"])
+def test_captures_equal_reference_with_unasked_taps_switched_off(switched, runner_kind):
+    seen, use = switched
+    plan = toy_plan(TAPS)
+    runner, hooks = hooks_for(plan, ToyModel(), runner=runner_kind, switch=True)
+    use(hooks)
+    reqs = make_requests(plan)
+    run(runner, reqs, budget=16)
+    outs = collect(hooks, reqs, TapSession(plan))
+    for r in reqs:
+        if r.wire is not None:
+            check(r, dict(outs[r.rid].taps), r.wire.ask.positions)
+    # requests ask for different keys and one for none, so some steps leave some taps off
+    assert seen["on"] and seen["off"], seen
+
+
+def test_steered_and_plain_requests_with_unasked_taps_switched_off(switched):
+    seen, use = switched
+    plan = toy_plan(["model.layers.1.resid | add(steer, alpha=2.0)", "model.layers.*.resid"])
+    runner, hooks = hooks_for(plan, ToyModel(), switch=True)
+    use(hooks)
+    rng = np.random.default_rng(3)
+    vec = rng.standard_normal(HIDDEN)
+    asks = {"steered": TapRequest(capture="model.layers.2.resid", params={"steer": vec}),
+            "plain": TapRequest(capture="model.layers.0.resid"), "untapped": None}
+    reqs = [Req(rid, rng.integers(0, 50, 4 + 5 * i).tolist(), 3 + 4 * i, wire_for(plan, ask, rid))
+            for i, (rid, ask) in enumerate(asks.items())]
+    run(runner, reqs, budget=64)
+    outs = collect(hooks, reqs, TapSession(plan))
+    check(reqs[0], dict(outs["steered"].taps), "all", [(1, vec, 2.0, "all")])
+    check(reqs[1], dict(outs["plain"].taps), "all")
+    assert seen["off"], "the untapped request's last steps ask for nothing"
+
+
+def test_a_parameterless_edit_keeps_its_kernel_on_for_untapped_requests(switched):
+    seen, use = switched
+    plan = toy_plan(["model.layers.0.resid | scale(0.5)", "model.layers.2.resid"])
+    runner, hooks = hooks_for(plan, ToyModel(), switch=True)
+    use(hooks)
+    rng = np.random.default_rng(4)
+    reqs = [Req("x", rng.integers(0, 50, 5).tolist(), 2, wire_for(plan, TapRequest(capture="*"), "x")),
+            Req("y", rng.integers(0, 50, 8).tolist(), 9, None)]
+    run(runner, reqs, budget=64)
+    assert hooks.switch.want == hooks.layout.always_taps != 0, "y alone at the end: only the scale's kernel"
+    assert seen["off"], "the capture's kernel is off once x is done"
+
+
+def test_hooks_want_nothing_in_dummy_runs_and_what_records_ask_otherwise():
+    plan = toy_plan(TAPS)
+    runner, hooks = hooks_for(plan, ToyModel(), switch=True)
+    layout = hooks.layout
+    reqs = make_requests(plan)
+    run(runner, reqs[:2], budget=64)   # "a" captures every key, "b" the residual at prompt rows
+    assert hooks.switch.want == layout.taps_mask([layout.cap_index[k] for k in plan.capture_keys])
+    hooks.reset()
+    assert hooks.switch.want == 0
+
+
+def test_taps_of_maps_table_views_to_their_rows():
+    table = torch.full((70, 16), -1, dtype=torch.int32)
+    switch = Switch(None, table, ops.KERNELS)
+    assert switch.want == ALL, "until the hooks say, every kernel runs"
+    assert switch.taps_of([table[3], table[65][:4]]) == (1 << 3) | (1 << 65)
+    assert switch.taps_of([torch.zeros(16, dtype=torch.int32)]) == 0, "not a row table"
+
+
+def test_the_capture_patch_swaps_in_switched_graphs_and_the_observer_only_while_capturing():
+    from tapc.engine.patches import Patch, capture_patch
+
+    switch = Switch(None, torch.zeros(2, 4, dtype=torch.int32), ops.KERNELS)
+    seen = []
+
+    class Runner:
+        def capture_model(self):
+            seen.append((torch.cuda.CUDAGraph, ops._launch_observer))
+
+    before = torch.cuda.CUDAGraph
+    runner = Runner()
+    capture_patch(runner, SwitchedGraph.bound(switch), Patch(ops, "_launch_observer", switch.observe)).apply()
+    runner.capture_model()
+    (cls, observer), = seen
+    assert issubclass(cls, SwitchedGraph) and cls.switch is switch and observer == switch.observe
+    assert torch.cuda.CUDAGraph is before and ops._launch_observer is None
+    assert ops.KERNELS >= {"_capture_kernel", "_capture_pair_kernel", "_add_kernel", "_project_out_kernel"}
