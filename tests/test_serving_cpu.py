@@ -271,8 +271,15 @@ def test_vectors_registered_by_name_steer_and_share_a_salt():
         taps = fetch(c, r.headers["x-tapc-id"])
         check_rows(as_req(prompt, r.json()["choices"][0]["tokens"]), taps, "generated", [(1, v, 2.0, "all")])
         c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "vllm_xargs": ask})
+        prompt_rows = {**ask, "tapc": ask["tapc"].replace('"generated"', '"all"')}
+        for _ in range(2):
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4, "vllm_xargs": prompt_rows})
+            taps = fetch(c, r.headers["x-tapc-id"])
+            check_rows(as_req(prompt, r.json()["choices"][0]["tokens"]), taps, "all", [(1, v, 2.0, "all")])
         salts = [b.get("cache_salt") for b in app.state.seen]
         assert salts[0] == salts[1] and salts[0].startswith("tapc-"), "identical steering shares its salt"
+        assert len({salts[0], salts[2], salts[3]}) == 3, \
+            "a capture of prompt rows reads no cached KV, its twins' included: a salt of its own"
         assert TapPlan.from_json(c.get("/v1/tapc/plan").text).taps[-1].source == TAPS[-1]
 
 

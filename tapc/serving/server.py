@@ -92,7 +92,9 @@ class TapcServer:
             raise RequestError(f"{where}: a tapped completion takes one prompt, got {len(prompt)}")
         wire = WireRequest(uuid.uuid4().hex, checked)
         use = self.session.prefix.use(checked, wire.id)
-        salt = use.salt or (self.session.prefix.unique(wire.id) if use.skip_read else None)
+        # A capture of prompt rows reads no cached KV: a salt of its own even where identical
+        # steering would share one (that one would read the KV its twins left, short of rows).
+        salt = self.session.prefix.unique(wire.id) if use.skip_read else use.salt
         # a request body carries `cache_salt` as a prompt dict does: the same rule adds ours
         body = salted({**body, "vllm_xargs": {**xargs, "tapc": wire.to_text()}}, salt)
         if body.get("stream"):
