@@ -170,7 +170,8 @@ def test_tap_kernels_switch_with_what_the_steps_ask(tapped):
     arch, path, llm = tapped
     switched = llm.llm.collective_rpc("tapc_switched")[0]
     # 3 capture keys over 4 layers and the steering edit: 4 + 1 + 1 captures and 1 edit a graph
-    assert switched and all(n == 7 for _, n in switched), f"{arch}: tap nodes per FULL graph {switched}"
+    assert switched and all(n == 7 and bare for _, n, bare in switched), \
+        f"{arch}: (tokens, tap nodes, a copy without them) per FULL graph {switched}"
     plain = llm.generate(prompts(3), sampling())
     assert all(o.taps == {} for o in plain)
     one = "model.layers.1.output[0]"

@@ -44,6 +44,7 @@ def test_a_graphs_tap_nodes_switch_off_and_on_and_nothing_else_does():
     with Patch(ops, "_launch_observer", switch.observe), torch.cuda.graph(graph):
         forward()
     assert sorted(graph.nodes.values()) == [1, 2, 4], "capture, add_, capture_sum: one node each, by their taps"
+    assert graph.bare is not None, "a copy without them, for steps that ask for no tap"
 
     table[0] = torch.arange(ROWS, device=dev, dtype=torch.int32).flip(0)
     table[1] = torch.arange(ROWS, device=dev, dtype=torch.int32)
@@ -68,11 +69,12 @@ def test_a_graphs_tap_nodes_switch_off_and_on_and_nothing_else_does():
         close(pools[1], steered + h, "edit then capture_sum, on")
         close(out, torch.tanh(steered), "the model's output, steered")
 
-        replay(0)
+        for want, how in ((0, "the bare copy"), (1 << 5, "every tap node disabled")):
+            replay(want)
+            assert not pools[0].any() and not pools[1].any(), f"{how}: no tap kernel runs, though the tables ask"
+            close(out, torch.tanh(h * 2), f"{how}: the model's kernels still run, unsteered")
         exec_ = graph.raw_cuda_graph_exec()
         assert not any(driver.enabled(exec_, node) for node in graph.nodes)
-        assert not pools[0].any() and not pools[1].any(), "tap kernels off although their tables ask"
-        close(out, torch.tanh(h * 2), "the model's kernels still run, unsteered")
 
         replay(1 << 1)   # only the capture_sum's tap
         assert not pools[0].any()

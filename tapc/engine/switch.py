@@ -12,10 +12,15 @@ driver can disable a kernel node of an instantiated graph between launches
   (kernels/ops.py `set_launch_observer`): the graph under capture notes the node that launch
   made (the capture stream's last node, checked to be one of tapc's kernels by name) and the
   taps (table rows) it serves;
+- once captured, a graph with tap nodes also gets a copy of itself without them (`bare`:
+  cloned, the tap nodes taken out and their neighbours joined, instantiated);
 - before each forward the hooks say which taps the step's requests ask for (`Switch.want`, a
-  bitmask over the table rows, runner.py); a graph, when replayed, enables the nodes of those
-  taps and disables the others, calling the driver only for nodes whose state changes (none
-  while the steps ask for the same taps).
+  bitmask over the table rows, runner.py). A graph, when replayed, launches its bare copy where
+  the step asks for no tap; otherwise it enables the nodes of the taps asked for and disables
+  the others, calling the driver only for nodes whose state changes (none while the steps ask
+  for the same taps). A disabled node is an empty node, which still costs the graph about
+  half of what the kernel did (benchmarks/probe_nodes.py); the bare copy costs nothing a step
+  but a graph's instantiation at start.
 
 A node is only off where no request of the step asks for its tap: its table owns no row then,
 and the kernel would have done nothing. Graphs broken by Python blocks (graphs.py) are not
@@ -34,6 +39,7 @@ log = logging.getLogger("tapc")
 
 _CAPTURE_ACTIVE = 1          # CU_STREAM_CAPTURE_STATUS_ACTIVE
 _KERNEL_NODE = 0             # CU_GRAPH_NODE_TYPE_KERNEL
+_AUTO_FREE_ON_LAUNCH = 1     # CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH
 ALL = -1                     # every tap: as a graph is captured, and where no step said otherwise
 
 
@@ -54,6 +60,22 @@ class Driver:
         self._set = _fn(lib.cuGraphNodeSetEnabled, [vp, vp, ctypes.c_uint])
         self._get = _fn(lib.cuGraphNodeGetEnabled, [vp, vp, p(ctypes.c_uint)])
         self._names: dict[int, str | None] = {}   # function handle -> its name
+        # a graph without some of its nodes (`without`): the _v2 calls take edge data (None)
+        self._clone = _fn(lib.cuGraphClone, [p(vp), vp])
+        self._find = _fn(lib.cuGraphNodeFindInClone, [p(vp), vp, vp])
+        edges = hasattr(lib, "cuGraphNodeGetDependencies_v2")
+        self._edges = edges
+        self._deps = _fn(lib.cuGraphNodeGetDependencies_v2 if edges else lib.cuGraphNodeGetDependencies,
+                         [vp, p(vp)] + ([vp] if edges else []) + [p(ctypes.c_size_t)])
+        self._dependents = _fn(lib.cuGraphNodeGetDependentNodes_v2 if edges else lib.cuGraphNodeGetDependentNodes,
+                               [vp, p(vp)] + ([vp] if edges else []) + [p(ctypes.c_size_t)])
+        self._add = _fn(lib.cuGraphAddDependencies_v2 if edges else lib.cuGraphAddDependencies,
+                        [vp, p(vp), p(vp)] + ([vp] if edges else []) + [ctypes.c_size_t])
+        self._destroy_node = _fn(lib.cuGraphDestroyNode, [vp])
+        self._destroy_graph = _fn(lib.cuGraphDestroy, [vp])
+        self._instantiate = _fn(lib.cuGraphInstantiateWithFlags, [p(vp), vp, ctypes.c_ulonglong])
+        self._launch = _fn(lib.cuGraphLaunch, [vp, vp])
+        self._destroy_exec = _fn(lib.cuGraphExecDestroy, [vp])
 
     @classmethod
     def load(cls) -> "Driver | None":
@@ -89,6 +111,46 @@ class Driver:
             self._names[func] = name.value.decode() if ok else None
         return self._names[func]
 
+    def without(self, graph: int, nodes) -> int:
+        """An instantiated copy of `graph` without `nodes`, each one's predecessors joined to its
+        successors, so that the rest keeps its order. EngineError where the driver refuses."""
+        clone = ctypes.c_void_p()
+        _check(self._clone(ctypes.byref(clone), ctypes.c_void_p(graph)), "cuGraphClone")
+        try:
+            for node in nodes:
+                mine = ctypes.c_void_p()
+                _check(self._find(ctypes.byref(mine), ctypes.c_void_p(node), clone), "cuGraphNodeFindInClone")
+                before, after = self._neighbours(self._deps, mine), self._neighbours(self._dependents, mine)
+                _check(self._destroy_node(mine), "cuGraphDestroyNode")
+                pairs = [(b, a) for b in before for a in after if a not in self._neighbours(self._dependents, b)]
+                if pairs:
+                    frm = (ctypes.c_void_p * len(pairs))(*(b for b, _ in pairs))
+                    to = (ctypes.c_void_p * len(pairs))(*(a for _, a in pairs))
+                    edge = [None] if self._edges else []
+                    _check(self._add(clone, frm, to, *edge, len(pairs)), "cuGraphAddDependencies")
+            out = ctypes.c_void_p()
+            # as torch instantiates its graphs (CUDAGraph::instantiate)
+            _check(self._instantiate(ctypes.byref(out), clone, _AUTO_FREE_ON_LAUNCH), "cuGraphInstantiateWithFlags")
+            return out.value
+        finally:
+            self._destroy_graph(clone)   # an instantiated graph does not need its graph
+
+    def _neighbours(self, fn, node) -> list[int]:
+        n = ctypes.c_size_t()
+        edge = [None] if self._edges else []
+        _check(fn(node, None, *edge, ctypes.byref(n)), "cuGraphNodeGet(Dependencies|DependentNodes)")
+        if not n.value:
+            return []
+        out = (ctypes.c_void_p * n.value)()
+        _check(fn(node, out, *edge, ctypes.byref(n)), "cuGraphNodeGet(Dependencies|DependentNodes)")
+        return list(out[: n.value])
+
+    def launch(self, graph_exec: int, stream: int) -> None:
+        _check(self._launch(ctypes.c_void_p(graph_exec), ctypes.c_void_p(stream)), "cuGraphLaunch")
+
+    def destroy(self, graph_exec: int) -> None:
+        self._destroy_exec(ctypes.c_void_p(graph_exec))
+
     def set_enabled(self, graph_exec: int, node: int, on: bool) -> int:
         return self._set(ctypes.c_void_p(graph_exec), ctypes.c_void_p(node), int(on))
 
@@ -103,6 +165,11 @@ class Driver:
 def _fn(fn, argtypes):
     fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return fn
+
+
+def _check(err: int, call: str) -> None:
+    if err != 0:
+        raise EngineError(f"{call} failed (CUresult {err})")
 
 
 class Switch:
@@ -156,6 +223,7 @@ class SwitchedGraph(torch.cuda.CUDAGraph):
         self.nodes: dict[int, int] = {}           # node -> the taps it serves
         self._graph = None                        # the CUDA graph the nodes were noted in
         self._state = ALL                         # the want its nodes are set for
+        self.bare = None                          # the graph without its tap nodes, instantiated
 
     @classmethod
     def bound(cls, switch: Switch) -> type["SwitchedGraph"]:
@@ -172,6 +240,11 @@ class SwitchedGraph(torch.cuda.CUDAGraph):
             log.warning("tapc: a captured graph is not the one its tap nodes were noted in; it is not switched")
             self.nodes = {}
         self.instantiate()
+        if self.nodes:
+            try:
+                self.bare = self.switch.driver.without(self._graph, self.nodes)
+            except EngineError as e:   # the graph still switches its nodes one by one
+                log.warning("tapc: no copy of a graph without its tap kernels: %s", e)
 
     def note(self, graph: int, node: int, taps: int) -> None:
         # A node seen before is an earlier op's, met again after an op that launched nothing.
@@ -182,9 +255,19 @@ class SwitchedGraph(torch.cuda.CUDAGraph):
 
     def replay(self) -> None:
         want = self.switch.want
+        if want == 0 and self.bare is not None:
+            # The same kernels on the same memory, less the taps': launched as torch launches
+            # its graph (vLLM's graphs draw no random numbers, whose offsets torch would advance).
+            self.switch.driver.launch(self.bare, torch.cuda.current_stream().cuda_stream)
+            return
         if want != self._state and self.nodes:
             self._set(want)
         super().replay()
+
+    def __del__(self):
+        bare, self.bare = getattr(self, "bare", None), None
+        if bare is not None:
+            self.switch.driver.destroy(bare)
 
     def _set(self, want: int) -> None:
         exec_, driver = self.raw_cuda_graph_exec(), self.switch.driver

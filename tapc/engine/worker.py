@@ -100,11 +100,13 @@ class TapWorker(Worker):
         graphs = self.tapc_adapter.graphs()
         return sorted((d.num_tokens, len(g.steps) if isinstance(g, SegmentedGraph) else 0) for d, g in graphs.items())
 
-    def tapc_switched(self) -> list[tuple[int, int]]:
-        """(tokens, tap kernel nodes it switches) of each FULL graph the runner captured: 0
-        for each where nothing is switched (blocks, or a driver without the calls)."""
+    def tapc_switched(self) -> list[tuple[int, int, bool]]:
+        """(tokens, tap kernel nodes it switches, whether it has a copy without them) of each
+        FULL graph the runner captured: (tokens, 0, False) where nothing is switched (blocks,
+        or a driver without the calls)."""
         graphs = self.tapc_adapter.graphs()
-        return sorted((d.num_tokens, len(g.nodes) if isinstance(g, SwitchedGraph) else 0) for d, g in graphs.items())
+        return sorted((d.num_tokens, len(g.nodes), g.bare is not None) if isinstance(g, SwitchedGraph)
+                      else (d.num_tokens, 0, False) for d, g in graphs.items())
 
     def tapc_set_blocks(self, blocks: bytes) -> None:
         """Engine-wide Python blocks, by name (cloudpickled by the API). Every worker gets them;
