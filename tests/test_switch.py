@@ -27,8 +27,8 @@ CALLS = [(kcapture, "capture", (1,)), (kcapture, "capture_pair", (2, 3)), (kcapt
 
 @pytest.fixture
 def switched(monkeypatch):
-    """Installs the stand-in; returns the calls seen, {"on": n, "off": n}, and a setter for the
-    hooks whose switch the ops obey."""
+    """Installs the stand-in; returns the calls seen, {"on": n, "off": n}, and `start(plan, **kw)`,
+    the toy engine (`hooks_for`) with a switch, whose `want` the ops obey."""
     seen = {"on": 0, "off": 0}
     state = {}
 
@@ -47,15 +47,19 @@ def switched(monkeypatch):
     for module, name, at in CALLS:
         for fn in (name, f"{name.rstrip('_')}_ref"):
             monkeypatch.setattr(module, fn, wrap(getattr(module, fn), at))
-    return seen, lambda hooks: state.__setitem__("hooks", hooks)
+
+    def start(plan, **kwargs):
+        runner, state["hooks"] = hooks_for(plan, ToyModel(), switch=True, **kwargs)
+        return runner, state["hooks"]
+
+    return seen, start
 
 
 @pytest.mark.parametrize("runner_kind", ["v2", "v1"])
 def test_captures_equal_reference_with_unasked_taps_switched_off(switched, runner_kind):
-    seen, use = switched
+    seen, start = switched
     plan = toy_plan(TAPS)
-    runner, hooks = hooks_for(plan, ToyModel(), runner=runner_kind, switch=True)
-    use(hooks)
+    runner, hooks = start(plan, runner=runner_kind)
     reqs = make_requests(plan)
     run(runner, reqs, budget=16)
     outs = collect(hooks, reqs, TapSession(plan))
@@ -67,10 +71,9 @@ def test_captures_equal_reference_with_unasked_taps_switched_off(switched, runne
 
 
 def test_steered_and_plain_requests_with_unasked_taps_switched_off(switched):
-    seen, use = switched
+    seen, start = switched
     plan = toy_plan(["model.layers.1.resid | add(steer, alpha=2.0)", "model.layers.*.resid"])
-    runner, hooks = hooks_for(plan, ToyModel(), switch=True)
-    use(hooks)
+    runner, hooks = start(plan)
     rng = np.random.default_rng(3)
     vec = rng.standard_normal(HIDDEN)
     asks = {"steered": TapRequest(capture="model.layers.2.resid", params={"steer": vec}),
@@ -85,10 +88,9 @@ def test_steered_and_plain_requests_with_unasked_taps_switched_off(switched):
 
 
 def test_a_parameterless_edit_keeps_its_kernel_on_for_untapped_requests(switched):
-    seen, use = switched
+    seen, start = switched
     plan = toy_plan(["model.layers.0.resid | scale(0.5)", "model.layers.2.resid"])
-    runner, hooks = hooks_for(plan, ToyModel(), switch=True)
-    use(hooks)
+    runner, hooks = start(plan)
     rng = np.random.default_rng(4)
     reqs = [Req("x", rng.integers(0, 50, 5).tolist(), 2, wire_for(plan, TapRequest(capture="*"), "x")),
             Req("y", rng.integers(0, 50, 8).tolist(), 9, None)]
