@@ -10,7 +10,7 @@ from io import StringIO
 from rich.console import Console
 from rich.table import Table
 
-from tapc.plan import BLOCK, TapPlan
+from tapc.plan import BLOCK, EDIT, READ, TapPlan
 from tapc.sizing import host_row_bytes, param_slots
 from tapc.tree import ModuleTree, Node
 
@@ -61,6 +61,7 @@ def graph_lines(plan: TapPlan) -> list[str]:
         lines.append(f"splitting ops added: {', '.join(plan.splitting_ops)} (blocks run eagerly at every replay: "
                      f"PIECEWISE graphs split there, and a FULL graph replays as "
                      f"{plan.pieces_after - plan.pieces_before + 1} segments around them)")
+    lines.append(in_graph_line(plan))
     body = ["  [piece 0] embeddings .. layer 0 attention"]
     for layer in range(plan.num_layers):
         last = layer == plan.num_layers - 1
@@ -71,6 +72,18 @@ def graph_lines(plan: TapPlan) -> list[str]:
     if plan.num_layers > 6 and not blocks:  # nothing to mark: keep the ends, fold the middle
         body = body[:5] + [f"  ... {plan.num_layers - 4} more layers, same shape ..."] + body[-4:]
     return lines + body
+
+
+def in_graph_line(plan: TapPlan) -> str:
+    """Which of the plan's in-graph tap kernels a replayed CUDA graph runs (tapc/engine/switch.py)."""
+    reads, edits = len(plan.by_kind(READ)), len(plan.by_kind(EDIT))
+    if not reads + edits:
+        return "tap kernels in the graphs: none"
+    head = f"tap kernels in the graphs: {reads} capture{'s' * (reads != 1)}, {edits} edit{'s' * (edits != 1)}; "
+    if plan.by_kind(BLOCK):
+        return head + "each runs at every step (graphs broken by blocks are not switched)"
+    return head + ("a step whose requests ask for none of them replays its graph without them, and one that "
+                   "asks for some runs the others' disabled")
 
 
 def totals(plan: TapPlan) -> list[str]:

@@ -22,6 +22,8 @@ def test_explain_table_graph_and_totals(capsys):
                   "add(vector=$steer, alpha=4, at=generated)", "block -> probe",
                   "graph: 5 compiled pieces without the plan, 6 with it",
                   "splitting ops added: tapc::boundary", "a FULL graph replays as 2 segments around them", "✂ boundary block model.layers.2.mlp.output -> probe",
+                  "tap kernels in the graphs: 4 captures, 2 edits; each runs at every step (graphs broken by "
+                  "blocks are not switched)",
                   "taps: 7 (4 read, 1 block, 2 edit)", "parameters: steer (vector of 256)",
                   # four residual rows of 256 bfloat16 a token; the block's point is not kept there
                   "captures in host memory: up to 2.0 KiB a token on the GPU"]:
@@ -33,6 +35,9 @@ def test_explain_table_graph_and_totals(capsys):
 
 
 def test_explain_json_is_the_plan(capsys):
+    assert main(["explain", LLAMA, "model.layers[0:2].resid"]) == 0
+    assert "tap kernels in the graphs: 2 captures, 0 edits; a step whose requests ask for none of them replays " \
+        "its graph without them" in capsys.readouterr().out
     assert main(["explain", LLAMA, "model.layers[0:2].resid", "--json"]) == 0
     plan = TapPlan.from_json(capsys.readouterr().out)
     assert [t.key for t in plan.taps] == ["model.layers.0.resid", "model.layers.1.resid"]
