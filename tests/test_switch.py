@@ -13,7 +13,7 @@ from engine_toy import HIDDEN, Req, ToyModel, collect, hooks_for, run, toy_plan,
 from test_engine_cpu import TAPS, check, make_requests
 
 from tapc.engine.requests import TapRequest
-from tapc.engine.switch import ALL, Switch, SwitchedGraph
+from tapc.engine.switch import ALL, Switch, SwitchedGraph, switching
 from tapc.kernels import capture as kcapture
 from tapc.kernels import edit as kedit
 from tapc.kernels import ops
@@ -136,3 +136,10 @@ def test_the_capture_patch_swaps_in_switched_graphs_and_the_observer_only_while_
     assert issubclass(cls, SwitchedGraph) and cls.switch is switch and observer == switch.observe
     assert torch.cuda.CUDAGraph is before and ops._launch_observer is None
     assert ops.KERNELS >= {"_capture_kernel", "_capture_pair_kernel", "_add_kernel", "_project_out_kernel"}
+
+
+def test_the_environment_can_keep_every_tap_kernel_in_every_replay(monkeypatch):
+    monkeypatch.delenv("TAPC_SWITCH_GRAPHS", raising=False)
+    assert switching()
+    monkeypatch.setenv("TAPC_SWITCH_GRAPHS", "0")
+    assert not switching()

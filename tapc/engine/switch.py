@@ -24,12 +24,14 @@ driver can disable a kernel node of an instantiated graph between launches
 
 A node is only off where no request of the step asks for its tap: its table owns no row then,
 and the kernel would have done nothing. Graphs broken by Python blocks (graphs.py) are not
-switched. Where the driver lacks these calls (older than CUDA 12.3), nothing is switched.
+switched. Where the driver lacks these calls (older than CUDA 12.3), or TAPC_SWITCH_GRAPHS=0 in
+the engine's environment, nothing is switched: every tap kernel runs at every replay.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 import torch
 
@@ -41,6 +43,11 @@ _CAPTURE_ACTIVE = 1          # CU_STREAM_CAPTURE_STATUS_ACTIVE
 _KERNEL_NODE = 0             # CU_GRAPH_NODE_TYPE_KERNEL
 _AUTO_FREE_ON_LAUNCH = 1     # CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH
 ALL = -1                     # every tap: as a graph is captured, and where no step said otherwise
+
+
+def switching() -> bool:
+    """Whether the worker switches its graphs' tap kernels (TAPC_SWITCH_GRAPHS=0: it does not)."""
+    return os.environ.get("TAPC_SWITCH_GRAPHS", "1") != "0"
 
 
 class Driver:

@@ -29,7 +29,7 @@ from tapc.engine.points import EnginePoints
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.runner_v1 import V1Adapter
 from tapc.engine.runner_v2 import V2Adapter
-from tapc.engine.switch import Driver, Switch, SwitchedGraph
+from tapc.engine.switch import Driver, Switch, SwitchedGraph, switching
 from tapc.errors import EngineError
 from tapc.kernels import ops
 from tapc.plan import TapPlan
@@ -59,8 +59,9 @@ class TapWorker(Worker):
         self.tapc_has_blocks = any(t.action == "block" for t in plan.taps)
         arena = Arena(register=_register)
         arena.reserve(config.get("capture_memory", 0))   # capture_memory_gib: pinned now, not on a step's path
-        # Graphs broken by blocks are not switched (switch.py); nor where the driver cannot.
-        driver = None if layout.blocks else Driver.load()
+        # Graphs broken by blocks are not switched (switch.py); nor where the driver cannot, or
+        # the user said not to.
+        driver = Driver.load() if not layout.blocks and switching() else None
         switch = Switch(driver, buffers.table, ops.KERNELS) if driver is not None else None
         self.tapc = RunnerHooks(layout, buffers, arena, points, inline=not _on_api_node(), switch=switch)
         self.tapc_adapter = adapter_cls(runner, self.tapc)
