@@ -23,7 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from tapc.engine.patches import Patch  # noqa: E402
-from tapc.engine.switch import ALL, Driver, Switch, SwitchedGraph  # noqa: E402
+from tapc.engine.cugraph import Driver  # noqa: E402
+from tapc.engine.switch import ALL, Switch, SwitchedGraph  # noqa: E402
 from tapc.kernels import ops  # noqa: E402
 from tapc.kernels.ops import capture, capture_pair, capture_sum  # noqa: E402
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from tapc.engine.patches import Patch
-from tapc.engine.switch import ALL, Driver, Switch, SwitchedGraph
+from tapc.engine.cugraph import Driver
+from tapc.engine.switch import ALL, Switch, SwitchedGraph
 from tapc.kernels import ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -29,7 +29,8 @@ from tapc.engine.points import EnginePoints
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.runner_v1 import V1Adapter
 from tapc.engine.runner_v2 import V2Adapter
-from tapc.engine.switch import Driver, Switch, SwitchedGraph, switching
+from tapc.engine.cugraph import Driver
+from tapc.engine.switch import Switch, SwitchedGraph, switching
 from tapc.errors import EngineError
 from tapc.kernels import ops
 from tapc.plan import TapPlan
