@@ -5,14 +5,15 @@ tapc's kernels can run graphs that call them. This package imports nothing else 
 
 - `capture`: read rows of an activation into a buffer (`capture`, `capture_pair`, `capture_sum`).
 - `edit`: edit rows in place (`add_`, `scale_`, `set_cols_`, `project_out_`).
-- `ops`: the custom ops, and `set_boundary_handler` for `tapc::boundary`.
+- `ops`: the custom ops, `set_boundary_handler` for `tapc::boundary`, and `set_launch_observer`
+  (told each op's row tables after its launch: how the engine finds the ops' graph nodes).
 See docs/kernels.md for the tables the engine fills.
 """
 if __name__ == "tapc.kernels":
     from . import ops
-    from .ops import set_boundary_handler
+    from .ops import set_boundary_handler, set_launch_observer
 
-    __all__ = ["ops", "set_boundary_handler"]
+    __all__ = ["ops", "set_boundary_handler", "set_launch_observer"]
 # Otherwise this folder was found as a top-level `kernels` (the repo root on sys.path), e.g. by
 # transformers probing for Hugging Face's `kernels` package: register nothing (the ops belong
 # to `tapc.kernels`, and a second registration of the namespace would fail); having no

@@ -143,3 +143,22 @@ def test_the_environment_can_keep_every_tap_kernel_in_every_replay(monkeypatch):
     assert switching()
     monkeypatch.setenv("TAPC_SWITCH_GRAPHS", "0")
     assert not switching()
+
+
+def test_each_op_hands_the_launch_observer_the_row_tables_it_read():
+    x, width = torch.randn(4, 8), 8
+    table = torch.tensor([[0, -1, 1, -1], [-1, 2, -1, -1], [0, 0, -1, 0]], dtype=torch.int32)
+    pool, ipool = torch.zeros(4, width), torch.zeros(4, width, dtype=torch.int32)
+    seen = []
+    ops.set_launch_observer(lambda tables: seen.append([t.data_ptr() for t in tables]))
+    try:
+        ops.capture(x, table[0], pool)
+        ops.capture_sum(x, x, table[1], pool)
+        ops.capture_pair(x.to(torch.int32), x, table[0], table[1], ipool, pool)
+        ops.add_(x, None, table[2], torch.randn(2, width), torch.ones(2))
+    finally:
+        ops.set_launch_observer(None)
+    rows = [[(p - table.data_ptr()) // table.stride(0) // 4 for p in ptrs] for ptrs in seen]
+    assert rows == [[0], [1], [0, 1], [2]]
+    ops.capture(x, table[0], pool)
+    assert len(seen) == 4, "removed: nothing called"
