@@ -12,7 +12,7 @@ Phase `moe`: Qwen3-30B-A3B's layer shape (hidden 2048, 32 query / 4 KV heads of 
 experts of width 768, top 8, renormalized), `--layers` of its 48 layers (24 by default, so
 that a vanilla and a tapped engine fit on one H200 together: the ratio is per layer's work).
 vLLM runs MoE models on its V1 runner. Decode at batch 1 and 64 (512 prompt tokens, 128
-generated; output tokens/s). tapc variants on one engine: nothing asked; every layer's residual
+generated, `--generate` to change; output tokens/s). tapc variants on one engine: nothing asked; every layer's residual
 stream at every position; every layer's router (the gate's logits, the chosen experts and their
 weights) at every position; both.
 
@@ -45,11 +45,11 @@ ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=2048,
               max_num_seqs=128, seed=0)
 
 
-def workloads(quick: bool) -> dict[str, tuple[int, int, int]]:
+def workloads(quick: bool, generate: int = 128) -> dict[str, tuple[int, int, int]]:
     """name: (prompts, prompt tokens, generated tokens)."""
     if quick:
         return {"decode bs1": (1, 64, 32), "decode bs64": (64, 64, 32)}
-    return {"decode bs1": (1, 512, 128), "decode bs64": (64, 512, 128)}
+    return {"decode bs1": (1, 512, generate), "decode bs64": (64, 512, generate)}
 
 
 def model_dir(config: dict, layers: int | None = None) -> str:
@@ -65,6 +65,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the first is warmup")
     ap.add_argument("--layers", type=int, default=24, help="decoder layers of the Qwen3-30B-A3B shape (48: all)")
     ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
+    ap.add_argument("--generate", type=int, default=128,
+                    help="tokens each request generates (longer runs: less of bs1's round-to-round spread)")
     ap.add_argument("--quick", action="store_true", help="short prompts and outputs, 4 MoE and 8 Llama layers, "
                                                          "2 rounds: checks the script end to end")
     args = ap.parse_args()
@@ -83,7 +85,7 @@ def main():
     from tapc.api import TapRequest
 
     repeats = 2 if args.quick else args.repeats
-    shapes = workloads(args.quick)
+    shapes = workloads(args.quick, args.generate)
     common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"))
     results: dict[tuple[str, str], list[float]] = {}
     names = []
