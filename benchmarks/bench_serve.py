@@ -717,7 +717,8 @@ def report(args, rows: list[str], problems: list[str], final: bool, baseline: li
                     f"{args.clients} clients, {args.requests} requests a mix, {args.api_server_count} API server "
                     f"process(es), {args.inline:g} of capturing requests inline, captures fetched via {args.via}"
                     f"{', a block by path' if args.block else ''}"
-                    f"{f', {args.save:g} of all-row captures saved' if args.save else ''})\n\n{text}\n")
+                    f"{f', {args.save:g} of all-row captures saved' if args.save else ''}"
+                    f"{f', prefix rows kept in {args.prefix_rows_gib:g} GiB' if args.prefix_rows_gib else ''})\n\n{text}\n")
 
 
 def main() -> int:
@@ -744,6 +745,9 @@ def main() -> int:
     ap.add_argument("--via", choices=("http", "shm"), default="http",
                     help="how clients fetch their captures: the bytes over HTTP, or (the client on the server's "
                          "host) where they lie in the server's shared memory, copied, then given back")
+    ap.add_argument("--prefix-rows-gib", type=float, default=0.0,
+                    help="the tapc server keeps captured rows of shared prompt blocks (tapc serve --prefix-rows-gib), "
+                         "so captures of prompt rows read the prefix cache")
     ap.add_argument("--api-server-count", type=int, default=1,
                     help="API server processes of each server (vLLM's --api-server-count)")
     ap.add_argument("--out", default=None, help="write the summary table (markdown) here")
@@ -788,7 +792,8 @@ def main() -> int:
                                "--tap", f"model.layers.{STEER_LAYER}.resid | add(steer, alpha={ALPHA})",
                                *(["--tap", f"model.layers.{BLOCK_LAYER}.resid -> probe",
                                   "--block", "probe=benchmarks.bench_serve:probe"] if args.block else []),
-                               *(["--save-to", save_dir, "--save-shard-tokens", "4096"] if args.save else []), *common],
+                               *(["--save-to", save_dir, "--save-shard-tokens", "4096"] if args.save else []),
+                               *(["--prefix-rows-gib", str(args.prefix_rows_gib)] if args.prefix_rows_gib else []), *common],
                               logs[8102], stacks["tapc"].folder if stacks else None)
         wait_healthy(tapped, 8102, logs[8102])
         for k, v in enumerate(vectors):

@@ -30,7 +30,9 @@ class VLLM:
     does not pass its own; `capture_dtype`: dtype captures are stored in (default: the model's);
     `capture_memory_gib`: host memory for captures each GPU makes and pins at start (default 0:
     as requests need it, which stalls the step that first needs each GiB for about a second;
-    docs/engine.md). Other keyword arguments go to `vllm.LLM`. Prefix caching stays as vLLM sets it: requests that
+    docs/engine.md); `prefix_rows_gib`: host memory for captured rows of shared prompt blocks, which
+    lets captures of prompt rows read the prefix cache (default 0: they compute every prompt row;
+    one GPU; engine/prefixrows.py). Other keyword arguments go to `vllm.LLM`. Prefix caching stays as vLLM sets it: requests that
     capture prompt rows or edit are kept apart from cached KV by tapc/prefix.py."""
 
     def __init__(self, model: str, taps: Sequence[str], *, blocks: dict | None = None, params: dict | None = None,
@@ -80,7 +82,9 @@ def setup(model: str, taps: Sequence[str], blocks: dict | None, params: dict | N
     (blocks= and params= checked against the plan) and vLLM's engine arguments."""
     require_cuda()
     plan, kwargs = plan_for(model, taps, capture_dtype, kwargs)
-    return plan, TapSession(plan, params, blocks or {}), engine_kwargs(plan, kwargs)
+    args = engine_kwargs(plan, kwargs)
+    rows = bool(args["additional_config"]["tapc"].get("prefix_rows"))
+    return plan, TapSession(plan, params, blocks or {}, prefix_rows=rows), args
 
 
 def plan_for(model: str, taps: Sequence[str], capture_dtype: str | None, kwargs: dict) -> tuple[TapPlan, dict]:

@@ -142,6 +142,8 @@ def _serve(args, rest: list[str]) -> int:
     engine, rest = sizes(rest)   # the plan is built for these: they go to the plan, not past it
     if args.capture_memory_gib is not None:
         engine["capture_memory_gib"] = args.capture_memory_gib
+    if args.prefix_rows_gib is not None:
+        engine["prefix_rows_gib"] = args.prefix_rows_gib
     if args.target.endswith((".yaml", ".yml")):
         from tapc.api import spec_arguments
         from tapc.specfile import load_spec
@@ -212,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--capture-dtype", default=None, help="dtype captures are kept in (default: the model's)")
     sv.add_argument("--capture-memory-gib", type=float, default=None, metavar="GIB",
                     help="host memory for captures each GPU pins at start, so no request waits for it")
+    sv.add_argument("--prefix-rows-gib", type=float, default=None, metavar="GIB",
+                    help="host memory for captured rows of shared prompt blocks, so that captures of prompt rows "
+                         "read the prefix cache (one GPU; docs/serving.md)")
     sv.add_argument("--save-to", default=None, metavar="FOLDER",
                     help="requests asking `save: true` have their captures written here, as `tapc harvest` "
                          "writes them (one API server process)")

@@ -9,7 +9,8 @@ them. A tapped engine keeps prefix caching on for all traffic and decides per re
 - A capture of rows a cached prefix could cover (positions "all", "prompt", or a list) sets
   `SamplingParams.skip_reading_prefix_cache`: vLLM then computes every row of it (it finds no
   cache hit at all, `KVCacheManager.get_computed_blocks`), and its KV, equal to vanilla's,
-  is still cached for others. "generated" and "last" rows are always computed: vLLM recomputes
+  is still cached for others. On an engine that keeps captured rows of shared prompt blocks
+  (`prefix_rows_gib`, engine/prefixrows.py) it reads the cache as far as those rows go instead. "generated" and "last" rows are always computed: vLLM recomputes
   at least the last prompt token (`max_cache_hit_length = num_tokens - 1`).
 - A request with an in-graph edit (steering, ablation, ...) computes KV of its own, for every
   position the edit reaches and every later one; even an edit `at=generated` leaves KV that a
@@ -49,9 +50,12 @@ class CacheUse:
 class PrefixPolicy:
     """One engine's rule (the plan's edits and blocks) and its salt key."""
 
-    def __init__(self, plan: TapPlan, key: bytes | None = None):
+    def __init__(self, plan: TapPlan, key: bytes | None = None, rows_kept: bool = False):
         self.edits = [t for t in plan.taps if t.kind == EDIT]
         self.blocks = any(t.kind == BLOCK for t in plan.taps)
+        # The engine keeps captured rows of shared prompt blocks (engine/prefixrows.py): its
+        # scheduler lets a capture read cached KV as far as those go, so it need not skip.
+        self.rows_kept = rows_kept
         self.key = key if key is not None else os.urandom(32)
         # The last ask's cache use: a batch shares one checked ask among its prompts (64 prompts
         # with a direction projected out of 32 layers hashed it 2,048 times, 15-35 ms a call).
@@ -65,7 +69,7 @@ class PrefixPolicy:
             return CacheUse(skip_read=True, salt=self.unique(tid))
         if self._last is not None and self._last[0] is ask:
             return self._last[1]
-        skip = bool(ask.capture) and ask.positions not in ALWAYS_COMPUTED
+        skip = bool(ask.capture) and ask.positions not in ALWAYS_COMPUTED and not self.rows_kept
         applied = [t for t in self.edits if _binds(t, ask.params)]
         if not applied:
             use = CacheUse(skip_read=skip)

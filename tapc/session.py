@@ -87,7 +87,8 @@ class TapSession:
     """`plan`: the engine's plan; `params`: engine-wide parameter values (checked now, so a bad
     one fails at construction); `blocks`: names of the blocks registered on the engine."""
 
-    def __init__(self, plan: TapPlan, params: dict | None = None, blocks: Iterable[str] = ()):
+    def __init__(self, plan: TapPlan, params: dict | None = None, blocks: Iterable[str] = (),
+                 prefix_rows: bool = False):
         self.plan = plan
         self.block_names = plan_blocks(plan, blocks)
         self.engine_blocks = set(blocks)
@@ -97,7 +98,7 @@ class TapSession:
         # Blocks and engine points run for every request: each needs an id to bring results back.
         self.every = bool(self.block_names) or any(t.kind == ENGINE for t in plan.taps)
         self.arena = ArenaReader()
-        self.prefix = PrefixPolicy(plan)
+        self.prefix = PrefixPolicy(plan, rows_kept=prefix_rows)   # the engine keeps prefix rows (prefixrows.py)
 
     # ---------------------------------------------------------------- going in
 

@@ -173,6 +173,9 @@ class ToyEvent:
     def synchronize(self):
         self.waited.append(self.step)
 
+    def query(self):
+        return True
+
 
 class ToyRunner:
     """The parts of vLLM's V2 runner the hooks use; batches ordered decode first like V2."""
@@ -308,7 +311,7 @@ def next_token(tokens: list[int]) -> int:
 
 def new_request(r: Req) -> NS:
     """What vLLM's scheduler output says of a request the worker has not seen."""
-    return NS(req_id=r.rid, prompt_token_ids=list(r.prompt),
+    return NS(req_id=r.rid, prompt_token_ids=list(r.prompt), num_computed_tokens=r.cached,
               sampling_params=NS(extra_args=None if r.wire is None else {"tapc": over_the_wire(r.wire.to_wire())},
                                  max_tokens=r.max_tokens))
 
@@ -373,7 +376,8 @@ class Scheduler:
                 sched[r.rid], computed[r.rid] = n, r.computed
                 left -= n
         if sched:  # like vLLM, the worker hears of finished and preempted requests with a step
-            self.runner.execute_model(NS(scheduled_new_reqs=new, scheduled_cached_reqs=NS(resumed_req_ids=resumed),
+            cached = NS(resumed_req_ids=resumed, req_ids=list(computed), num_computed_tokens=list(computed.values()))
+            self.runner.execute_model(NS(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
                                          finished_req_ids=set(self.finished),
                                          preempted_req_ids=set(self.preempted), num_scheduled_tokens=sched,
                                          num_computed=computed, tokens={r.rid: r.tokens for r in self.live}))
@@ -405,10 +409,12 @@ def run(runner, reqs: list[Req], budget: int) -> None:
 
 
 def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank: int = 0, stage: int = 0,
-              runner: str = "v2", inline: bool = False, switch: bool = False):
+              runner: str = "v2", inline: bool = False, switch: bool = False, prefix_rows: tuple | None = None):
     """The toy runner of vLLM's `runner` ("v2" or "v1") with `plan` installed in `model`, as the
     worker installs it; and its hooks (`inline`: a worker on another node than the API; `switch`:
-    with a `Switch` for the hooks to set, `hooks.switch`, without a driver: no graphs here)."""
+    with a `Switch` for the hooks to set, `hooks.switch`, without a driver: no graphs here;
+    `prefix_rows`: (block, budget bytes) of kept prefix rows, `hooks.prefix_rows`)."""
+    from tapc.engine.prefixrows import PrefixRows
     from tapc.engine.switch import Switch
     from tapc.kernels import ops
 
@@ -427,7 +433,8 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank
     points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
     # Small arena segments, so a run spans several files and reuses freed space.
     hooks = RunnerHooks(layout, buffers, Arena(segment_bytes=4096), points, inline=inline,
-                        switch=Switch(None, buffers.table, ops.KERNELS) if switch else None)
+                        switch=Switch(None, buffers.table, ops.KERNELS) if switch else None,
+                        prefix_rows=PrefixRows(layout, *prefix_rows) if prefix_rows else None)
     patches.apply(runner, adapter(runner, hooks), points)
     return runner, hooks
 
@@ -492,15 +499,42 @@ class ToyEngine:
         self.sched.live = [r for r in self.sched.live if r.rid not in gone]
 
 
+class ToyKVCache:
+    """Plays vLLM's `KVCacheManager` for the prefix cache: `get_computed_blocks` finds the
+    longest run of a request's leading block hashes that are cached, short of its last token,
+    unless it skips reading (a stand-in the worker's `cache_lookup_patch` can wrap)."""
+
+    num_kv_cache_groups = 1
+
+    def __init__(self, block: int):
+        self.block = block
+        self.cached: set = set()
+
+    def get_computed_blocks(self, request):
+        if request.skip_reading_prefix_cache:
+            return None, 0, 0
+        n = 0
+        for h in request.block_hashes[: (request.num_tokens - 1) // self.block]:
+            if h not in self.cached:
+                break
+            n += 1
+        return None, n * self.block, 0
+
+
+def block_hashes(salt, tokens: list[int], block: int) -> list[tuple]:
+    """A request's block hashes, as vLLM chains them: each full block by its salt and every token to its end."""
+    return [(salt, tuple(tokens[:k])) for k in range(block, len(tokens) + 1, block)]
+
+
 class ToyLLM:
     """Plays `vllm.LLM` behind `tapc.VLLM`: `generate` schedules the submitted requests on the
     toy runner; `collective_rpc` reaches the hooks as the worker's methods do; `llm_engine`
     takes requests one at a time (a harvest's loop).
 
-    With `block` set it plays vLLM's prefix cache too: the computed tokens of each finished
-    request are cached in full blocks, keyed by the prompt's `cache_salt` and the tokens; a
-    new request (unless its SamplingParams skip reading) starts after its longest cached
-    prefix, short of its last prompt token, as vLLM does (`KVCacheManager.get_computed_blocks`).
+    With `block` set it plays vLLM's prefix cache too (`kv`, a ToyKVCache): the computed tokens of
+    each finished request are cached in full blocks, keyed by the prompt's `cache_salt` and the
+    tokens; a new request (unless its SamplingParams skip reading) starts after its longest
+    cached prefix, short of its last prompt token, as vLLM does (`KVCacheManager.get_computed_blocks`).
     `cached` lists how many tokens each request got from the cache."""
 
     def __init__(self, runner: ToyRunner, hooks, budget: int = 16, block: int | None = None):
@@ -509,7 +543,7 @@ class ToyLLM:
         self.submitted = None   # the sampling params of the last call
         self.llm_engine = ToyEngine(runner, budget)
         self.rpcs: list[str] = []
-        self.cache: set[tuple] = set()
+        self.kv = ToyKVCache(block) if block else None
         self.cached: list[int] = []
 
     def generate(self, prompts, params, **kwargs):
@@ -518,16 +552,18 @@ class ToyLLM:
         reqs = [Req(f"r{self.served + i}", p["prompt_token_ids"], sp.max_tokens,
                     None if w is None else WireRequest.from_wire(w)) for i, (p, sp, w) in enumerate(zip(prompts, params, wires))]
         for r, p, sp in zip(reqs, prompts, params):
-            if self.block and not getattr(sp, "skip_reading_prefix_cache", False):
-                r.cached = max((k for k in range(0, len(r.prompt), self.block)
-                                if (p.get("cache_salt"), tuple(r.prompt[:k])) in self.cache), default=0)
+            if self.kv is not None:
+                request = NS(request_id=r.rid, sampling_params=sp, num_tokens=len(r.prompt),
+                             block_hashes=block_hashes(p.get("cache_salt"), r.prompt, self.block),
+                             skip_reading_prefix_cache=bool(getattr(sp, "skip_reading_prefix_cache", False)))
+                r.cached = self.kv.get_computed_blocks(request)[1]
         self.cached = [r.cached for r in reqs]
         self.served += len(reqs)
         run(self.runner, reqs, self.budget)
-        if self.block:
+        if self.kv is not None:
             for r, p in zip(reqs, prompts):
-                done = len(r.tokens) - 1   # the last token was sampled, never run
-                self.cache.update((p.get("cache_salt"), tuple(r.tokens[:k])) for k in range(self.block, done + 1, self.block))
+                # the last token was sampled, never run
+                self.kv.cached.update(block_hashes(p.get("cache_salt"), r.tokens[:-1], self.block))
         return [output_of(r) for r in reqs]
 
     def collective_rpc(self, method, args=()):
@@ -537,13 +573,20 @@ class ToyLLM:
         return [over_the_wire(worker[method](*args))]
 
 
-def toy_vllm(taps: list[str], params: dict | None = None, block: int | None = None):
+def toy_vllm(taps: list[str], params: dict | None = None, block: int | None = None, prefix_rows: int = 0):
     """A `tapc.VLLM` over the toy engine (the API's own request handling and assembly), and
-    the worker's hooks. `block`: the toy's prefix cache on, with blocks of that many tokens."""
+    the worker's hooks. `block`: the toy's prefix cache on, with blocks of that many tokens;
+    `prefix_rows`: bytes of captured prompt rows the worker keeps (`prefix_rows_gib`), its
+    lookup wrapped as the worker wraps vLLM's (patches.cache_lookup_patch)."""
     from tapc.api import VLLM
+    from tapc.engine.patches import cache_lookup_patch
 
     plan = toy_plan(taps)
-    runner, hooks = hooks_for(plan, ToyModel())
+    runner, hooks = hooks_for(plan, ToyModel(), prefix_rows=(block, prefix_rows) if prefix_rows else None)
     llm = VLLM.__new__(VLLM)
-    llm.plan, llm.session, llm.llm = plan, TapSession(plan, params), ToyLLM(runner, hooks, block=block)
+    llm.plan, llm.session = plan, TapSession(plan, params, prefix_rows=bool(prefix_rows))
+    llm.llm = ToyLLM(runner, hooks, block=block)
+    if prefix_rows:   # a class of its own, so the wrapper lasts as long as this engine
+        llm.llm.kv.__class__ = type("ToyKVCacheKeepingRows", (ToyKVCache,), {})
+        cache_lookup_patch(hooks.prefix_rows, type(llm.llm.kv)).apply()
     return llm, hooks

@@ -85,6 +85,18 @@ def make_requests(plan):
 RUNNERS = pytest.mark.parametrize("runner_kind", ["v2", "v1"])   # vLLM's model runners (runner_v*.py)
 
 
+def run_and_check(runner, hooks, plan) -> list[Req]:
+    """`make_requests`' batch through the toy runner and its hooks, budget 16 (chunked prefill, late
+    arrivals, a preemption): every tapped request's captures equal the reference; the requests."""
+    reqs = make_requests(plan)
+    run(runner, reqs, budget=16)
+    outs = collect(hooks, reqs, TapSession(plan))
+    for r in reqs:
+        if r.wire is not None:
+            check(r, dict(outs[r.rid].taps), r.wire.ask.positions)
+    return reqs
+
+
 @RUNNERS
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_captures_equal_reference_under_continuous_batching(compiled, runner_kind):

@@ -60,11 +60,13 @@ def test_tapc_serve_reserves_capture_memory_through_the_plans_config(capsys):
     from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    assert main(["serve", LLAMA, "--tap", "model.layers.0.resid", "--capture-memory-gib", "2", "--print"]) == 0
+    assert main(["serve", LLAMA, "--tap", "model.layers.0.resid", "--capture-memory-gib", "2",
+                 "--prefix-rows-gib", "0.5", "--print"]) == 0
     argv = shlex.split(capsys.readouterr().out)
-    assert "--capture-memory-gib" not in argv, "tapc's own setting, not vLLM's"
+    assert "--capture-memory-gib" not in argv and "--prefix-rows-gib" not in argv, "tapc's own settings, not vLLM's"
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
     assert args.additional_config["tapc"]["capture_memory"] == 2 << 30
+    assert args.additional_config["tapc"]["prefix_rows"] == 1 << 29
 
 
 def test_the_plugin_entry_point_is_found_without_installing_tapc():
@@ -79,12 +81,13 @@ def test_the_plugin_entry_point_is_found_without_installing_tapc():
 # ----------------------------------------------------------------------------- the plugin in an app
 
 
-def stand_in_app(taps=TAPS, api_key=None, blocks=None, shared=None, save=None, params=None):
+def stand_in_app(taps=TAPS, api_key=None, blocks=None, shared=None, save=None, params=None, prefix_rows=False):
     """An app with tapc's plugin whose /v1/completions runs the toy engine like vLLM's handler
     (`return_token_ids` too: the prompt's ids on the first choice, each event's new ids);
     `blocks` (name -> import path) registered on the toy worker as the server's worker does;
     `shared`: the folder of several API server processes; `save`: the save folder's settings;
-    `params`: engine-wide parameter values (a spec's `params:`)."""
+    `params`: engine-wide parameter values (a spec's `params:`); `prefix_rows`: the engine keeps
+    captured rows of shared prompt blocks (`prefix_rows_gib`)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
     from vllm import SamplingParams
@@ -143,7 +146,7 @@ def stand_in_app(taps=TAPS, api_key=None, blocks=None, shared=None, save=None, p
         from tapc.blockpaths import import_blocks
 
         hooks.points.runtime.register(import_blocks(blocks, "the engine's plan"))
-    app.state.tapc = TapcServer(toy, TapSession(plan, params, blocks=blocks or ()), shared=shared,
+    app.state.tapc = TapcServer(toy, TapSession(plan, params, blocks=blocks or (), prefix_rows=prefix_rows), shared=shared,
                                 save=SaveFolder(plan, **save) if save else None)
     return app, hooks
 
@@ -821,3 +824,24 @@ def test_saved_requests_are_written_to_the_save_folder_as_a_harvest(tmp_path):
     assert Manifest.read(folder).failed == [lost, {**lost, "request": len(sent) + 1}], "earlier failures stay listed"
     with pytest.raises(TapcError, match="it failed: the server stopped before its captures were collected"):
         Shards(folder).request(len(sent))
+
+
+def test_with_kept_prefix_rows_a_capture_of_prompt_rows_shares_the_cache():
+    """Without kept rows a capture of prompt rows gets a salt of its own (the server cannot set
+    `skip_reading_prefix_cache`); with them (`prefix_rows_gib`), none: the engine's lookup lets
+    it read the cache as far as the rows go. A steered one keeps its steering's salt."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for rows, salted_apart in ((False, True), (True, False)):
+        app, _ = stand_in_app(prefix_rows=rows)
+        with client(app) as c:
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "vllm_xargs": xargs(capture="*")})
+            assert r.status_code == 200
+            assert ("cache_salt" in app.state.seen[-1]) == salted_apart
+            assert fetch(c, r.headers["x-tapc-id"])
+    v = np.linspace(0, 1, HIDDEN).tolist()
+    app, _ = stand_in_app(prefix_rows=True)
+    with client(app) as c:
+        for _ in range(2):
+            c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2,
+                                            "vllm_xargs": xargs(capture="*", params={"steer": v})})
+    assert app.state.seen[-1]["cache_salt"] == app.state.seen[-2]["cache_salt"], "identical steering shares"

@@ -49,6 +49,8 @@ def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
     `capture_memory_gib` among them: the worker reads it from the plan's config)."""
     out = dict(kwargs)
     reserve = capture_memory(out.pop("capture_memory_gib", None))
+    rows = prefix_rows(out.pop("prefix_rows_gib", None), plan, out.get("distributed_executor_backend"),
+                       out.get("data_parallel_size", 1))
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
         if out.get(name, 1) != getattr(plan, name):
             raise EngineError(f"{name}={out.get(name, 1)} but the plan was built for {getattr(plan, name)}")
@@ -71,6 +73,8 @@ def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
     additional["tapc"] = {"plan": plan.to_json(), "digest": digest(plan)}
     if reserve:
         additional["tapc"]["capture_memory"] = reserve
+    if rows:
+        additional["tapc"]["prefix_rows"] = rows
     out["additional_config"] = additional
     return out
 
@@ -83,6 +87,25 @@ def capture_memory(gib) -> int:
     if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib >= 0 or gib == float("inf"):
         raise EngineError(f"capture_memory_gib={gib!r}: give the GiB of host memory for captures each GPU "
                           "pins at the engine's start, a number >= 0")
+    return int(gib * 2**30)
+
+
+def prefix_rows(gib, plan: TapPlan, backend, data_parallel: int) -> int:
+    """Bytes of `prefix_rows_gib`: host memory for captured rows of shared prompt blocks
+    (engine/prefixrows.py), which lets captures of prompt rows read vLLM's prefix cache. Its
+    scheduler and worker must share a process: one GPU, vLLM's single-process executor (its
+    choice for one GPU; the worker checks it at load)."""
+    if gib is None or gib == 0:
+        return 0
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0 or gib == float("inf"):
+        raise EngineError(f"prefix_rows_gib={gib!r}: give the GiB of host memory for captured rows of shared "
+                          "prompt blocks, a number >= 0")
+    if plan.tensor_parallel_size * plan.pipeline_parallel_size * data_parallel > 1 or backend not in (None, "uni"):
+        raise EngineError(f"prefix_rows_gib: the kept rows need vLLM's scheduler and tapc's worker in one process, "
+                          f"which is one GPU with the single-process executor; this engine runs tensor_parallel_size="
+                          f"{plan.tensor_parallel_size}, pipeline_parallel_size={plan.pipeline_parallel_size}, "
+                          f"data_parallel_size={data_parallel}, distributed_executor_backend={backend!r} (on several "
+                          "GPUs captures of prompt rows read no cached KV)")
     return int(gib * 2**30)
 
 

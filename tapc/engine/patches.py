@@ -11,6 +11,8 @@ model, not listed here):
   (`logits` before, `samples` after; points.py);
 - the process's `tapc::boundary` handler (kernels/ops.py) becomes the block runtime, breaking
   FULL graphs while they are captured (graphs.py `breaking`);
+- with kept prefix rows (prefixrows.py), vLLM's `KVCacheManager.get_computed_blocks` reads the
+  prefix cache of a capture of prompt rows only as far as those rows go;
 - the runner's `capture_model` captures with `torch.cuda.CUDAGraph` swapped, only while it runs:
   for `SegmentedGraph` (graphs.py) with Python blocks, else for a `SwitchedGraph` (switch.py),
   with the tap ops' launch observer set (kernels/ops.py) so that each graph learns its tap nodes.
@@ -68,11 +70,12 @@ class Patches:
             self.applied.pop().undo()
 
 
-def apply(runner, adapter, points=None, breaks: bool = False, switch=None) -> Patches:
+def apply(runner, adapter, points=None, breaks: bool = False, switch=None, prefix_rows=None) -> Patches:
     """Route `runner`'s step (vLLM's V2 or V1 model runner, or a stand-in with its methods) through
     `adapter` (runner_v2.V2Adapter, runner_v1.V1Adapter); with `points` (EnginePoints), the sampler and
     the boundary handler; with `breaks` (the plan has Python blocks), FULL graphs captured broken at
-    them; else, with `switch` (switch.Switch), graphs whose tap kernels it switches."""
+    them; else, with `switch` (switch.Switch), graphs whose tap kernels it switches; with
+    `prefix_rows` (prefixrows.PrefixRows), vLLM's prefix-cache lookup limited by it."""
     from tapc.engine.graphs import SegmentedGraph, breaking
     from tapc.engine.switch import SwitchedGraph
     from tapc.kernels import ops
@@ -88,6 +91,8 @@ def apply(runner, adapter, points=None, breaks: bool = False, switch=None) -> Pa
         patches.add(capture_patch(runner, SegmentedGraph))
     elif switch is not None:
         patches.add(capture_patch(runner, SwitchedGraph.bound(switch), Patch(ops, "_launch_observer", switch.observe)))
+    if prefix_rows is not None:
+        patches.add(cache_lookup_patch(prefix_rows))
     return patches
 
 
@@ -105,6 +110,33 @@ def sampler_patch(sampler, points) -> Patch:
 
     TappedSampler.__name__ = f"Tapped{base.__name__}"
     return Patch(sampler, "__class__", TappedSampler)
+
+
+def cache_lookup_patch(prefix_rows, manager_class=None) -> Patch:
+    """vLLM's `KVCacheManager.get_computed_blocks` (the scheduler's prefix-cache lookup, in this
+    process: vLLM's single-process executor runs the worker beside its scheduler) limited, for a
+    request that captures prompt rows, to the leading blocks whose captured rows `prefix_rows`
+    keeps: the lookup sees only those blocks' hashes. `manager_class`: vLLM's, unless a stand-in."""
+    if manager_class is None:
+        from vllm.v1.core.kv_cache_manager import KVCacheManager as manager_class
+    lookup = manager_class.get_computed_blocks
+
+    @functools.wraps(lookup)
+    def get_computed_blocks(self, request):
+        sp = request.sampling_params
+        n = prefix_rows.limit(request.request_id, request.block_hashes, sp.extra_args if sp is not None else None)
+        if n is None:
+            return lookup(self, request)
+        if self.num_kv_cache_groups != 1:   # hashes of several block sizes: read nothing
+            n = 0
+        hashes = request.block_hashes
+        request.block_hashes = hashes[:n]
+        try:
+            return lookup(self, request)
+        finally:
+            request.block_hashes = hashes
+
+    return Patch(manager_class, "get_computed_blocks", get_computed_blocks)
 
 
 def capture_patch(runner, graph_class: type, during: Patch | None = None) -> Patch:

@@ -24,6 +24,7 @@ from tapc.engine.buffers import Buffers
 from tapc.engine.fill import Repeat, fill_step
 from tapc.engine.layout import Layout
 from tapc.engine.points import EnginePoints
+from tapc.engine.prefixrows import PrefixRows
 from tapc.engine.protocol import Chunk, CollectReply, Result, StoreResult, WireRequest
 from tapc.engine.records import Record
 from tapc.engine.slots import Slots
@@ -37,8 +38,9 @@ log = logging.getLogger("tapc")
 
 class RunnerHooks:
     def __init__(self, layout: Layout, buffers: Buffers, arena: Arena, points: EnginePoints | None = None,
-                 inline: bool = False, switch: Switch | None = None):
+                 inline: bool = False, switch: Switch | None = None, prefix_rows: PrefixRows | None = None):
         self.points = points                     # logits, samples and Python blocks (points.py)
+        self.prefix_rows = prefix_rows           # captured rows of shared prompt blocks (prefixrows.py)
         self.switch = switch                     # which tap kernels the step's graphs run (switch.py)
         self._taps = 0                           # what the last filled step's requests ask for, as a mask
         self.inline = inline                     # the API is on another node: send rows, not arena places
@@ -69,6 +71,16 @@ class RunnerHooks:
             rec = self.records.get(rid)
             if rec is not None:
                 self._bind_slot(rec)
+        if self.prefix_rows is not None:
+            if resumed:   # V1 resumes a preempted request among the cached ones, from where its cache hit ends
+                computed = dict(zip(cached.req_ids, cached.num_computed_tokens))
+                for rid in resumed:
+                    if rid in self.records:
+                        self.prefix_rows.admitted(self.records[rid], computed.get(rid, 0))
+            # after admissions, so what the scheduler allowed them is still kept; of every record
+            # until it is collected (a finished one's rows are still in its storage)
+            self.prefix_rows.keep(list(self.by_id.values()))
+            self.prefix_rows.trim()
         self._step = None
 
     def begin_step(self, batch: StepBatch) -> None:
@@ -119,6 +131,10 @@ class RunnerHooks:
 
     def _retire(self, finished, preempted) -> None:
         self.unadmitted.difference_update(finished)
+        if self.prefix_rows is not None:   # a tapped request's rows may still be kept: forgotten at collect
+            for rid in finished:
+                if rid not in self.records:
+                    self.prefix_rows.forget(rid)
         for rid in (*finished, *preempted):
             rec = self.records.get(rid)
             if rec is None:
@@ -172,6 +188,8 @@ class RunnerHooks:
                 if self.points is not None:
                     self.points.admit(rec, wire)
             self._bind_slot(rec)
+            if self.prefix_rows is not None:   # a start past 0: vLLM served the rest from its cache
+                self.prefix_rows.admitted(rec, getattr(req, "num_computed_tokens", 0))
 
     def _bind_slot(self, rec: Record) -> None:
         """A parameter slot for a request with edits that has none, its values written there."""
@@ -208,6 +226,9 @@ class RunnerHooks:
             # harvest) would otherwise hold the host until the newest forward is done.
             for copied in {id(st.copied): st.copied for st in rec.stores if st.copied is not None}.values():
                 copied.synchronize()
+            if self.prefix_rows is not None:   # its copies are done: the last chance to keep its rows
+                self.prefix_rows.keep([rec])
+                self.prefix_rows.forget(rec.rid)
             if not rec.finished:  # vLLM tells the worker only with its next step
                 self._repeat.forget()
                 self._release(rec)

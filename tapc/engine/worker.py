@@ -26,6 +26,7 @@ from tapc.engine.graphs import SegmentedGraph
 from tapc.engine.install import install
 from tapc.engine.layout import Layout
 from tapc.engine.points import EnginePoints
+from tapc.engine.prefixrows import PrefixRows
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.runner_v1 import V1Adapter
 from tapc.engine.runner_v2 import V2Adapter
@@ -64,9 +65,18 @@ class TapWorker(Worker):
         # the user said not to.
         driver = Driver.load() if not layout.blocks and switching() else None
         switch = Switch(driver, buffers.table, ops.KERNELS) if driver is not None else None
-        self.tapc = RunnerHooks(layout, buffers, arena, points, inline=not _on_api_node(), switch=switch)
+        rows = None
+        if config.get("prefix_rows"):
+            backend = self.vllm_config.parallel_config.distributed_executor_backend
+            if backend != "uni":   # the scheduler, whose lookup the rows limit, runs in another process
+                raise EngineError(f"prefix_rows_gib: this engine runs vLLM's {backend!r} executor; the kept rows "
+                                  "need its single-process one (\"uni\"), one GPU")
+            rows = PrefixRows(layout, self.vllm_config.cache_config.block_size, config["prefix_rows"])
+        self.tapc = RunnerHooks(layout, buffers, arena, points, inline=not _on_api_node(), switch=switch,
+                                prefix_rows=rows)
         self.tapc_adapter = adapter_cls(runner, self.tapc)
-        self.tapc_patches = patches.apply(runner, self.tapc_adapter, points, breaks=bool(layout.blocks), switch=switch)
+        self.tapc_patches = patches.apply(runner, self.tapc_adapter, points, breaks=bool(layout.blocks), switch=switch,
+                                          prefix_rows=rows)
 
     def tapc_collect(self, ids: list[str], release: list[tuple[str, int]] = ()) -> dict:
         """The results of these tapc ids, as a `protocol.CollectReply` in wire form, after giving

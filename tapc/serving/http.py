@@ -85,7 +85,8 @@ def server_for(engine_client, args):
                             "--api-server-count 1")
         save = SaveFolder(plan, **tapc["save"])
     # the plan's blocks run on the workers, which import them (worker.py): requests need not send any
-    return TapcServer(engine_client, TapSession(plan, params, tapc.get("blocks") or ()), shared=shared, save=save)
+    session = TapSession(plan, params, tapc.get("blocks") or (), prefix_rows=bool(tapc.get("prefix_rows")))
+    return TapcServer(engine_client, session, shared=shared, save=save)
 
 
 def error(status: int, message: str):

@@ -1,0 +1,181 @@
+"""Captured rows of cached prompt blocks, so that a capture of prompt rows may read vLLM's
+prefix cache (opt-in: the engine's `prefix_rows_gib`, one GPU).
+
+A capture changes no KV, yet a request that captures prompt rows must compute every one of
+them: vLLM serves a cached prefix without running the forward over it, and its rows would be
+missing. Without this module such a request reads no cached KV (tapc/prefix.py), so a shared
+system prompt is computed again by every request that captures it (bench_serve: 16% to 51% more
+prompt tokens than vanilla). With it, the worker keeps the captured rows of prompt blocks that
+several requests share, per block hash and capture, and lets the scheduler give a capturing
+request a cache hit only as far as those rows go; the worker then writes them into the
+request's storage before its first step, as if it had computed them.
+
+- The scheduler (`limit`, through a wrapper of vLLM's `KVCacheManager.get_computed_blocks`,
+  patches.py): a request that captures prompt rows may hit the cache over its leading blocks
+  whose rows are kept for every capture it asks for, and no further. Its block hashes are kept
+  for the worker, and counted: a block's rows are kept once a second request has it (a shared
+  prefix), not for every request's own prompt.
+- The worker (runner.py): `admitted` writes the kept rows of a request that starts past 0 into
+  its storage (or fails its captures, loudly, if they are gone); `keep` copies, for each
+  request that captured every prompt row and whose copies to host memory are done (looked at
+  each step, and when it is collected), the rows of its shared full blocks; `trim` drops the
+  least recently used blocks past the budget, a prompt's tail before its head, each step.
+Both run in the engine-core process's one thread, the scheduler's step then the worker's
+(vLLM's single-process executor runs the worker in it): a hit allowed by one scheduler step is
+admitted in the worker's next call, before anything is dropped. Several GPUs run their workers
+in other processes, where neither the hashes nor the scheduler are at hand: refused there
+(engine/config.py).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from tapc.engine.layout import Layout
+from tapc.engine.positions import select
+from tapc.engine.protocol import WireRequest
+from tapc.errors import ProtocolError
+from tapc.prefix import ALWAYS_COMPUTED
+
+# Block hashes counted (how many requests had each): the most recent this many.
+COUNTED = 1 << 20
+
+
+class PrefixRows:
+    def __init__(self, layout: Layout, block: int, budget: int):
+        self.layout = layout
+        self.block = block                 # tokens a block (vLLM's cache_config.block_size)
+        self.budget = budget               # bytes of rows kept
+        self.size = 0
+        self.rows: OrderedDict = OrderedDict()     # block hash -> {capture: [block, width] rows}, LRU first
+        self.hashes: dict[str, list] = {}          # vLLM request id -> its block hashes (the scheduler's list)
+        self._counts: OrderedDict = OrderedDict()  # block hash -> requests seen with it
+        self._caps: dict[str, np.ndarray | None] = {}   # request id -> captures of prompt rows it asks for
+        self._kept: set[str] = set()               # requests whose rows were looked at for keeping
+        self._prompt_copied: dict[str, list] = {}  # request id -> the events of its prompt rows' copies
+
+    # ---------------------------------------------------------------- the scheduler's side
+
+    def limit(self, rid: str, hashes: list, extra_args: dict | None) -> int | None:
+        """The leading blocks whose cached KV request `rid` may read: None where it captures no
+        prompt row (no limit), else as far as every capture it asks for has kept rows."""
+        caps = self._asks(rid, extra_args)
+        if caps is None:
+            return None
+        if rid not in self.hashes:
+            self.hashes[rid] = hashes
+            for h in hashes:
+                self._counts[h] = self._counts.pop(h, 0) + 1
+            while len(self._counts) > COUNTED:
+                self._counts.popitem(last=False)
+        n = 0
+        for h in hashes:
+            kept = self.rows.get(h)
+            if kept is None or any(int(c) not in kept for c in caps):
+                break
+            n += 1
+        self._touch(hashes[:n])
+        return n
+
+    def _touch(self, hashes) -> None:
+        """Used: most recent, the leading block most of all, so that a chain is dropped from its
+        tail (a block is of use only behind the ones before it), as vLLM frees its blocks."""
+        for h in reversed(hashes):
+            self.rows.move_to_end(h)
+
+    def _asks(self, rid: str, extra_args: dict | None) -> np.ndarray | None:
+        if rid not in self._caps:
+            self._caps[rid] = None
+            raw = (extra_args or {}).get("tapc")
+            if raw is not None:
+                try:
+                    ask = WireRequest.from_wire(raw).ask
+                except ProtocolError:   # the worker refuses it at admission, and says why
+                    ask = None
+                if ask is not None and ask.capture and ask.positions not in ALWAYS_COMPUTED:
+                    self._caps[rid] = np.array(sorted(self.layout.cap_index[k] for k in ask.capture
+                                                      if k in self.layout.cap_index), dtype=np.int64)
+        return self._caps[rid]
+
+    # ---------------------------------------------------------------- the worker's side
+
+    def admitted(self, rec, computed: int) -> None:
+        """`rec` starts at position `computed` (vLLM served the rest from its cache): its rows
+        below that, from the kept ones, into its storage, as the step fill would have put them."""
+        pos = np.arange(rec.next_pos, computed)
+        pos = pos[select(rec.positions, pos, rec.prompt_len)]
+        if not pos.size or not rec.stores:
+            return
+        hashes = self.hashes.get(rec.rid, [])
+        blocks = np.unique(pos // self.block)
+        kept = []
+        for b in blocks:
+            rows = self.rows.get(hashes[b]) if b < len(hashes) else None
+            if rows is None or any(int(c) not in rows for st in rec.stores for c in st.caps):
+                for st in rec.stores:
+                    st.failed = (f"its first {computed} tokens came from vLLM's prefix cache, and the captured rows "
+                                 f"of block {b} are no longer kept (prefix_rows_gib)")
+                rec.next_pos = computed
+                return
+            kept.append(rows)
+        self._touch([hashes[b] for b in blocks])
+        # each position's row in the asked blocks' rows, laid end to end
+        at = torch.from_numpy(np.searchsorted(blocks, pos // self.block) * self.block + pos % self.block)
+        for st in rec.stores:
+            rows = torch.cat([torch.stack([k[int(c)] for c in st.caps], dim=1) for k in kept])[at]
+            first = st.take(len(rows))
+            if first is None:
+                continue
+            done = 0
+            for chunk, lo, n in st.span(first, len(rows)):
+                chunk[lo: lo + n].copy_(rows[done: done + n])
+                done += n
+        rec.next_pos = computed
+
+    def keep(self, records) -> None:
+        """For each request that captured every prompt row, once the copies of those rows to
+        host memory are done: the rows of its full prompt blocks that another request shares."""
+        for rec in records:
+            if rec.rid in self._kept or rec.positions not in ("all", "prompt") or rec.next_pos < rec.prompt_len:
+                continue
+            # the copies of the step that took its last prompt row (a later step's event would
+            # do too, but a request still decoding always has one in flight)
+            done = self._prompt_copied.get(rec.rid)
+            if done is None:
+                done = [st.copied for st in rec.stores]
+                if any(e is None for e in done):
+                    continue
+                self._prompt_copied[rec.rid] = done
+            if not all(e.query() for e in done):
+                continue
+            self._kept.add(rec.rid)
+            del self._prompt_copied[rec.rid]
+            if any(st.failed is not None for st in rec.stores):
+                continue
+            hashes = self.hashes.get(rec.rid, [])
+            for b in reversed(range(min(rec.prompt_len // self.block, len(hashes)))):   # the tail least recent
+                h = hashes[b]
+                if h in self.rows or self._counts.get(h, 0) < 2:
+                    continue
+                rows = {}
+                for st in rec.stores:
+                    block = torch.cat([chunk[lo: lo + n] for chunk, lo, n in st.span(b * self.block, self.block)])
+                    for j, c in enumerate(st.caps):
+                        rows[int(c)] = block[:, j].clone()
+                self.rows[h] = rows
+                self.size += sum(t.nbytes for t in rows.values())
+
+    def trim(self) -> None:
+        """Drop the least recently used blocks' rows past the budget."""
+        while self.size > self.budget and self.rows:
+            _, kept = self.rows.popitem(last=False)
+            self.size -= sum(t.nbytes for t in kept.values())
+
+    def forget(self, rid: str) -> None:
+        """`rid` finished (untapped), or was collected: its hashes and asks are not needed any more."""
+        self.hashes.pop(rid, None)
+        self._caps.pop(rid, None)
+        self._kept.discard(rid)
+        self._prompt_copied.pop(rid, None)
