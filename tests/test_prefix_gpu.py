@@ -117,3 +117,37 @@ def test_a_steered_request_never_reuses_unsteered_kv_nor_the_other_way_round(lla
     b = tokens(6, 5 * BLOCK + 7)
     steered(b, v)                                          # only steered KV of b is cached
     assert plain(b).num_cached_tokens == 0, "unsteered read steered KV"
+
+
+@pytest.fixture(scope="module")
+def keeping(checkpoints, engines):
+    """The tapped Llama engine's taps with kept prefix rows (`prefix_rows_gib`)."""
+    from gpu_engines import CAPTURES, STEER, engine_args
+
+    from tapc import VLLM
+
+    path = checkpoints("llama")
+    return path, engines.get("tapped llama prefix rows",
+                             lambda: VLLM(path, taps=CAPTURES + [STEER], prefix_rows_gib=0.25, **engine_args()))
+
+
+def test_kept_prefix_rows_let_a_capture_of_prompt_rows_read_the_cache_and_it_has_every_row(keeping):
+    """Two captures share a prefix: neither reads the cache (no rows kept yet), and the second
+    makes its blocks shared, so their rows are kept; a third reads the cache over exactly those
+    blocks (vLLM's lookup sees only their hashes), and each of its rows equals HF's."""
+    from tapc.api import TapRequest
+
+    path, llm = keeping
+    shared = tokens(7, 6 * BLOCK)
+    ask = TapRequest(capture="*", positions="all")
+    for seed, tail in ((8, 11), (9, 17)):
+        out = run(llm, shared + tokens(seed, tail), ask)
+        assert out.error is None and out.num_cached_tokens == 0, "nothing kept yet: its prompt computed in full"
+    prompt = shared + tokens(10, 9)
+    out = run(llm, prompt, ask)
+    assert out.error is None and out.num_cached_tokens == len(shared), out.num_cached_tokens
+    seq = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    ref = hf_reference(path, seq[:-1])
+    for key in llm.plan.capture_keys:
+        assert out.taps[key].shape[0] == len(seq) - 1, f"{key}: {out.taps[key].shape[0]} rows of {len(seq) - 1}"
+        assert_matches(out.taps[key], ref[key], f"behind kept rows {key}")
