@@ -52,6 +52,10 @@ def test_a_request_asking_for_a_capture_not_kept_computes_its_prompt():
     out = llm.generate([p], params(), taps=TapRequest(capture="model.layers.0.resid", positions="prompt"))[0]
     assert llm.llm.cached == [12]
     check_rows(as_req(out), dict(out.taps), "prompt")
+    # the request that computed layer 2's rows had the shared blocks: they are kept for it too now
+    out = llm.generate([p], params(), taps=TapRequest(capture=["model.layers.0.resid", "model.layers.2.resid"]))[0]
+    assert llm.llm.cached == [12]
+    check_rows(as_req(out), dict(out.taps), "all")
 
 
 def test_a_longer_prompt_hits_as_far_as_rows_are_kept():

@@ -157,15 +157,17 @@ class PrefixRows:
             hashes = self.hashes.get(rec.rid, [])
             for b in reversed(range(min(rec.prompt_len // self.block, len(hashes)))):   # the tail least recent
                 h = hashes[b]
-                if h in self.rows or self._counts.get(h, 0) < 2:
+                if self._counts.get(h, 0) < 2:
                     continue
-                rows = {}
+                rows = self.rows.setdefault(h, {})   # a block kept for other captures gets these too
                 for st in rec.stores:
+                    if all(int(c) in rows for c in st.caps):
+                        continue
                     block = torch.cat([chunk[lo: lo + n] for chunk, lo, n in st.span(b * self.block, self.block)])
                     for j, c in enumerate(st.caps):
-                        rows[int(c)] = block[:, j].clone()
-                self.rows[h] = rows
-                self.size += sum(t.nbytes for t in rows.values())
+                        if int(c) not in rows:
+                            rows[int(c)] = block[:, j].clone()
+                            self.size += rows[int(c)].nbytes
 
     def trim(self) -> None:
         """Drop the least recently used blocks' rows past the budget."""
