@@ -53,7 +53,7 @@ class PrefixRows:
         self.hashes: dict[str, list] = {}          # vLLM request id -> its block hashes (the scheduler's list)
         self._counts: OrderedDict = OrderedDict()  # block hash -> requests seen with it
         self._caps: dict[str, np.ndarray | None] = {}   # request id -> captures of prompt rows it asks for
-        self._kept: set[str] = set()               # requests whose rows were looked at for keeping
+        self._pending: dict[str, object] = {}      # request id -> record whose rows may be kept, not yet looked at
         self._prompt_copied: dict[str, list] = {}  # request id -> the events of its prompt rows' copies
 
     # ---------------------------------------------------------------- the scheduler's side
@@ -103,7 +103,10 @@ class PrefixRows:
 
     def admitted(self, rec, computed: int) -> None:
         """`rec` starts at position `computed` (vLLM served the rest from its cache): its rows
-        below that, from the kept ones, into its storage, as the step fill would have put them."""
+        below that, from the kept ones, into its storage, as the step fill would have put them.
+        A request that captures every prompt row is looked at by `keep` from now on."""
+        if rec.positions in ("all", "prompt") and rec.stores:
+            self._pending.setdefault(rec.rid, rec)
         pos = np.arange(rec.next_pos, computed)
         pos = pos[select(rec.positions, pos, rec.prompt_len)]
         if not pos.size or not rec.stores:
@@ -134,11 +137,12 @@ class PrefixRows:
                 done += n
         rec.next_pos = computed
 
-    def keep(self, records) -> None:
-        """For each request that captured every prompt row, once the copies of those rows to
-        host memory are done: the rows of its full prompt blocks that another request shares."""
-        for rec in records:
-            if rec.rid in self._kept or rec.positions not in ("all", "prompt") or rec.next_pos < rec.prompt_len:
+    def keep(self, records=None) -> None:
+        """For each request that captured every prompt row (`records`, or all admitted so), once
+        the copies of those rows to host memory are done: the rows of its full prompt blocks that
+        another request shares."""
+        for rec in list(self._pending.values()) if records is None else records:
+            if rec.rid not in self._pending or rec.next_pos < rec.prompt_len:
                 continue
             # the copies of the step that took its last prompt row (a later step's event would
             # do too, but a request still decoding always has one in flight)
@@ -150,8 +154,7 @@ class PrefixRows:
                 self._prompt_copied[rec.rid] = done
             if not all(e.query() for e in done):
                 continue
-            self._kept.add(rec.rid)
-            del self._prompt_copied[rec.rid]
+            del self._pending[rec.rid], self._prompt_copied[rec.rid]
             if any(st.failed is not None for st in rec.stores):
                 continue
             hashes = self.hashes.get(rec.rid, [])
@@ -179,5 +182,5 @@ class PrefixRows:
         """`rid` finished (untapped), or was collected: its hashes and asks are not needed any more."""
         self.hashes.pop(rid, None)
         self._caps.pop(rid, None)
-        self._kept.discard(rid)
+        self._pending.pop(rid, None)
         self._prompt_copied.pop(rid, None)

@@ -77,9 +77,8 @@ class RunnerHooks:
                 for rid in resumed:
                     if rid in self.records:
                         self.prefix_rows.admitted(self.records[rid], computed.get(rid, 0))
-            # after admissions, so what the scheduler allowed them is still kept; of every record
-            # until it is collected (a finished one's rows are still in its storage)
-            self.prefix_rows.keep(list(self.by_id.values()))
+            # after admissions, so what the scheduler allowed them is still kept
+            self.prefix_rows.keep()
             self.prefix_rows.trim()
         self._step = None
 
