@@ -4,6 +4,7 @@ import errno
 import os
 import subprocess
 import sys
+import time
 
 import gc
 
@@ -138,3 +139,35 @@ def test_a_reserve_the_shm_cannot_hold_is_an_engine_error_naming_the_setting(mon
     with pytest.raises(EngineError, match=r"capture_memory_gib=2: this GPU's worker cannot reserve it in .*--shm-size"):
         arena.reserve(2 << 30)
     assert arena.size == 0 and not any(f.startswith(arena.prefix) for f in os.listdir(arena.directory))
+
+
+def test_a_killed_workers_files_are_swept_by_the_next_arena_and_no_living_ones(tmp_path):
+    """A worker killed (SIGKILL) never removes its files: the next arena in the folder does, once
+    they are older than STALE_S and no process holds their lock; a living arena's (in another
+    process, its lock held) and a file just made stay."""
+    from tapc.engine.arena import STALE_S
+
+    code = ("import os, signal, sys, torch; from tapc.engine.arena import Arena; "
+            f"a = Arena(directory={str(tmp_path)!r}, segment_bytes=4096); a.tensor(2, 1, 8, torch.float32); "
+            "print(a.path(0), flush=True); "
+            "os.kill(os.getpid(), signal.SIGKILL) if sys.argv[1] == 'die' else sys.stdin.read()")
+    dead = subprocess.run([sys.executable, "-c", code, "die"], capture_output=True, text=True)
+    dead_path = dead.stdout.strip()
+    living = subprocess.Popen([sys.executable, "-c", code, "live"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        living_path = living.stdout.readline().strip()
+        young = tmp_path / "tapc-1-0123abcd-0"
+        young.write_bytes(b"x" * 4096)
+        old = time.time() - 2 * STALE_S
+        for p in (dead_path, living_path):
+            os.utime(p, (old, old))
+        assert os.path.exists(dead_path), "a SIGKILL leaves the file behind"
+        arena = Arena(directory=str(tmp_path), segment_bytes=4096)
+        assert arena.swept == [os.path.basename(dead_path)]
+        assert not os.path.exists(dead_path) and os.path.exists(living_path) and young.exists()
+        arena.close()
+    finally:
+        living.stdin.close()
+        living.wait(timeout=30)
+    assert not os.path.exists(living_path), "a worker that exits removes its own"

@@ -10,7 +10,10 @@ memcpy. A block's space goes back to the worker (`release`) once no tensor of th
 it; until then the worker never writes there again.
 
 Files are created when the arena runs out of room (segments of at least `SEGMENT_BYTES`), kept
-for the engine's life and removed when the worker exits. Their space is reserved when they are
+for the engine's life and removed when the worker exits. A worker that was killed cannot remove
+them, so each arena holds a shared `flock` on its files while it lives, and a new arena removes
+the files no process holds (`sweep`: older than a minute, so a file just made and not yet locked
+is left alone; the lock, unlike a pid, is seen across containers that share /dev/shm). Their space is reserved when they are
 made (`posix_fallocate`): a /dev/shm too small for the captures asked is a clear error when a
 request is admitted, never a SIGBUS or a short capture.
 
@@ -25,10 +28,12 @@ from __future__ import annotations
 
 import atexit
 import bisect
+import fcntl
 import logging
 import math
 import mmap
 import os
+import re
 import time
 import uuid
 import weakref
@@ -43,6 +48,8 @@ log = logging.getLogger("tapc")
 
 SEGMENT_BYTES = 1 << 30
 ALIGN = 512       # bytes; keeps every block aligned for DMA and for any dtype
+SEGMENT_NAME = re.compile(r"tapc-\d+-[0-9a-f]{8}-\d+")   # an arena's files (Arena.path)
+STALE_S = 60.0    # a segment nobody locks, older than this, is a dead worker's
 
 
 def shm_directory() -> str:
@@ -61,8 +68,10 @@ class Arena:
         self.free: list[list[tuple[int, int]]] = []     # segment i: sorted (offset, size)
         self.held: dict[tuple[int, int], int] = {}       # (segment, offset) -> size
         self.segment: dict[str, int] = {}                # file -> segment
+        self.locks: list[int] = []                        # segment i: an open fd holding a shared flock
         self.growth_s = 0.0                               # seconds spent making and pinning segments
         atexit.register(self.close)
+        self.swept = sweep(self.directory)
 
     @property
     def size(self) -> int:
@@ -142,6 +151,7 @@ class Arena:
         t0 = time.perf_counter()
         path = self.path(len(self.maps))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_SH)   # held while this arena lives: `sweep` leaves the file alone
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
@@ -153,7 +163,7 @@ class Arena:
                                f"{e.strerror}). Drop captures you no longer need (or .clone() those you keep), "
                                "capture fewer rows or layers per call, give /dev/shm more space (docker: "
                                "--shm-size), or point TAPC_SHM_DIR at a larger tmpfs") from None
-        os.close(fd)
+        self.locks.append(fd)
         t = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         if self.register is not None:
             self.register(t)
@@ -172,6 +182,39 @@ class Arena:
                 os.unlink(self.path(seg))
             except FileNotFoundError:
                 pass
+        for fd in self.locks:
+            os.close(fd)
+        self.locks = []
+
+
+def sweep(directory: str) -> list[str]:
+    """Remove the arena files in `directory` that no living arena holds (a killed worker's), and
+    say which; a file younger than STALE_S is left, being perhaps made right now."""
+    gone = []
+    try:
+        names = [n for n in os.listdir(directory) if SEGMENT_NAME.fullmatch(n)]
+    except OSError:
+        return gone
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if time.time() - os.fstat(fd).st_mtime < STALE_S:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:   # held: a living arena's
+            continue
+        else:
+            os.unlink(path)
+            gone.append(name)
+        finally:
+            os.close(fd)
+    if gone:
+        log.warning("tapc: removed %d capture file(s) of workers that are gone from %s", len(gone), directory)
+    return gone
 
 
 class ArenaReader:
