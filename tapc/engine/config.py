@@ -82,11 +82,15 @@ def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
 def capture_memory(gib) -> int:
     """Bytes of `capture_memory_gib`: host memory for captures each GPU's worker makes and pins
     at start (arena.py `reserve`), so that requests admitted up to that much never wait for it."""
+    return _gib_bytes("capture_memory_gib", gib, "captures each GPU pins at the engine's start")
+
+
+def _gib_bytes(name: str, gib, what: str) -> int:
+    """Bytes of a setting given in GiB (None: 0); EngineError naming it unless a finite number >= 0."""
     if gib is None:
         return 0
     if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib >= 0 or gib == float("inf"):
-        raise EngineError(f"capture_memory_gib={gib!r}: give the GiB of host memory for captures each GPU "
-                          "pins at the engine's start, a number >= 0")
+        raise EngineError(f"{name}={gib!r}: give the GiB of host memory for {what}, a number >= 0")
     return int(gib * 2**30)
 
 
@@ -95,18 +99,16 @@ def prefix_rows(gib, plan: TapPlan, backend, data_parallel: int) -> int:
     (engine/prefixrows.py), which lets captures of prompt rows read vLLM's prefix cache. Its
     scheduler and worker must share a process: one GPU, vLLM's single-process executor (its
     choice for one GPU; the worker checks it at load)."""
-    if gib is None or gib == 0:
+    rows = _gib_bytes("prefix_rows_gib", gib, "captured rows of shared prompt blocks")
+    if not rows:
         return 0
-    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib > 0 or gib == float("inf"):
-        raise EngineError(f"prefix_rows_gib={gib!r}: give the GiB of host memory for captured rows of shared "
-                          "prompt blocks, a number >= 0")
     if plan.tensor_parallel_size * plan.pipeline_parallel_size * data_parallel > 1 or backend not in (None, "uni"):
         raise EngineError(f"prefix_rows_gib: the kept rows need vLLM's scheduler and tapc's worker in one process, "
                           f"which is one GPU with the single-process executor; this engine runs tensor_parallel_size="
                           f"{plan.tensor_parallel_size}, pipeline_parallel_size={plan.pipeline_parallel_size}, "
                           f"data_parallel_size={data_parallel}, distributed_executor_backend={backend!r} (on several "
                           "GPUs captures of prompt rows read no cached KV)")
-    return int(gib * 2**30)
+    return rows
 
 
 def _with_splits(plan: TapPlan, given) -> dict:

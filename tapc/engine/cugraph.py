@@ -96,7 +96,10 @@ class Driver:
                 _check(self._find(ctypes.byref(mine), ctypes.c_void_p(node), clone), "cuGraphNodeFindInClone")
                 before, after = self._neighbours(self._deps, mine), self._neighbours(self._dependents, mine)
                 _check(self._destroy_node(mine), "cuGraphDestroyNode")
-                pairs = [(b, a) for b in before for a in after if a not in self._neighbours(self._dependents, b)]
+                pairs = []
+                for b in before:
+                    has = set(self._neighbours(self._dependents, b))   # an edge it has already is not added
+                    pairs += [(b, a) for a in after if a not in has]
                 if pairs:
                     frm = (ctypes.c_void_p * len(pairs))(*(b for b, _ in pairs))
                     to = (ctypes.c_void_p * len(pairs))(*(a for _, a in pairs))

@@ -71,10 +71,7 @@ class PrefixRows:
             while len(self._counts) > COUNTED:
                 self._counts.popitem(last=False)
         n = 0
-        for h in hashes:
-            kept = self.rows.get(h)
-            if kept is None or any(int(c) not in kept for c in caps):
-                break
+        while n < len(hashes) and _covers(self.rows.get(hashes[n]), caps):
             n += 1
         self._touch(hashes[:n])
         return n
@@ -116,7 +113,7 @@ class PrefixRows:
         kept = []
         for b in blocks:
             rows = self.rows.get(hashes[b]) if b < len(hashes) else None
-            if rows is None or any(int(c) not in rows for st in rec.stores for c in st.caps):
+            if not all(_covers(rows, st.caps) for st in rec.stores):
                 for st in rec.stores:
                     st.failed = (f"its first {computed} tokens came from vLLM's prefix cache, and the captured rows "
                                  f"of block {b} are no longer kept (prefix_rows_gib)")
@@ -164,7 +161,7 @@ class PrefixRows:
                     continue
                 rows = self.rows.setdefault(h, {})   # a block kept for other captures gets these too
                 for st in rec.stores:
-                    if all(int(c) in rows for c in st.caps):
+                    if _covers(rows, st.caps):
                         continue
                     block = torch.cat([chunk[lo: lo + n] for chunk, lo, n in st.span(b * self.block, self.block)])
                     for j, c in enumerate(st.caps):
@@ -184,3 +181,8 @@ class PrefixRows:
         self._caps.pop(rid, None)
         self._pending.pop(rid, None)
         self._prompt_copied.pop(rid, None)
+
+
+def _covers(rows: dict | None, caps) -> bool:
+    """Whether a block's kept rows (None: none) hold every one of these captures."""
+    return rows is not None and all(int(c) in rows for c in caps)
