@@ -148,3 +148,33 @@ def test_rows_are_kept_from_a_request_collected_right_after_its_prompt():
     assert llm.llm.cached == [12]
     check_rows(as_req(out), dict(out.taps), "prompt")
     assert not hooks.prefix_rows.hashes, "collected: nothing of theirs is held but the kept rows"
+
+
+def test_a_slow_write_of_kept_rows_is_waited_for_and_a_failed_one_fails_its_captures(monkeypatch):
+    """The kept rows go into a hit request's storage on a thread of the worker's own: a collect
+    that came first would hand over rows not yet written, and a write that fails must say so,
+    not leave them so."""
+    import time
+
+    from tapc.engine import prefixrows
+
+    fill = prefixrows._fill
+    llm, hooks = toy_vllm(TAPS, block=BLOCK, prefix_rows=1 << 20)
+    p = prompt(9)
+    shared(llm, p, TapRequest(capture=EVERY))
+
+    def slow(st, spans, *a):   # NaN at once (the arena may hand back a chunk with these very rows), then late
+        for chunk, lo, n in spans:
+            chunk[lo: lo + n] = float("nan")
+        time.sleep(0.5)
+        fill(st, spans, *a)
+
+    monkeypatch.setattr(prefixrows, "_fill", slow)
+    out = llm.generate([p], params(), taps=TapRequest(capture=EVERY))[0]
+    assert llm.llm.cached == [12] and out.error is None
+    check_rows(as_req(out), dict(out.taps), "all")
+    monkeypatch.setattr(prefixrows, "_fill", lambda st, spans, kept, *a: fill(st, spans, [{}] * len(kept), *a))
+    out = llm.generate([p], params(), taps=TapRequest(capture=EVERY))[0]
+    assert llm.llm.cached == [12]
+    assert out.error is not None and "copying its kept prefix rows failed: KeyError" in str(out.error)
+    assert out.outputs[0].token_ids, "its tokens still come back"

@@ -221,6 +221,9 @@ class RunnerHooks:
                 out[tid] = Result(tid, error="the engine has no captures for this request (it never ran, or was "
                                              "collected already)")
                 continue
+            for st in rec.stores:   # kept prefix rows written into it: read (and freed) only once they are
+                if st.filling is not None:
+                    st.filling.result()
             # Its own last copies, not every step's: a collect while others run (a server, a
             # harvest) would otherwise hold the host until the newest forward is done.
             for copied in {id(st.copied): st.copied for st in rec.stores if st.copied is not None}.values():

@@ -37,6 +37,7 @@ class Store:
         self.room = 0                  # rows allocated
         self.failed: str | None = None  # why it stopped capturing (no room to grow)
         self.copied = None             # the event of its last step's copies to host memory
+        self.filling = None            # the write of kept prefix rows into it, a Future (prefixrows.py)
         # The first allocation is made now, when the request is admitted, so that no room for it
         # is an error of this request before it runs (see Arena).
         self._grow(first)
