@@ -29,14 +29,19 @@ TAPS = ["model.layers.*.resid", "model.layers.1.resid | add(steer, alpha=2.0)"]
 LLAMA = str(CONFIGS / "llama")
 
 
-def test_the_serve_command_is_what_vllms_parser_reads_as_the_plans_engine(monkeypatch):
+@pytest.fixture
+def cpu_platform(monkeypatch):
+    """vLLM's parser reads config defaults that need a platform; this machine has no GPU. (It
+    caches them: a test that parses without this passed only after one that had it.)"""
     import vllm.platforms
-    from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.platforms.cpu import CpuPlatform
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    # vLLM's parser reads config defaults that need a platform; this machine has no GPU
     monkeypatch.setattr(vllm.platforms, "_current_platform", CpuPlatform())
+
+
+def test_the_serve_command_is_what_vllms_parser_reads_as_the_plans_engine(cpu_platform):
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     argv = serve_argv(LLAMA, ["model.layers.*.resid", "model.layers.1.resid | add(steer)"],
                       engine={"max_num_seqs": 16}, extra=["--port", "8123"])
@@ -56,7 +61,7 @@ def test_tapc_serve_takes_the_sizes_into_the_plan(capsys):
     assert "give a spec .yaml, or a model and its taps" in capsys.readouterr().err
 
 
-def test_tapc_serve_reserves_capture_memory_through_the_plans_config(capsys):
+def test_tapc_serve_reserves_capture_memory_through_the_plans_config(capsys, cpu_platform):
     from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
