@@ -377,10 +377,12 @@ class Scheduler:
                 left -= n
         if sched:  # like vLLM, the worker hears of finished and preempted requests with a step
             cached = NS(resumed_req_ids=resumed, req_ids=list(computed), num_computed_tokens=list(computed.values()))
-            self.runner.execute_model(NS(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
-                                         finished_req_ids=set(self.finished),
-                                         preempted_req_ids=set(self.preempted), num_scheduled_tokens=sched,
-                                         num_computed=computed, tokens={r.rid: r.tokens for r in self.live}))
+            # vLLM's worker steps under inference mode: what the hooks make there is an inference tensor
+            with torch.inference_mode():
+                self.runner.execute_model(NS(scheduled_new_reqs=new, scheduled_cached_reqs=cached,
+                                             finished_req_ids=set(self.finished),
+                                             preempted_req_ids=set(self.preempted), num_scheduled_tokens=sched,
+                                             num_computed=computed, tokens={r.rid: r.tokens for r in self.live}))
             self.finished.clear()
             self.preempted.clear()
         done, self.produced = [], []

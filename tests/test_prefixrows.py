@@ -6,6 +6,7 @@ wrapper of its lookup (patches.cache_lookup_patch); every capture is compared wi
 model run alone on the request's tokens (test_engine_cpu.check)."""
 import numpy as np
 import pytest
+import torch
 from engine_toy import HIDDEN, toy_plan, toy_vllm
 from test_engine_cpu import check as check_rows
 from test_prefix_cpu import as_req, params, prompt
@@ -164,8 +165,9 @@ def test_a_slow_write_of_kept_rows_is_waited_for_and_a_failed_one_fails_its_capt
     shared(llm, p, TapRequest(capture=EVERY))
 
     def slow(st, spans, *a):   # NaN at once (the arena may hand back a chunk with these very rows), then late
-        for chunk, lo, n in spans:
-            chunk[lo: lo + n] = float("nan")
+        with torch.inference_mode():
+            for chunk, lo, n in spans:
+                chunk[lo: lo + n] = float("nan")
         time.sleep(0.5)
         fill(st, spans, *a)
 

@@ -190,19 +190,21 @@ class PrefixRows:
 def _fill(st, spans: list, kept: list[dict], src_block: np.ndarray, src_row: np.ndarray) -> None:
     """Write kept rows into a store's place for them (`spans`, as `Store.span` gave it): row i
     is row `src_row[i]` of block `kept[src_block[i]]`. One `stack` a run of rows that lie
-    together in both, every capture at once; a failure fails the store's captures."""
+    together in both, every capture at once; a failure fails the store's captures. Under
+    inference mode, as the worker's step that made the chunks (the mode is per thread)."""
     try:
         ends = np.cumsum([count for _, _, count in spans])
         cuts = np.flatnonzero((np.diff(src_block) != 0) | (np.diff(src_row) != 1)) + 1
         bounds = np.unique(np.concatenate([[0], cuts, ends]))
         span = 0
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            while a >= ends[span]:
-                span += 1
-            chunk, lo, _ = spans[span]
-            at = lo + a - (ends[span - 1] if span else 0)
-            rows, r = kept[src_block[a]], int(src_row[a])
-            torch.stack([rows[int(c)][r: r + b - a] for c in st.caps], dim=1, out=chunk[at: at + b - a])
+        with torch.inference_mode():
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                while a >= ends[span]:
+                    span += 1
+                chunk, lo, _ = spans[span]
+                at = lo + a - (ends[span - 1] if span else 0)
+                rows, r = kept[src_block[a]], int(src_row[a])
+                torch.stack([rows[int(c)][r: r + b - a] for c in st.caps], dim=1, out=chunk[at: at + b - a])
     except Exception as e:   # noqa: BLE001 - anything here is this request's loss alone
         st.failed = f"copying its kept prefix rows failed: {type(e).__name__}: {e}"
 
