@@ -164,6 +164,8 @@ def points_table(tree: ModuleTree) -> Table:
         else:  # e.g. layer 0's input norm returns one tensor, the others (normed, residual)
             output = "; ".join(f"layer{'s' if len(ls) > 1 else ''} {_span(ls)}: {_OUTPUTS[k]}" for k, ls in kinds.items())
         n = nodes[0]
+        if n.why:   # called, but not on every row: why not, in short (the tap's error says it all)
+            output = f"not tappable: {n.why.split(', so ')[0].split('; ')[0]}"
         if n.in_moe_op and n.output != "none":
             output += _IN_MOE_OP
         width = "-" if n.out_width is None or n.output in ("none", "tuple", "heads") else str(n.out_width)

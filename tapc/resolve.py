@@ -166,6 +166,8 @@ def _point(spec: TapSpec, where: str, node: Node, tree: ModuleTree) -> list[tupl
     """The point(s) a tap names at one module, with their widths (two only for a decoder layer's
     bare `.output` captured in nnsight's sense)."""
     el = spec.element
+    if node.why:
+        raise ResolveError(f"{where}: {node.why}")
     if spec.action.op == "block" and node.in_moe_op:
         raise ResolveError(f"{where}: it runs inside vLLM's fused-MoE op (vllm::moe_forward), which the compiled "
                            "graph calls as one opaque op: the graph cannot be split there for a Python block. "
@@ -185,9 +187,9 @@ def _point(spec: TapSpec, where: str, node: Node, tree: ModuleTree) -> list[tupl
         if el is not None:
             raise ResolveError(f"{where}: `.input` is the module's activation argument; it takes no element")
         if node.in_width is None:
-            raise ResolveError(f"{where}: its input is not an activation tapc can read "
-                               f"({'token ids' if node.output == 'tensor' else 'no known width'}); "
-                               "tap the output instead")
+            what = "token ids" if node.cls.endswith("Embedding") else \
+                "no one [tokens, width] activation among its arguments" if node.output == "tensor" else "no known width"
+            raise ResolveError(f"{where}: its input is not an activation tapc can read ({what}); tap the output instead")
         return [(Point(node.path, "input"), node.in_width)]
     if spec.site == "output":
         if node.output == "pair" and el is None:

@@ -58,6 +58,9 @@ class Node:
     experts, the shared expert, and the gate where the MoE layer holds it), which the compiled
     graph calls as one opaque op: in-graph taps run there (their kernels are captured with the
     op's), a Python block cannot (the graph cannot be split inside the op).
+
+    why: for a "none" node that vLLM does call, but not on every row, why it is not tappable
+    (MLA attention's `kv_b_proj`, on prefill rows only).
     """
 
     path: str
@@ -68,6 +71,7 @@ class Node:
     layer: int | None = None
     source_ops: tuple[SourceOp, ...] = ()
     in_moe_op: bool = False
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -266,6 +270,8 @@ def build_tree(model_dir: str, engine_args: dict | None = None) -> ModuleTree:
     widths = _Widths(hidden)
     in_op, unused = _moe_op_modules(model)
     unused |= _lora_base_layers(model)
+    partial = _mla_internals(model)
+    unused |= partial.keys()
     nodes = []
     for path, mod in model.named_modules(remove_duplicate=False):
         if not path:
@@ -280,7 +286,7 @@ def build_tree(model_dir: str, engine_args: dict | None = None) -> ModuleTree:
         # a forward vLLM never calls has no ops to tap either
         ops = () if id(mod) in unused else _source_ops(mod, model, path, widths, layer_of.get(id(mod)))
         nodes.append(Node(path=path, cls=type(mod).__name__, output=output, in_width=w_in, out_width=w_out,
-                          layer=layer, source_ops=ops, in_moe_op=id(mod) in in_op))
+                          layer=layer, source_ops=ops, in_moe_op=id(mod) in in_op, why=partial.get(id(mod), "")))
         router = _router(mod)
         if router is not None:
             nodes.append(Node(path=f"{path}.router", cls=type(router).__name__, output="routing",
@@ -319,6 +325,25 @@ def _moe_op_modules(model) -> tuple[set[int], set[int]]:
         if fused:
             unused.update(id(g) for g in (runner.gate, runner.shared_expert_gate))
     return in_op, unused
+
+
+def _mla_internals(model) -> dict[int, str]:
+    """ids of the modules inside vLLM's MLA attention (DeepSeek-V2/V3, Kimi K2) that are not
+    called on every row, and why: `kv_b_proj`, which the attention runs on prefill rows only
+    (decode folds its weights into the kernel), and the fp8 input quantizers, run only with an
+    fp8 KV cache. A tap there would capture some rows or none."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    out: dict[int, str] = {}
+    for attn in (m for m in model.modules() if isinstance(m, MLAAttention)):
+        out[id(attn.kv_b_proj)] = ("vLLM's MLA attention runs `kv_b_proj` on prefill rows only (decode folds its "
+                                   "weights into the attention kernel), so a tap there would miss every decode row; "
+                                   "the attention's output is `self_attn.o_proj.input`")
+        for name, child in attn.named_children():
+            if "quant" in name:
+                out[id(child)] = ("an fp8 quantizer inside vLLM's MLA attention, run only with an fp8 KV cache; "
+                                  "tap its projections, or its output at `self_attn.o_proj.input`")
+    return out
 
 
 def _router(mod):
@@ -420,7 +445,7 @@ def _meta_model(model_dir: str, engine_args: dict):
             return lambda *a, **k: None
 
     torch.ops.__dict__["_C"] = _KernelStub()
-    with set_current_vllm_config(config):
+    with set_current_vllm_config(config), _meta_mla_backend():
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"file://{tempfile.mktemp(prefix='tapc-tree-')}")
         initialize_model_parallel(1, 1)
@@ -430,6 +455,32 @@ def _meta_model(model_dir: str, engine_args: dict):
                 _wrap_lora(model, config)
     model.config = config.model_config.hf_config
     return model
+
+
+@contextlib.contextmanager
+def _meta_mla_backend():
+    """MLA attention (DeepSeek-V2/V3, Kimi K2) asks the platform for an attention backend as it
+    is built, and vLLM's CPU platform has none ("MLA is not supported on CPU"). The tree only
+    needs the modules: a backend that makes an implementation holding its arguments, and no
+    prefill backend, for the build. The engine on the GPU gets vLLM's own."""
+    from unittest import mock
+
+    import vllm.model_executor.layers.attention.mla_attention as mla
+
+    class Impl:
+        is_sparse = False
+
+        def __init__(self, **kwargs):
+            self.__dict__.update(kwargs)
+
+    class Backend:
+        get_name = staticmethod(lambda: "TAPC_META_MLA")
+        is_mla = staticmethod(lambda: True)
+        get_impl_cls = staticmethod(lambda: Impl)
+
+    with mock.patch.object(mla, "get_attn_backend", lambda *a, **k: Backend), \
+            mock.patch.object(mla, "get_mla_prefill_backend", lambda config: (lambda **kwargs: None)):
+        yield
 
 
 def _wrap_lora(model, config) -> None:
@@ -507,6 +558,10 @@ class _Widths:
             w = getattr(mod, "weight", None)
             width = int(w.shape[0]) if w is not None and w.dim() == 1 else self.hidden
             return "norm", width, width
+        if hasattr(mod, "kv_lora_rank") and hasattr(mod, "v_head_dim") and hasattr(mod, "impl"):
+            # MLA attention: called with (q per head, the kv latent, the rope key), returns
+            # [tokens, heads * v_head_dim]; its head_size is the latent's, not the output's
+            return "tensor", None, int(mod.num_heads * mod.v_head_dim)
         if name in ("Attention", "EncoderOnlyAttention") or hasattr(mod, "num_kv_heads") and hasattr(mod, "head_size"):
             width = int(mod.num_heads * mod.head_size)
             return "tensor", width, width

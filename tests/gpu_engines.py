@@ -38,6 +38,11 @@ SMALL = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_
              initializer_range=0.02, tie_word_embeddings=False)
 # The MoE checkpoints (tests/test_moe_gpu.py): SMALL's attention, experts 128 (Qwen3) / 256 wide.
 MOE = dict(SMALL, intermediate_size=256)
+# The MLA checkpoints (tests/test_mla_gpu.py): DeepSeek-V3's attention head sizes (a 512-wide kv
+# latent, 64 rope dims) on 4 heads, every layer dense (first_k_dense_replace past the last).
+MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+           v_head_dim=128, first_k_dense_replace=SMALL["num_hidden_layers"], n_routed_experts=8, n_shared_experts=1,
+           num_experts_per_tok=2, moe_intermediate_size=128)
 # max_num_seqs=3 and a 128-token budget force continuous batching. vLLM captures decode
 # graphs for batch sizes up to twice max_num_seqs: [1, 2, 4] here, already a short list.
 ENGINE = dict(max_num_seqs=3, max_num_batched_tokens=128, gpu_memory_utilization=0.1,
@@ -110,6 +115,12 @@ def write_checkpoint(path, arch: str) -> str:
     elif arch == "mixtral":
         config = transformers.MixtralConfig(**MOE, num_local_experts=8, num_experts_per_tok=2)
         model = transformers.MixtralForCausalLM(config)
+    elif arch in ("deepseek_v2", "deepseek_v3"):   # MLA attention (DeepSeek's head sizes), dense MLPs
+        v3 = arch == "deepseek_v3"
+        kind = (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM) if v3 else \
+            (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM)
+        config = kind[0](**dict(SMALL, **MLA, q_lora_rank=192 if v3 else None))
+        model = kind[1](config)
     else:
         raise ValueError(f"no test checkpoint for {arch!r}")
     model.to(torch.bfloat16).save_pretrained(path)
@@ -166,7 +177,7 @@ class Engines:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
-    """arch ("llama" | "qwen3" | "qwen3_moe" | "qwen2_moe" | "mixtral") -> the path of its random checkpoint,
+    """arch ("llama" | "qwen3" | "qwen3_moe" | "qwen2_moe" | "mixtral" | "deepseek_v2" | "deepseek_v3") -> the path of its random checkpoint,
     written on first use."""
     paths: dict[str, str] = {}
 

@@ -1,0 +1,107 @@
+"""DeepSeek-style models (MLA attention, a grouped top-k router, shared experts, dense first
+layers) without a GPU: vLLM's trees of DeepSeek-V2 (q straight from the hidden state) and
+DeepSeek-V3 (q through a low-rank projection; sigmoid scores with a correction bias) on meta,
+built with tapc's stand-in MLA backend (vLLM's CPU platform has none); the widths of MLA's
+points against the configs' own sizes; what is refused and why; plans and `tapc explain`."""
+import json
+
+import pytest
+from conftest import CONFIGS
+
+from tapc.errors import ResolveError
+from tapc.planner import build_plan
+
+ARCHS = ["deepseek_v2", "deepseek_v3"]
+
+
+def config(arch: str) -> dict:
+    return json.loads((CONFIGS / arch / "config.json").read_text())
+
+
+def plan(arch: str, taps):
+    return build_plan(str(CONFIGS / arch), taps)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mla_attention_points_have_the_configs_widths(trees, arch):
+    c = config(arch)
+    heads, nope, rope, v = c["num_attention_heads"], c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    nodes = trees(arch).by_path
+    attn = "model.layers.1.self_attn"
+    inner = nodes[f"{attn}.mla_attn.mla_attn"]
+    # called with (q per head, the kv latent, the rope key): no one input; returns heads x v_head_dim
+    assert (inner.cls, inner.output, inner.in_width, inner.out_width) == ("MLAAttention", "tensor", None, heads * v)
+    assert nodes[f"{attn}.o_proj"].in_width == heads * v
+    assert nodes[f"{attn}.kv_a_layernorm"].out_width == c["kv_lora_rank"]
+    if c["q_lora_rank"] is None:
+        assert nodes[f"{attn}.kv_a_proj_with_mqa"].out_width == c["kv_lora_rank"] + rope
+        assert nodes[f"{attn}.q_proj"].out_width == heads * (nope + rope)
+    else:
+        assert nodes[f"{attn}.fused_qkv_a_proj"].out_width == c["q_lora_rank"] + c["kv_lora_rank"] + rope
+        assert nodes[f"{attn}.q_a_layernorm"].out_width == c["q_lora_rank"]
+        assert nodes[f"{attn}.q_b_proj"].out_width == heads * (nope + rope)
+    # the same kv_b_proj under three names, each not tappable, each saying why
+    for path in (f"{attn}.kv_b_proj", f"{attn}.mla_attn.kv_b_proj", f"{attn}.mla_attn.mla_attn.kv_b_proj"):
+        assert nodes[path].output == "none" and "prefill rows only" in nodes[path].why
+    assert all(n.output == "none" and "fp8" in n.why for p, n in nodes.items() if p.startswith(f"{inner.path}._"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_deepseek_moe_layers_have_a_grouped_router_shared_experts_and_a_dense_first_layer(trees, arch):
+    c = config(arch)
+    nodes = trees(arch).by_path
+    router = nodes["model.layers.1.mlp.experts.router"]
+    assert (router.cls, router.output, router.out_width, router.in_moe_op) == \
+        ("GroupedTopKRouter", "routing", c["num_experts_per_tok"], True)
+    assert nodes["model.layers.1.mlp.gate"].out_width == c["n_routed_experts"]
+    shared = nodes["model.layers.1.mlp.shared_experts"]
+    assert shared.in_moe_op and shared.output == "tensor" and shared.out_width == c["hidden_size"]
+    # the first `first_k_dense_replace` layers have a dense MLP
+    assert "model.layers.0.mlp.gate" not in nodes and nodes["model.layers.0.mlp.gate_up_proj"].output == "linear"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_deepseek_plan_of_the_residual_the_router_and_the_attention_output(arch):
+    c = config(arch)
+    heads, v, hidden = c["num_attention_heads"], c["v_head_dim"], c["hidden_size"]
+    p = plan(arch, ["model.layers.*.resid", "model.layers.*.mlp.gate.output", "model.layers.*.mlp.experts.router.output",
+                    "model.layers.*.self_attn.o_proj.input", "model.layers.2.mlp.shared_experts.output",
+                    "model.layers.1.self_attn.mla_attn.mla_attn.output",
+                    "model.layers.2.mlp.gate.output | set(ban, -10000.0)"])
+    got = {t.key: (t.width, t.dtype) for t in p.taps if t.kind == "read"}
+    layers = range(c["num_hidden_layers"])
+    assert all(got[f"model.layers.{i}.resid"] == (hidden, "bfloat16") for i in layers)
+    assert all(got[f"model.layers.{i}.self_attn.o_proj.input"] == (heads * v, "bfloat16") for i in layers)
+    # layer 0 is dense: the globs over the MoE points take layers 1 and 2
+    for i in (1, 2):
+        assert got[f"model.layers.{i}.mlp.gate.output"] == (c["n_routed_experts"], "bfloat16")
+        assert got[f"model.layers.{i}.mlp.experts.router.output[0]"] == (c["num_experts_per_tok"], "float32")
+        assert got[f"model.layers.{i}.mlp.experts.router.output[1]"] == (c["num_experts_per_tok"], "int32")
+    assert not any(k.startswith("model.layers.0.mlp.gate") for k in got)
+    assert got["model.layers.1.self_attn.mla_attn.mla_attn.output"] == (heads * v, "bfloat16")
+    assert got["model.layers.2.mlp.shared_experts.output"] == (hidden, "bfloat16")
+    assert [(t.key, t.action) for t in p.taps if t.kind == "edit"] == [("model.layers.2.mlp.gate.output", "set")]
+
+
+@pytest.mark.parametrize("tap,words", [
+    ("model.layers.1.self_attn.kv_b_proj.output", r"prefill rows only .* miss every decode row; the attention's "
+                                                   r"output is `self_attn.o_proj.input`"),
+    ("model.layers.1.self_attn.mla_attn.mla_attn.kv_b_proj.input", "prefill rows only"),
+    ("model.layers.1.self_attn.mla_attn.mla_attn._quant_fp8_op.output", "run only with an fp8 KV cache"),
+    ("model.layers.1.self_attn.mla_attn.mla_attn.input", r"no one \[tokens, width\] activation among its arguments"),
+    ("model.layers.1.self_attn.rotary_emb.output", "several tensors"),
+])
+def test_mla_refusals_say_why_and_what_to_tap(tap, words):
+    with pytest.raises(ResolveError, match=words):
+        plan("deepseek_v2", [tap])
+
+
+def test_explain_lists_mla_points_and_the_grouped_router(trees):
+    from tapc.explain import render_points
+
+    text = render_points(trees("deepseek_v3"), width=400)
+    row = next(line for line in text.splitlines() if "mla_attn.mla_attn " in line)
+    assert "MLAAttention" in row and " 128 " in row
+    kv_b = next(line for line in text.splitlines() if "self_attn.kv_b_proj " in line)
+    assert "not tappable: vLLM's MLA attention runs `kv_b_proj` on prefill rows only" in kv_b
+    assert any("GroupedTopKRouter" in line for line in text.splitlines())
