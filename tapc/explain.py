@@ -197,7 +197,7 @@ def source_lines(tree: ModuleTree) -> list[str]:
         shown = ", ".join(f"{o.name} -> {' + '.join(map(str, o.out_widths))}" for o in sized)
         at = _layer_pattern(nodes[0])
         if by_cls[cls] > 1 and nodes[0].layer is not None:  # the layers this line is about, in tap syntax
-            layers = [n.layer for n in nodes]
+            layers = sorted({n.layer for n in nodes})   # a module under two names is one per layer
             contiguous = layers[-1] - layers[0] == len(layers) - 1
             at = at.replace(".*", f".{layers[0]}" if len(layers) == 1 else f"[{layers[0]}:{layers[-1] + 1}]"
                             if contiguous else f"[{','.join(map(str, layers))}]", 1)

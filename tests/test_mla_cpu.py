@@ -105,3 +105,16 @@ def test_explain_lists_mla_points_and_the_grouped_router(trees):
     kv_b = next(line for line in text.splitlines() if "self_attn.kv_b_proj " in line)
     assert "not tappable: vLLM's MLA attention runs `kv_b_proj` on prefill rows only" in kv_b
     assert any("GroupedTopKRouter" in line for line in text.splitlines())
+
+
+def test_explain_sizes_mla_source_ops_and_names_each_layer_once(trees):
+    from tapc.explain import source_lines
+
+    c = config("deepseek_v3")
+    lines = source_lines(trees("deepseek_v3"))
+    wrapper = next(line for line in lines if line.lstrip().startswith("MultiHeadLatentAttentionWrapper"))
+    latent, rope = c["kv_lora_rank"], c["qk_rope_head_dim"]
+    assert f"kv_lora_split_0 -> {latent} + {rope}" in wrapper
+    assert f"self_mla_attn_0 -> {c['num_attention_heads'] * c['v_head_dim']}" in wrapper
+    # the shared expert is one module under two names: its layers are 1 and 2, once each
+    assert any("(at `model.layers[1:3].mlp.shared_experts`)" in line for line in lines)
