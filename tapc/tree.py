@@ -59,8 +59,8 @@ class Node:
     graph calls as one opaque op: in-graph taps run there (their kernels are captured with the
     op's), a Python block cannot (the graph cannot be split inside the op).
 
-    why: for a "none" node that vLLM does call, but not on every row, why it is not tappable
-    (MLA attention's `kv_b_proj`, on prefill rows only).
+    why: for a "none" node, why it is not tappable where there is more to say than "not called"
+    (MLA attention's `kv_b_proj`, called on prefill rows only); the tap's error says it.
     """
 
     path: str
