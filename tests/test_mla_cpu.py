@@ -118,3 +118,41 @@ def test_explain_sizes_mla_source_ops_and_names_each_layer_once(trees):
     assert f"self_mla_attn_0 -> {c['num_attention_heads'] * c['v_head_dim']}" in wrapper
     # the shared expert is one module under two names: its layers are 1 and 2, once each
     assert any("(at `model.layers[1:3].mlp.shared_experts`)" in line for line in lines)
+
+
+# ----------------------------------------------------------------------------- the GPU test's MLA prefill
+
+
+def test_the_gpu_tests_torch_mla_prefill_equals_sdpa_and_its_lse_merges_chunks():
+    """tests/mla_prefill stands in for FlashAttention's MLA prefill on the GPU machine: each
+    sequence's causal attention equals torch's SDPA, and attention over a context and over the
+    new tokens, merged by their log-sum-exps as vLLM merges them, equals attention over both."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(CONFIGS.parent / "mla_prefill"))
+    from torch_mla_prefill import varlen_attention
+
+    g = torch.Generator().manual_seed(0)
+    heads, dim, v_dim, scale = 3, 24, 16, 24 ** -0.5
+    lens, ctx = [5, 1, 9], [4, 0, 7]          # new tokens and cached context per sequence
+    cu = [0, *torch.tensor(lens).cumsum(0).tolist()]
+    cu_ctx = [0, *torch.tensor(ctx).cumsum(0).tolist()]
+    q, k, v = (torch.randn(cu[-1], heads, d, generator=g) for d in (dim, dim, v_dim))
+    kc, vc = (torch.randn(cu_ctx[-1], heads, d, generator=g) for d in (dim, v_dim))
+    new, new_lse = varlen_attention(q, k, v, cu, cu, scale, causal=True)
+    old, old_lse = varlen_attention(q, kc, vc, cu, cu_ctx, scale, causal=False)
+    assert torch.isinf(old_lse[:, cu[1]:cu[2]]).all() and not old[cu[1]:cu[2]].any(), "no context: -inf, zeros"
+    merged_lse = torch.logaddexp(new_lse, old_lse)
+    merged = (new * (new_lse - merged_lse).exp().T[..., None] + old * (old_lse - merged_lse).exp().T[..., None])
+    for i in range(len(lens)):
+        qi = q[cu[i]:cu[i + 1]].transpose(0, 1)
+        ki = torch.cat([kc[cu_ctx[i]:cu_ctx[i + 1]], k[cu[i]:cu[i + 1]]]).transpose(0, 1)
+        vi = torch.cat([vc[cu_ctx[i]:cu_ctx[i + 1]], v[cu[i]:cu[i + 1]]]).transpose(0, 1)
+        mask = torch.ones(lens[i], ctx[i] + lens[i], dtype=torch.bool).tril(ctx[i])   # context, then causal
+        want = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        assert torch.allclose(merged[cu[i]:cu[i + 1]], want.transpose(0, 1), atol=1e-5), f"sequence {i}"
+        alone = torch.nn.functional.scaled_dot_product_attention(
+            qi, k[cu[i]:cu[i + 1]].transpose(0, 1), v[cu[i]:cu[i + 1]].transpose(0, 1), is_causal=True, scale=scale)
+        assert torch.allclose(new[cu[i]:cu[i + 1]], alone.transpose(0, 1), atol=1e-5), f"sequence {i}, new tokens"

@@ -4,8 +4,10 @@ Small random checkpoints with realistic init written with HF transformers (tests
 `MLA`): DeepSeek-V2's attention (q straight from the hidden state) and DeepSeek-V3's (q through
 a low-rank projection and its norm), with DeepSeek's head sizes (a 512-wide kv latent, 64 rope
 dims, 128-wide values) on 4 heads; every layer dense, so that nothing but the attention is new
-here (the routers are tests/test_moe_gpu.py's). vLLM picks its MLA backend; compile and CUDA
-graphs on, continuous batching (gpu_engines.ENGINE).
+here (the routers are tests/test_moe_gpu.py's). Decode attention is vLLM's `TRITON_MLA`; prefill,
+which vLLM computes with FlashAttention on Hopper and the GPU bundle cannot carry, is a plain
+torch backend registered in the engine's processes (tests/mla_prefill). Compile and CUDA graphs
+on, continuous batching (gpu_engines.ENGINE).
 
 Captured at every layer: the residual stream and the attention's output (`o_proj.input`,
 heads x v_head_dim), and inside layer 1 the kv latent after its norm (and, for V3, q's latent
@@ -13,6 +15,9 @@ after its norm), each equal to HF's within bf16 tolerance on the tokens that wen
 model. A capture at `kv_b_proj`, which vLLM runs on prefill rows only, is refused by the plan
 (tests/test_mla_cpu.py).
 """
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -42,7 +47,16 @@ def mla_engine(request, checkpoints):
     if not hasattr(transformers, "DeepseekV3Config" if arch == "deepseek_v3" else "DeepseekV2Config"):
         pytest.skip(f"transformers {transformers.__version__} has no {arch} model to compare with")
     path = checkpoints(arch)
-    llm = VLLM(path, taps=taps(arch), **engine_args())
+    prefill = str(Path(__file__).parent / "mla_prefill")   # its sitecustomize runs in the spawned engine core
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = prefill + (os.pathsep + before if before else "")
+    try:
+        llm = VLLM(path, taps=taps(arch), **dict(engine_args(), attention_backend="TRITON_MLA"))
+    finally:
+        if before is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = before
     yield arch, path, llm
     shutdown(llm)
 
