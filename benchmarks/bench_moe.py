@@ -11,7 +11,7 @@ the table shows medians and each variant's ratio to vanilla vLLM in the same pha
 Phase `moe`: Qwen3-30B-A3B's layer shape (hidden 2048, 32 query / 4 KV heads of 128, 128
 experts of width 768, top 8, renormalized), `--layers` of its 48 layers (24 by default, so
 that a vanilla and a tapped engine fit on one H200 together: the ratio is per layer's work).
-vLLM runs MoE models on its V1 runner. Decode at batch 1 and 64 (512 prompt tokens, 128
+vLLM runs MoE models on its V1 runner. Decode at batch 1 and 64 (`--batches`; 512 prompt tokens, 128
 generated, `--generate` to change; output tokens/s). tapc variants on one engine: nothing asked; every layer's residual
 stream at every position; every layer's router (the gate's logits, the chosen experts and their
 weights) at every position; both.
@@ -45,11 +45,10 @@ ENGINE = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=2048,
               max_num_seqs=128, seed=0)
 
 
-def workloads(quick: bool, generate: int = 128) -> dict[str, tuple[int, int, int]]:
+def workloads(quick: bool, generate: int = 128, batches=(1, 64)) -> dict[str, tuple[int, int, int]]:
     """name: (prompts, prompt tokens, generated tokens)."""
-    if quick:
-        return {"decode bs1": (1, 64, 32), "decode bs64": (64, 64, 32)}
-    return {"decode bs1": (1, 512, generate), "decode bs64": (64, 512, generate)}
+    prompt, generate = (64, 32) if quick else (512, generate)
+    return {f"decode bs{n}": (n, prompt, generate) for n in batches}
 
 
 def model_dir(config: dict, layers: int | None = None) -> str:
@@ -67,6 +66,8 @@ def main():
     ap.add_argument("--phases", nargs="+", choices=PHASES, default=list(PHASES))
     ap.add_argument("--generate", type=int, default=128,
                     help="tokens each request generates (longer runs: less of bs1's round-to-round spread)")
+    ap.add_argument("--batches", default="1,64", metavar="N,N",
+                    help="decode batch sizes (one alone: more rounds of it in a call's time)")
     ap.add_argument("--quick", action="store_true", help="short prompts and outputs, 4 MoE and 8 Llama layers, "
                                                          "2 rounds: checks the script end to end")
     args = ap.parse_args()
@@ -85,7 +86,7 @@ def main():
     from tapc.api import TapRequest
 
     repeats = 2 if args.quick else args.repeats
-    shapes = workloads(args.quick, args.generate)
+    shapes = workloads(args.quick, args.generate, [int(n) for n in args.batches.split(",")])
     common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"))
     results: dict[tuple[str, str], list[float]] = {}
     names = []
