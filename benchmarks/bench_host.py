@@ -3,6 +3,7 @@ copy-out bookkeeping, for the bench_engine.py plan (Llama-3.1-8B shape: 32 layer
 streams captured, one steering edit).
 
     python3 benchmarks/bench_host.py
+    python3 benchmarks/bench_host.py --moe     # bench_moe.py's plan (vLLM's tree of its shape, on meta)
 
 The pools and host storage live on the meta device and the copies are built as the GPU path
 builds them, one batch of addresses for the driver (`issued`), but not sent: on the GPU they
@@ -125,7 +126,26 @@ def time_step(layout, records, batch: StepBatch, repeats: int = 200, repeating: 
     return statistics.median(times) * 1e3
 
 
+def moe_main():
+    """bench_moe.py's engine plan (24 layers of the Qwen3-30B-A3B shape: residual streams, gate
+    logits, the router's weights and expert ids) at its decode batches: one capture group per
+    width and dtype, so a router capture is three segments a request where the residual is one."""
+    from bench_moe import QWEN3_30B_A3B, RESID, ROUTER, model_dir
+
+    plan = build_plan(model_dir(QWEN3_30B_A3B, 24), [RESID, *ROUTER], max_num_batched_tokens=ROWS, max_num_seqs=128)
+    layout = Layout(plan)
+    print("| step (MoE plan) | host ms (median) | repeating the last step |\n|---|---:|---:|")
+    for name, cap in (("residual", RESID), ("router", ROUTER), ("residual + router", [RESID, *ROUTER])):
+        for n in (1, 64):
+            ask = TapRequest(capture=cap)
+            fresh = time_step(layout, *scenario(plan, layout, ask, n, 512, True))
+            again = time_step(layout, *scenario(plan, layout, ask, n, 512, True), repeating=True)
+            print(f"| decode {n}, capture {name} 24 layers | {fresh:.3f} | {again:.3f} |")
+
+
 def main():
+    if "--moe" in sys.argv[1:]:
+        return moe_main()
     plan = build_plan("bench", TAPS, max_num_batched_tokens=ROWS, max_num_seqs=SEQS, tree=tree())
     layout = Layout(plan)
     steer = {"steer": np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32)}
