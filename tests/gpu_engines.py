@@ -74,21 +74,27 @@ def engine_args() -> dict:
 
 
 @contextlib.contextmanager
-def model_runner(kind: str):
-    """Engines started inside run vLLM's `kind` model runner: "v2", vLLM 0.26's choice for dense
-    models, or "v1" (VLLM_USE_V2_MODEL_RUNNER=0), the runner vLLM gives MoE models. The engine
-    core reads the variable as it starts (it inherits this process's environment), so it is set
-    only while one starts."""
-    before = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
-    if kind == "v1":
-        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+def environ(name: str, value: str | None):
+    """`name` set to `value` (None: left as it is) inside, as it was after: an engine's processes
+    inherit this process's environment as they start, so a variable for one engine is set only
+    while it starts."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = before
+            os.environ[name] = before
+
+
+def model_runner(kind: str):
+    """Engines started inside run vLLM's `kind` model runner: "v2", vLLM 0.26's choice for dense
+    models, or "v1" (VLLM_USE_V2_MODEL_RUNNER=0), the runner vLLM gives MoE models (the engine
+    core reads the variable as it starts)."""
+    return environ("VLLM_USE_V2_MODEL_RUNNER", "0" if kind == "v1" else None)
 
 
 def write_checkpoint(path, arch: str) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gpu_engines import MLA, SMALL, engine_args, hf_forward, shutdown
+from gpu_engines import MLA, SMALL, engine_args, environ, hf_forward, shutdown
 from test_engine_gpu import assert_matches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -49,14 +49,8 @@ def mla_engine(request, checkpoints):
     path = checkpoints(arch)
     prefill = str(Path(__file__).parent / "mla_prefill")   # its sitecustomize runs in the spawned engine core
     before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = prefill + (os.pathsep + before if before else "")
-    try:
+    with environ("PYTHONPATH", prefill + (os.pathsep + before if before else "")):
         llm = VLLM(path, taps=taps(arch), **dict(engine_args(), attention_backend="TRITON_MLA"))
-    finally:
-        if before is None:
-            os.environ.pop("PYTHONPATH")
-        else:
-            os.environ["PYTHONPATH"] = before
     yield arch, path, llm
     shutdown(llm)
 
