@@ -11,6 +11,8 @@ from conftest import CONFIGS
 from tapc.errors import ResolveError
 from tapc.planner import build_plan
 
+PREFILL = CONFIGS.parent / "mla_prefill"   # the GPU test's MLA prefill stand-in (torch_mla_prefill.py)
+
 ARCHS = ["deepseek_v2", "deepseek_v3"]
 
 
@@ -131,8 +133,11 @@ def test_the_gpu_tests_torch_mla_prefill_equals_sdpa_and_its_lse_merges_chunks()
 
     import torch
 
-    sys.path.insert(0, str(CONFIGS.parent / "mla_prefill"))
-    from torch_mla_prefill import varlen_attention
+    sys.path.insert(0, str(PREFILL))
+    try:
+        from torch_mla_prefill import varlen_attention
+    finally:   # its .dist-info is a vLLM plugin: no later test's vLLM should load it
+        sys.path.remove(str(PREFILL))
 
     g = torch.Generator().manual_seed(0)
     heads, dim, v_dim, scale = 3, 24, 16, 24 ** -0.5
@@ -156,3 +161,25 @@ def test_the_gpu_tests_torch_mla_prefill_equals_sdpa_and_its_lse_merges_chunks()
         alone = torch.nn.functional.scaled_dot_product_attention(
             qi, k[cu[i]:cu[i + 1]].transpose(0, 1), v[cu[i]:cu[i + 1]].transpose(0, 1), is_causal=True, scale=scale)
         assert torch.allclose(new[cu[i]:cu[i + 1]], alone.transpose(0, 1), atol=1e-5), f"sequence {i}, new tokens"
+
+
+def test_the_gpu_tests_mla_prefill_is_a_vllm_plugin_that_takes_flash_attentions_place():
+    """A process with tests/mla_prefill on its PYTHONPATH (as test_mla_gpu.py starts its engines)
+    finds it among vLLM's general plugins, and once vLLM loads them (as its engine core does
+    before building the model) FlashAttention's MLA prefill is the stand-in."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("from vllm.plugins import load_general_plugins\n"
+             "from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum as B\n"
+             "before = B.FLASH_ATTN.get_path()\n"
+             "load_general_plugins()\n"
+             "print(before, B.FLASH_ATTN.get_class().__module__, B.FLASH_ATTN.get_class().__name__)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PREFILL), os.environ.get("PYTHONPATH")]))}
+    env.pop("VLLM_PLUGINS", None)
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    before, module, name = out.stdout.split()[-3:]
+    assert before.endswith("FlashAttnPrefillBackend"), "registered before vLLM loaded its plugins"
+    assert (module, name) == ("torch_mla_prefill", "TorchMLAPrefill")

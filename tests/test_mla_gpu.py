@@ -6,7 +6,7 @@ a low-rank projection and its norm), with DeepSeek's head sizes (a 512-wide kv l
 dims, 128-wide values) on 4 heads; every layer dense, so that nothing but the attention is new
 here (the routers are tests/test_moe_gpu.py's). Decode attention is vLLM's `TRITON_MLA`; prefill,
 which vLLM computes with FlashAttention on Hopper and the GPU bundle cannot carry, is a plain
-torch backend registered in the engine's processes (tests/mla_prefill). Compile and CUDA graphs
+torch backend that vLLM's engine core loads as a general plugin (tests/mla_prefill). Compile and CUDA graphs
 on, continuous batching (gpu_engines.ENGINE).
 
 Captured at every layer: the residual stream and the attention's output (`o_proj.input`,
@@ -47,7 +47,7 @@ def mla_engine(request, checkpoints):
     if not hasattr(transformers, "DeepseekV3Config" if arch == "deepseek_v3" else "DeepseekV2Config"):
         pytest.skip(f"transformers {transformers.__version__} has no {arch} model to compare with")
     path = checkpoints(arch)
-    prefill = str(Path(__file__).parent / "mla_prefill")   # its sitecustomize runs in the spawned engine core
+    prefill = str(Path(__file__).parent / "mla_prefill")   # a vLLM plugin, loaded by the spawned engine core
     before = os.environ.get("PYTHONPATH")
     with environ("PYTHONPATH", prefill + (os.pathsep + before if before else "")):
         llm = VLLM(path, taps=taps(arch), **dict(engine_args(), attention_backend="TRITON_MLA"))

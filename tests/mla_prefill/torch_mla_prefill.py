@@ -1,4 +1,12 @@
-"""A plain torch MLA prefill backend for vLLM 0.26 (see sitecustomize.py for why it exists).
+"""A plain torch MLA prefill backend for vLLM 0.26, for the GPU test machine (tests/test_mla_gpu.py).
+
+vLLM 0.26 computes MLA attention's prefill (DeepSeek-V2/V3) with FlashAttention on Hopper, its
+only MLA prefill backend there, and the GPU bundle carries no FlashAttention binaries. This folder
+is a vLLM general plugin (the `.dist-info` beside this file names `register` under
+`vllm.general_plugins`): vLLM runs `register` in each of its processes that finds the folder on
+its path, the engine core included, before it builds the model (test_mla_gpu.py puts the folder
+on the engine's PYTHONPATH while it starts). `register` puts this backend in FlashAttention's
+place; decode runs vLLM's own `TRITON_MLA`. Not for speed: a loop over sequences, float32 scores.
 
 vLLM's MLA attention hands a prefill backend per-head q, k and v of the step's prefill tokens
 (`run_prefill_new_tokens`: the new tokens attend to themselves, causally) and, under chunked
@@ -54,3 +62,13 @@ class TorchMLAPrefill(MLAPrefillBackend):
         context = self._prefill_metadata.chunked_context
         return varlen_attention(q, k, v, self._prefill_metadata.query_start_loc.tolist(),
                                 context.cu_seq_lens[chunk_idx].tolist(), self.scale, causal=False)
+
+
+def register() -> None:
+    """vLLM's general-plugin hook: this backend as the `FLASH_ATTN` MLA prefill backend. Checked
+    here, so that a failure is this plugin's error in the engine's log, not vLLM's "no valid
+    backend" later."""
+    from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum, register_mla_prefill_backend
+
+    register_mla_prefill_backend(MLAPrefillBackendEnum.FLASH_ATTN, f"{__name__}.TorchMLAPrefill")
+    assert MLAPrefillBackendEnum.FLASH_ATTN.get_class() is TorchMLAPrefill
