@@ -29,6 +29,7 @@ import contextlib
 import functools
 import gc
 import os
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -88,6 +89,21 @@ def environ(name: str, value: str | None):
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
+
+
+@contextlib.contextmanager
+def importable(folder: str):
+    """`folder` importable in the engine processes started inside, and only in those: on their
+    PYTHONPATH, and on this process's `sys.path` while they start, because multiprocessing's
+    spawn hands its child the parent's `sys.path` in place of the one PYTHONPATH gave it (vLLM's
+    engine core would not see the folder otherwise)."""
+    before = os.environ.get("PYTHONPATH")
+    sys.path.insert(0, folder)
+    try:
+        with environ("PYTHONPATH", folder + (os.pathsep + before if before else "")):
+            yield
+    finally:
+        sys.path.remove(folder)
 
 
 def model_runner(kind: str):

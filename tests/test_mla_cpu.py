@@ -163,23 +163,35 @@ def test_the_gpu_tests_torch_mla_prefill_equals_sdpa_and_its_lse_merges_chunks()
         assert torch.allclose(new[cu[i]:cu[i + 1]], alone.transpose(0, 1), atol=1e-5), f"sequence {i}, new tokens"
 
 
-def test_the_gpu_tests_mla_prefill_is_a_vllm_plugin_that_takes_flash_attentions_place():
-    """A process with tests/mla_prefill on its PYTHONPATH (as test_mla_gpu.py starts its engines)
-    finds it among vLLM's general plugins, and once vLLM loads them (as its engine core does
-    before building the model) FlashAttention's MLA prefill is the stand-in."""
-    import os
-    import subprocess
-    import sys
+def _prefill_backend_after_plugins(out) -> None:
+    """In a spawned process, as vLLM's engine core does before it builds the model: load the
+    general plugins, then say which class FlashAttention's MLA prefill resolves to."""
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum
 
-    probe = ("from vllm.plugins import load_general_plugins\n"
-             "from vllm.v1.attention.backends.mla.prefill.registry import MLAPrefillBackendEnum as B\n"
-             "before = B.FLASH_ATTN.get_path()\n"
-             "load_general_plugins()\n"
-             "print(before, B.FLASH_ATTN.get_class().__module__, B.FLASH_ATTN.get_class().__name__)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PREFILL), os.environ.get("PYTHONPATH")]))}
-    env.pop("VLLM_PLUGINS", None)
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    before, module, name = out.stdout.split()[-3:]
+    before = MLAPrefillBackendEnum.FLASH_ATTN.get_path()
+    load_general_plugins()
+    cls = MLAPrefillBackendEnum.FLASH_ATTN.get_class()
+    out.put((before, cls.__module__, cls.__name__))
+
+
+def test_the_gpu_tests_mla_prefill_is_a_vllm_plugin_that_takes_flash_attentions_place(monkeypatch):
+    """An engine core started under `gpu_engines.importable(tests/mla_prefill)` (as
+    test_mla_gpu.py starts its engines: a process of multiprocessing's spawn, which takes its
+    parent's sys.path) finds the folder among vLLM's general plugins, and once vLLM loads them
+    FlashAttention's MLA prefill is the stand-in."""
+    import multiprocessing
+
+    from gpu_engines import importable
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with importable(str(PREFILL)):
+        proc = ctx.Process(target=_prefill_backend_after_plugins, args=(out,))
+        proc.start()
+    proc.join(300)
+    assert proc.exitcode == 0, f"the spawned process failed (exit code {proc.exitcode}); its traceback is above"
+    before, module, name = out.get(timeout=10)
     assert before.endswith("FlashAttnPrefillBackend"), "registered before vLLM loaded its plugins"
     assert (module, name) == ("torch_mla_prefill", "TorchMLAPrefill")

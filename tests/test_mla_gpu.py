@@ -15,13 +15,12 @@ after its norm), each equal to HF's within bf16 tolerance on the tokens that wen
 model. A capture at `kv_b_proj`, which vLLM runs on prefill rows only, is refused by the plan
 (tests/test_mla_cpu.py).
 """
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from gpu_engines import MLA, SMALL, engine_args, environ, hf_forward, shutdown
+from gpu_engines import MLA, SMALL, engine_args, hf_forward, importable, shutdown
 from test_engine_gpu import assert_matches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -47,9 +46,7 @@ def mla_engine(request, checkpoints):
     if not hasattr(transformers, "DeepseekV3Config" if arch == "deepseek_v3" else "DeepseekV2Config"):
         pytest.skip(f"transformers {transformers.__version__} has no {arch} model to compare with")
     path = checkpoints(arch)
-    prefill = str(Path(__file__).parent / "mla_prefill")   # a vLLM plugin, loaded by the spawned engine core
-    before = os.environ.get("PYTHONPATH")
-    with environ("PYTHONPATH", prefill + (os.pathsep + before if before else "")):
+    with importable(str(Path(__file__).parent / "mla_prefill")):   # a vLLM plugin, loaded by the engine core
         llm = VLLM(path, taps=taps(arch), **dict(engine_args(), attention_backend="TRITON_MLA"))
     yield arch, path, llm
     shutdown(llm)
