@@ -80,11 +80,13 @@ def hf_reference(path: str, tokens: list[int]) -> dict[str, torch.Tensor]:
 def test_mla_captures_equal_hf_under_continuous_batching(mla_engine):
     from vllm import SamplingParams
 
+    from tapc.api import TapRequest
+
     arch, path, llm = mla_engine
     rng = np.random.default_rng(7)
     prompts = [{"prompt_token_ids": rng.integers(0, SMALL["vocab_size"], n).tolist()} for n in PROMPT_LENS]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in MAX_TOKENS]
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, taps=TapRequest(capture="*"))   # every row each request ran
     keys = llm.plan.capture_keys
     assert len(keys) == 2 * LAYERS + (2 if arch == "deepseek_v3" else 1)
     width = MLA["num_attention_heads"] * MLA["v_head_dim"]
