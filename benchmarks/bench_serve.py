@@ -46,7 +46,10 @@ untapped prompt tokens served from the prefix cache (`usage.prompt_tokens_detail
 to vanilla's). Beside them, what each engine did in the load, from vLLM's own counters at
 /metrics: its steps, tokens a step, prompt tokens it computed and wall ms a step, which say
 whether a slower tapc server computed more prefill (its cache salts), took longer a step (the
-engine's own cost), or ran smaller steps (requests reaching it more slowly: the API side).
+engine's own cost), or ran smaller steps (requests reaching it more slowly: the API side); and
+for the tapc server, the engine thread's milliseconds a step in tapc's own hooks, which the
+worker times itself (`GET /v1/tapc/host-time`), so the part of a slower step that is tapc's
+host work is read without a sampler.
 `--profile MD` says where a process's time went: every process of both servers samples its
 stacks during the timed loads (serve_stacks/sitecustomize.py, on their PYTHONPATH), written to
 MD per process and thread; the sampling slows both servers' loads.
@@ -657,6 +660,21 @@ def engine_view(before: dict, after: dict, seconds: float) -> dict:
             "computed_k": (d["prompt_tokens"] - d["cached_tokens"]) / 1e3, "ms_a_step": seconds * 1e3 / steps}
 
 
+def host_time(url: str) -> dict[str, float]:
+    """tapc's hooks' seconds on the engine thread so far, and its steps (`/v1/tapc/host-time`;
+    the slowest worker's where there are several)."""
+    _, body = http_json("GET", f"{url}/v1/tapc/host-time")
+    workers = json.loads(body)["workers"]
+    return {k: max(w[k] for w in workers) for k in workers[0]}
+
+
+def hooks_view(before: dict, after: dict) -> dict:
+    """Milliseconds a step of each of tapc's hooks in a load (the engine thread's wall time in
+    them, timed by the worker itself: no sampler's distortion)."""
+    steps = max(after["steps"] - before["steps"], 1)
+    return {k.removesuffix("_s"): (after[k] - before[k]) * 1e3 / steps for k in after if k.endswith("_s")}
+
+
 def summary(done: list[Done], seconds: float) -> dict:
     finished = [d for d in done if not d.error and not d.aborted]
     untapped = [d for d in finished if d.job.kind == "untapped" and d.prompt_tokens]
@@ -678,11 +696,15 @@ def table_rows(mix: str, v: list[dict], t: list[dict]) -> list[str]:
         tapped = runs is t
         per = f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})" if tapped else ""
         pinning = f"{sum(run['pinning'] for run in runs):.2f}" if tapped else ""
+        hooks = ""
+        if tapped:
+            ms = {k: statistics.median(run["hooks"][k] for run in runs) for k in runs[0]["hooks"]}
+            hooks = f"{sum(ms.values()):.3f} ({' / '.join(f'{v:.3f}' for v in ms.values())})"
         rows.append(f"| {mix} | {name} | {len(runs)} | {med(runs, 'requests'):.0f} | {med(runs, 'finished'):.0f} | "
                     f"{med(runs, 'aborted'):.0f} | {med(runs, 'seconds'):.1f} | {med(runs, 'tok_s'):.0f} | "
                     f"{med(runs, 'tok_s') / med(v, 'tok_s'):.3f}x | {per} | {med(runs, 'hit_rate'):.3f} | {pinning} | "
                     f"{med(runs, 'steps'):.0f} | {med(runs, 'tokens_a_step'):.1f} | {med(runs, 'computed_k'):.1f} | "
-                    f"{med(runs, 'ms_a_step'):.2f} |")
+                    f"{med(runs, 'ms_a_step'):.2f} | {hooks} |")
     return rows
 
 
@@ -700,11 +722,13 @@ def report(args, rows: list[str], problems: list[str], final: bool, baseline: li
     lines = [f"shares of {', '.join(KINDS)} per mix", "",
              "medians over the rounds; per-round ratio: the median (range) of each round's tapc / vanilla", "",
              "engine columns, from each server's /metrics: its steps in the load, tokens a step, prompt tokens it "
-             "computed (thousands; the rest came from the prefix cache) and wall ms a step", "",
+             "computed (thousands; the rest came from the prefix cache) and wall ms a step; tapc's hooks: the "
+             "engine thread's ms a step in them, from the worker's own timers (/v1/tapc/host-time): all (schedule "
+             "/ begin_step / end_step / collect)", "",
              "| mix | server | rounds | requests | finished | aborted | seconds | output tok/s | ratio | "
              "per-round ratio | untapped prefix-cache hit rate | s pinning capture memory meanwhile (all rounds) | "
-             "engine steps | tokens a step | prompt tokens computed (k) | ms a step |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]
+             "engine steps | tokens a step | prompt tokens computed (k) | ms a step | tapc's hooks, ms a step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *rows, ""]
     lines += [*baseline, ""] if baseline else []
     if final:
         lines.append(f"checks: {'all passed' if not problems else f'{len(problems)} problems'}")
@@ -824,11 +848,13 @@ def main() -> int:
                 # over a mix falls on both
                 for name, url, tap in (servers if r % 2 == 0 else servers[::-1]):
                     pinned, counted = pinning_s(logs[8102]), engine_counters(url)
+                    hooked = host_time(url) if tap else None
                     with stacks.get(name, contextlib.nullcontext()):
                         done, seconds = asyncio.run(load(url, model, jobs, args.clients, tap, args.via))
                     results[name] = (done, {**summary(done, seconds), **engine_view(counted, engine_counters(url), seconds)})
                     if tap:
                         results[name][1]["pinning"] = pinning_s(logs[8102]) - pinned
+                        results[name][1]["hooks"] = hooks_view(hooked, host_time(url))
                 found = [f"tapc: {e}" for e in results["tapc"][1]["errors"]]
                 found += [f"vanilla: {e}" for e in results["vanilla"][1]["errors"]]
                 lost = len(jobs) - len(results["tapc"][0])

@@ -68,7 +68,7 @@ class ToyAsyncLLM:
         self.rpcs.append(method)
         await asyncio.sleep(0)
         worker = {"tapc_collect": lambda ids, release=(): self.hooks.collect(ids, release).to_wire(), "tapc_release": self.hooks.release,
-                  "tapc_held": self.hooks.held}
+                  "tapc_held": self.hooks.held, "tapc_host_time": self.hooks.host_time}
         return [over_the_wire(worker[method](*args))]
 
     async def _loop(self) -> None:

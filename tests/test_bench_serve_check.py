@@ -105,3 +105,17 @@ def test_vanilla_answers_are_counted_on_the_requests_that_steer_nothing():
     # teacher-forced on what each answer went through, unsteered and without captures
     assert [(s[0][0], s[1], s[2]) for s in ref.asked] == [(0, -1, False), (1, -1, False)]
     assert all(len(s[0]) == PROMPT + MADE - 1 for s in ref.asked)
+
+
+def test_the_table_gives_tapcs_hook_time_a_step_from_two_readings():
+    """Two readings of /v1/tapc/host-time around a load become ms a step per hook, and the tapc
+    row's last column is their sum and the parts (medians over the rounds); vanilla's is empty."""
+    before = {"steps": 10, "schedule_s": 0.5, "begin_step_s": 1.0, "end_step_s": 0.2, "collect_s": 0.1}
+    after = {"steps": 110, "schedule_s": 0.52, "begin_step_s": 1.03, "end_step_s": 0.21, "collect_s": 0.1}
+    hooks = bench_serve.hooks_view(before, after)
+    assert [round(v, 6) for v in hooks.values()] == [0.2, 0.3, 0.1, 0.0]
+    run = {"requests": 10, "finished": 9, "aborted": 1, "seconds": 2.0, "tok_s": 100.0, "hit_rate": 0.5,
+           "steps": 100, "tokens_a_step": 3.0, "computed_k": 1.0, "ms_a_step": 20.0}
+    vanilla, tapc = bench_serve.table_rows("1,0,0,0", [run], [{**run, "pinning": 0.0, "hooks": hooks}])
+    assert vanilla.endswith("| 20.00 |  |")
+    assert tapc.endswith("| 20.00 | 0.600 (0.200 / 0.300 / 0.100 / 0.000) |")

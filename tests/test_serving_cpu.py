@@ -302,6 +302,36 @@ def test_a_response_that_fails_gives_back_what_its_request_held():
         assert hooks.held() == {"running": 0, "uncollected": 0, "chunks": 0, "slots": 0}
 
 
+def test_host_time_counts_each_forward_and_the_seconds_of_tapcs_hooks():
+    """`/v1/tapc/host-time`: the forwards the hooks ran (counted here apart, by wrapping the
+    worker's `begin_step`) and the seconds each hook took, growing with every load and never
+    more than the load's own wall time."""
+    import time
+
+    app, hooks = stand_in_app()
+    forwards = []
+    begin = hooks.begin_step
+    hooks.begin_step = lambda batch: (forwards.append(1), begin(batch))[1]
+    prompt = np.random.default_rng(5).integers(0, 50, 7).tolist()
+    with client(app) as c:
+        before = c.get("/v1/tapc/host-time").json()["workers"]
+        assert before == [{"steps": 0, "schedule_s": 0.0, "begin_step_s": 0.0, "end_step_s": 0.0, "collect_s": 0.0}]
+        readings = []
+        for _ in range(2):
+            start = time.perf_counter()
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 4,
+                                                "vllm_xargs": xargs(capture=["model.layers.*.resid"])})
+            fetch(c, r.headers["x-tapc-id"])
+            wall = time.perf_counter() - start
+            (now,) = c.get("/v1/tapc/host-time").json()["workers"]
+            assert now["steps"] == len(forwards) and now["steps"] > (readings[-1]["steps"] if readings else 0)
+            last = readings[-1] if readings else before[0]
+            spent = {k: now[k] - last[k] for k in now if k.endswith("_s")}
+            assert all(v > 0 for v in spent.values()), spent
+            assert sum(spent.values()) < wall, (spent, wall)
+            readings.append(now)
+
+
 def test_vllms_api_key_guards_tapc_routes():
     app, _ = stand_in_app(api_key="sesame")
     with client(app) as c:

@@ -15,7 +15,9 @@ A runner adapter (runner_v2.py for vLLM's V2 runner, runner_v1.py for V1) calls,
 """
 from __future__ import annotations
 
+import functools
 import logging
+import time
 
 import torch
 
@@ -34,6 +36,23 @@ from tapc.engine.switch import Switch
 from tapc.errors import ProtocolError, RequestError
 
 log = logging.getLogger("tapc")
+
+TIMED = ("schedule", "begin_step", "end_step", "collect")   # the hooks whose host time `host_time` sums
+
+
+def _timed(hook):
+    """A hook whose wall time on the engine's thread adds up in `RunnerHooks.host_s` (two clock
+    reads a call): what tapc costs a served step, without a sampler's distortion."""
+    name = hook.__name__
+
+    @functools.wraps(hook)
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return hook(self, *args, **kwargs)
+        finally:
+            self.host_s[name] += time.perf_counter() - start
+    return timed
 
 
 class RunnerHooks:
@@ -56,9 +75,12 @@ class RunnerHooks:
         self.unadmitted: set[str] = set()
         self._step = None
         self._repeat = Repeat(layout)             # a decode step like the last one needs no fill
+        self.host_s = dict.fromkeys(TIMED, 0.0)   # seconds in each hook since the worker started
+        self.steps = 0                            # forwards the hooks filled tables for (begin_step)
 
     # ---------------------------------------------------------------- per step (the adapter calls)
 
+    @_timed
     def schedule(self, scheduler_output) -> None:
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         resumed = getattr(cached, "resumed_req_ids", ())
@@ -82,7 +104,9 @@ class RunnerHooks:
             self.prefix_rows.trim()
         self._step = None
 
+    @_timed
     def begin_step(self, batch: StepBatch) -> None:
+        self.steps += 1
         owns = bool(self.layout.always) or any(rid in self.records for rid in batch.req_ids)
         if owns or not self.buffers.clean(batch.padded):
             # the device's tables are this step's already when it repeats the last decode step
@@ -100,6 +124,7 @@ class RunnerHooks:
         if self.points is not None:
             self.points.begin_step(self.records, batch, self.unadmitted)
 
+    @_timed
     def end_step(self) -> None:
         if self.points is not None:  # boundary ops in later (dummy) forwards must see no rows
             self.points.runtime.begin_step([])
@@ -205,6 +230,7 @@ class RunnerHooks:
 
     # ---------------------------------------------------------------- to the API
 
+    @_timed
     def collect(self, ids: list[str], release: list[tuple[str, int]] = ()) -> CollectReply:
         """The results of the given tapc ids: per group of captures of one width, where its rows
         are in the arena (protocol.StoreResult), and the engine points' rows, saved values and
@@ -258,6 +284,12 @@ class RunnerHooks:
         for path, offset in chunks:
             if self.arena.owns(path):
                 self.arena.give_back(path, offset)
+
+    def host_time(self) -> dict[str, float]:
+        """Seconds of the engine's thread spent in each per-step hook (`schedule_s`, ...) and in
+        `collect_s` since the worker started, and `steps`, the forwards among them: a load's
+        difference of two readings over its steps is tapc's host cost a step."""
+        return {"steps": self.steps, **{f"{name}_s": s for name, s in self.host_s.items()}}
 
     def held(self) -> dict[str, int]:
         """What requests hold here now: `running`, records of requests vLLM still runs;

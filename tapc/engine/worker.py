@@ -96,6 +96,10 @@ class TapWorker(Worker):
         whose callers dropped their captures, aborted requests included."""
         return self.tapc.held()
 
+    def tapc_host_time(self) -> dict[str, float]:
+        """The host time tapc's hooks took on this worker's engine thread (`RunnerHooks.host_time`)."""
+        return self.tapc.host_time()
+
     def tapc_memory(self) -> dict[str, int | float]:
         """tapc's device buffers: `owned`, the bytes of their tensors; `tensors`, how many;
         `allocated`, what the allocator handed out while they were made. Host memory for

@@ -12,6 +12,8 @@ Routes, all under `/v1/` so that vLLM's `--api-key` guards them as it guards its
                                      in shared memory (once), held for it until
     DELETE /v1/tapc/results/{id}     gives them back
     GET    /v1/tapc/held             what requests hold on the workers now (all zero when idle)
+    GET    /v1/tapc/host-time        seconds tapc's hooks took on each worker's engine thread, and its
+                                     steps, since it started
 and a middleware on vLLM's `/v1/completions` and `/v1/chat/completions`: a body with
 `vllm_xargs["tapc"]` is checked and rewritten (server.py `admit`; a bad one gets HTTP 400 with
 `RequestError`'s words, and vLLM never sees it), its response carries the request's tapc id
@@ -143,6 +145,16 @@ def router() -> APIRouter:
             return error(503, "tapc: this server runs no tap plan")
         await server.collector.settle()
         return JSONResponse({"workers": await server.collector.engine.collective_rpc("tapc_held")})
+
+    @r.get("/v1/tapc/host-time")
+    async def host_time(request: Request):
+        """Seconds each worker's engine thread spent in tapc's per-step hooks and collects, and
+        its steps, since it started (TapWorker.tapc_host_time): two readings around a load say
+        what tapc cost its steps."""
+        server = server_of(request)
+        if server is None:
+            return error(503, "tapc: this server runs no tap plan")
+        return JSONResponse({"workers": await server.collector.engine.collective_rpc("tapc_host_time")})
 
     @r.get("/v1/tapc/results/{tid}")
     async def results(request: Request, tid: str, wait: float = 60.0, via: str = "http"):
