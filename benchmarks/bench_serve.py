@@ -866,10 +866,8 @@ def main() -> int:
                 report(args, rows + table_rows(args.mix[m], per["vanilla"], per["tapc"]), problems, final=False,
                        baseline=baseline)
                 where = f"mix {args.mix[m]}" + (f", round {r}" if args.rounds > 1 else "")
-                if args.check_rounds is not None and r >= args.check_rounds:
+                if args.check_rounds is not None and r >= args.check_rounds:   # reported with the next table
                     problems += [f"{where}: {p}" for p in found]
-                    report(args, rows + table_rows(args.mix[m], per["vanilla"], per["tapc"]), problems, final=False,
-                           baseline=baseline)
                     continue
                 ref = ref or Reference(model, vectors)   # after the first timed runs: its GPU memory is not theirs
                 checked, near = check(ref, "http://127.0.0.1:8102", results["tapc"][0], args.block, saved)
