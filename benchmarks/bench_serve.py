@@ -52,7 +52,10 @@ worker times itself (`GET /v1/tapc/host-time`), so the part of a slower step tha
 host work is read without a sampler.
 `--profile MD` says where a process's time went: every process of both servers samples its
 stacks during the timed loads (serve_stacks/sitecustomize.py, on their PYTHONPATH), written to
-MD per process and thread; the sampling slows both servers' loads.
+MD per process and thread; the sampling slows both servers' loads. `--timers MD` times the engine
+thread's calls of vLLM's engine-loop functions (scheduler, executor, model runner, the wait for
+the GPU: timers.py) on both servers and writes their ms a step side by side: which part of a
+slower tapc step is vLLM's own work grown, and which is not vLLM's.
 """
 from __future__ import annotations
 
@@ -283,21 +286,22 @@ async def load(url: str, model: str, jobs: list[Job], clients: int, tapped: bool
     return sorted(out, key=lambda d: d.job.i), time.perf_counter() - start
 
 
-def start_server(cmd: list[str], log: str, stacks: str | None = None) -> subprocess.Popen:
-    """`stacks`: a folder where every process of the server leaves its stack samples of each
-    load (`Stacks`)."""
+def start_server(cmd: list[str], log: str, readings: dict[str, str] = {}) -> subprocess.Popen:
+    """`readings`: environment variable -> folder, where every process of the server leaves its
+    reading of each load (`Stacks`, `CallTimes`: serve_stacks/sitecustomize.py)."""
     env = None
-    if stacks is not None:
-        os.makedirs(stacks, exist_ok=True)
+    if readings:
+        for folder in readings.values():
+            os.makedirs(folder, exist_ok=True)
         here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_stacks")
-        env = {**os.environ, "TAPC_STACKS_DIR": stacks,
+        env = {**os.environ, **readings,
                "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 
-class Stacks:
-    """`--profile`: stack samples of every process of one server during its timed loads
-    (serve_stacks/sitecustomize.py), summed over the loads, as markdown per process and thread."""
+class Window:
+    """A reading that every process of one server takes while a timed load runs: the file `on`
+    in `folder` marks the load (serve_stacks/sitecustomize.py); each load leaves a file a process."""
 
     def __init__(self, folder: str):
         self.folder = folder
@@ -310,18 +314,30 @@ class Stacks:
         os.remove(self.flag)
         time.sleep(0.5)   # each process writes its window within a tick of seeing the flag gone
 
+    def readings(self) -> list[dict]:
+        out = []
+        for path in sorted(f for f in os.listdir(self.folder) if f.endswith(".json")):
+            with open(os.path.join(self.folder, path)) as f:
+                out.append(json.load(f))
+        return out
+
+
+class Stacks(Window):
+    """`--profile`: stack samples of every process of one server during its timed loads
+    (stacks.py), summed over the loads, as markdown per process and thread."""
+
+    ENV = "TAPC_STACKS_DIR"
+
     def report(self, server: str, top: int = 3) -> list[str]:
         from collections import Counter
 
         from stacks import report_thread
 
         procs: dict[str, dict[str, dict]] = {}
-        for path in sorted(f for f in os.listdir(self.folder) if f.endswith(".json")):
-            with open(os.path.join(self.folder, path)) as f:
-                got = json.load(f)
+        for got in self.readings():
             threads = procs.setdefault(f"{got['process']} (pid {got['pid']})", {})
             for tname, t in got["threads"].items():
-                if tname in ("tapc-stacks", "tapc-sampler"):   # the profiler's own
+                if tname in ("tapc-stacks", "tapc-sampler", "tapc-timers"):   # the readings' own
                     continue
                 acc = threads.setdefault(tname, {"samples": 0, "idle": 0, "inclusive": Counter(), "tapc": Counter(),
                                                  "innermost": Counter()})
@@ -341,6 +357,51 @@ class Stacks:
             for tname, t in sorted(threads.items(), key=lambda kv: kv[1]["idle"] - kv[1]["samples"])[:top]:
                 lines += report_thread(tname, {**t, **{k: t[k].most_common(25) for k in ("inclusive", "tapc", "innermost")}})
         return lines
+
+
+class CallTimes(Window):
+    """`--timers`: the engine thread's milliseconds a step in vLLM's engine-loop functions
+    (timers.py), summed over one server's timed loads."""
+
+    ENV = "TAPC_TIMERS_DIR"
+
+    def per_step(self, steps: float) -> tuple[dict[str, tuple[float, float]], list[str]]:
+        """{function: (ms a step, calls a step)} of the engine-core process, and targets missing."""
+        seconds, calls, missing = {}, {}, set()
+        got_any = False
+        for got in self.readings():
+            if not got["process"].startswith("EngineCore"):
+                continue
+            got_any = True
+            missing.update(got["missing"])
+            for k, v in got["seconds"].items():
+                seconds[k] = seconds.get(k, 0.0) + v
+                calls[k] = calls.get(k, 0) + got["calls"][k]
+        if not got_any:
+            raise RuntimeError(f"--timers: no engine-core process left a reading in {self.folder}")
+        steps = max(steps, 1.0)
+        return {k: (seconds[k] * 1e3 / steps, calls[k] / steps) for k in seconds}, sorted(missing)
+
+
+def call_times_report(timers: dict[str, CallTimes], steps: dict[str, float], seconds: dict[str, float]) -> list[str]:
+    """Both servers' engine threads side by side: ms a step in each timed function (inclusive:
+    a function's callees count in it too), calls a step, and the difference."""
+    got = {name: t.per_step(steps[name]) for name, t in timers.items()}
+    wall = {name: seconds[name] * 1e3 / max(steps[name], 1.0) for name in timers}
+    lines = ["# bench_serve --timers: the engine thread's ms a step in vLLM's engine-loop functions, during the "
+             "timed loads (inclusive; calls on the engine core's main thread only)", "",
+             f"steps: vanilla {steps['vanilla']:.0f}, tapc {steps['tapc']:.0f}", "",
+             "| function | vanilla ms a step | tapc ms a step | tapc - vanilla | vanilla calls a step | tapc calls a step |",
+             "|---|---:|---:|---:|---:|---:|",
+             f"| (wall) | {wall['vanilla']:.3f} | {wall['tapc']:.3f} | {wall['tapc'] - wall['vanilla']:+.3f} | | |"]
+    names = sorted(set(got["vanilla"][0]) | set(got["tapc"][0]), key=lambda k: -got["vanilla"][0].get(k, (0, 0))[0])
+    for k in names:
+        (vm, vc), (tm, tc) = got["vanilla"][0].get(k, (0.0, 0.0)), got["tapc"][0].get(k, (0.0, 0.0))
+        lines.append(f"| `{k}` | {vm:.3f} | {tm:.3f} | {tm - vm:+.3f} | {vc:.2f} | {tc:.2f} |")
+    missing = sorted(set(got["vanilla"][1]) | set(got["tapc"][1]))
+    if missing:
+        lines += ["", f"not in this vLLM (not timed): {', '.join(missing)}"]
+    return lines
 
 
 def wait_healthy(proc: subprocess.Popen, port: int, log: str) -> None:
@@ -758,8 +819,9 @@ def main() -> int:
     ap.add_argument("--mix", nargs="+", default=[",".join(map(str, MIX))],
                     help=f"shares of {', '.join(KINDS)} (e.g. 1,0,0,0: untapped traffic alone); several "
                          "mixes run one after the other on the same two servers")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="loads of each mix on each server, in turn (new prompts each round); the table shows medians")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="loads of each mix on each server, in turn (new prompts each round); the table shows medians "
+                         "(default 3, with --quick 1)")
     ap.add_argument("--check-rounds", type=int, default=None, metavar="K",
                     help="check the answers of each mix's first K rounds only (default: every round); the check "
                          "takes longer than a round's two loads, so more rounds fit in a GPU call this way. Errors "
@@ -785,9 +847,14 @@ def main() -> int:
     ap.add_argument("--profile", default=None, metavar="MD",
                     help="sample the stacks of every process of both servers during the timed loads (a "
                          "thread per process takes the GIL every 2 ms: slower loads) and write them here")
+    ap.add_argument("--timers", default=None, metavar="MD",
+                    help="time the engine thread's calls of vLLM's engine-loop functions on both servers during "
+                         "the timed loads (benchmarks/timers.py: two clock reads a call) and write ms a step here")
     args = ap.parse_args()
     if args.quick:
-        args.requests, args.hidden, args.layers, args.rounds = 300, 512, 4, 1
+        args.requests, args.hidden, args.layers = 300, 512, 4
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
     mixes = []
     for text in args.mix:
         mix = [float(x) for x in text.split(",")]
@@ -806,9 +873,13 @@ def main() -> int:
         common += ["--api-server-count", str(args.api_server_count)]
     env_py = sys.executable
     logs = {port: os.path.join(work, f"{name}.log") for port, name in ((8101, "vanilla"), (8102, "tapc"))}
-    stacks = {name: Stacks(os.path.join(work, f"stacks-{name}")) for name in ("vanilla", "tapc")} if args.profile else {}
+    # each server's readings during its timed loads: stack samples, call timers
+    windows = {name: [kind(os.path.join(work, f"{kind.__name__.lower()}-{name}"))
+                      for kind, wanted in ((Stacks, args.profile), (CallTimes, args.timers)) if wanted]
+               for name in ("vanilla", "tapc")}
+    timed = {"steps": dict.fromkeys(windows, 0.0), "seconds": dict.fromkeys(windows, 0.0)}
     vanilla = start_server([env_py, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", "8101", *common],
-                           logs[8101], stacks["vanilla"].folder if stacks else None)
+                           logs[8101], {w.ENV: w.folder for w in windows["vanilla"]})
     tapped = None
     rows: list[str] = []
     problems: list[str] = []
@@ -825,7 +896,7 @@ def main() -> int:
                                   "--block", "probe=benchmarks.bench_serve:probe"] if args.block else []),
                                *(["--save-to", save_dir, "--save-shard-tokens", "4096"] if args.save else []),
                                *(["--prefix-rows-gib", str(args.prefix_rows_gib)] if args.prefix_rows_gib else []), *common],
-                              logs[8102], stacks["tapc"].folder if stacks else None)
+                              logs[8102], {w.ENV: w.folder for w in windows["tapc"]})
         wait_healthy(tapped, 8102, logs[8102])
         for k, v in enumerate(vectors):
             http_json("POST", "http://127.0.0.1:8102/v1/tapc/vectors", {"name": f"v{k}", "values": v.tolist()})
@@ -849,9 +920,13 @@ def main() -> int:
                 for name, url, tap in (servers if r % 2 == 0 else servers[::-1]):
                     pinned, counted = pinning_s(logs[8102]), engine_counters(url)
                     hooked = host_time(url) if tap else None
-                    with stacks.get(name, contextlib.nullcontext()):
+                    with contextlib.ExitStack() as reading:
+                        for w in windows[name]:
+                            reading.enter_context(w)
                         done, seconds = asyncio.run(load(url, model, jobs, args.clients, tap, args.via))
                     results[name] = (done, {**summary(done, seconds), **engine_view(counted, engine_counters(url), seconds)})
+                    timed["steps"][name] += results[name][1]["steps"]
+                    timed["seconds"][name] += seconds
                     if tap:
                         results[name][1]["pinning"] = pinning_s(logs[8102]) - pinned
                         results[name][1]["hooks"] = hooks_view(hooked, host_time(url))
@@ -902,12 +977,17 @@ def main() -> int:
         if not saved:
             problems.append("--save: no request was saved")
     report(args, rows, problems, final=True, baseline=baseline)
-    if stacks:
+    if args.profile:
         lines = [f"# bench_serve --profile: stack samples every {float(os.environ.get('TAPC_STACKS_INTERVAL', '0.002')) * 1e3:g} ms "
                  "in every process of each server, during its timed loads", ""]
-        for name, st in stacks.items():
-            lines += st.report(name)
+        for name, ws in windows.items():
+            lines += next(w for w in ws if isinstance(w, Stacks)).report(name)
         with open(args.profile, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    if args.timers:
+        lines = call_times_report({name: next(w for w in ws if isinstance(w, CallTimes)) for name, ws in windows.items()},
+                                  timed["steps"], timed["seconds"])
+        with open(args.timers, "w") as f:
             f.write("\n".join(lines) + "\n")
     return 1 if problems else 0
 

@@ -1,43 +1,62 @@
-"""Stack samples of every Python process of a server that bench_serve.py starts with `--profile`.
+"""Per-load readings of every Python process of a server that bench_serve.py starts with
+`--profile` (stack samples, stacks.py) or `--timers` (call timers on vLLM's engine loop, timers.py).
 
 Python imports this module at start in every process whose PYTHONPATH holds this folder (the
-API server, vLLM's engine core, anything they spawn). With TAPC_STACKS_DIR set, a thread waits
-for the file `on` there, samples the process's stacks (stacks.py) while it exists, and when it
-goes writes the window's samples to `<process name>-<pid>-<window>.json` in that folder. Without
-TAPC_STACKS_DIR it does nothing.
+API server, vLLM's engine core, anything they spawn). With TAPC_STACKS_DIR or TAPC_TIMERS_DIR
+set, a thread waits for the file `on` there, reads while it exists, and when it goes writes the
+window's reading to `<process name>-<pid>-<window>.json` in that folder. Without them it does
+nothing.
 """
 import os
 
-_DIR = os.environ.get("TAPC_STACKS_DIR")
 
-
-def _watch(folder: str, interval: float) -> None:
+def _watch(folder: str, start) -> None:
+    """`start()` begins a window's reading and returns the call that ends it with plain data."""
     import json
     import multiprocessing
     import time
-
-    from stacks import Sampler
 
     flag, window = os.path.join(folder, "on"), 0
     while True:
         while not os.path.exists(flag):
             time.sleep(0.05)
-        sampler = Sampler(interval)
+        stop = start()
         while os.path.exists(flag):
             time.sleep(0.05)
-        threads = sampler.stop()
+        reading = stop()
         name = multiprocessing.current_process().name
         path = os.path.join(folder, f"{name}-{os.getpid()}-{window}.json")
         with open(path + ".tmp", "w") as f:
-            json.dump({"process": name, "pid": os.getpid(), "threads": threads}, f)
+            json.dump({"process": name, "pid": os.getpid(), **reading}, f)
         os.replace(path + ".tmp", path)   # whole or absent: the bench reads as soon as it appears
         window += 1
 
 
-if _DIR:
+def _stacks():
+    from stacks import Sampler
+
+    sampler = Sampler(float(os.environ.get("TAPC_STACKS_INTERVAL", "0.002")))
+    return lambda: {"threads": sampler.stop()}
+
+
+def _timer_window(timers):
+    from timers import window
+
+    before = timers.snapshot()
+    return lambda: window(before, timers.snapshot())
+
+
+if os.environ.get("TAPC_STACKS_DIR") or os.environ.get("TAPC_TIMERS_DIR"):
     import sys
     import threading
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # benchmarks/
-    threading.Thread(target=_watch, args=(_DIR, float(os.environ.get("TAPC_STACKS_INTERVAL", "0.002"))),
-                     name="tapc-stacks", daemon=True).start()
+    if os.environ.get("TAPC_STACKS_DIR"):
+        threading.Thread(target=_watch, args=(os.environ["TAPC_STACKS_DIR"], _stacks),
+                         name="tapc-stacks", daemon=True).start()
+    if os.environ.get("TAPC_TIMERS_DIR"):
+        from timers import Timers
+
+        _timers = Timers()   # now, on the main thread, before vLLM is imported
+        threading.Thread(target=_watch, args=(os.environ["TAPC_TIMERS_DIR"], lambda: _timer_window(_timers)),
+                         name="tapc-timers", daemon=True).start()
