@@ -63,6 +63,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import fnmatch
 import json
 import math
 import os
@@ -96,6 +97,7 @@ class Job:
     at: float = 0.0              # seconds after the start when it is sent
     inline: bool = False         # its captures come in its response (else fetched by id)
     save: bool = False           # its captures go to the server's save folder
+    capture: str = "model.layers.*.resid"   # what a capturing request asks for (a glob over the server's taps)
 
 
 @dataclass
@@ -113,7 +115,9 @@ class Done:
     result_error: str = ""        # the error its fetched results carry ('' if none)
 
 
-def write_model(path: str, hidden: int, layers: int, vocab: int) -> None:
+def write_model(path: str, hidden: int, layers: int, vocab: int, weights: bool = True) -> None:
+    """A random Llama and its word-level tokenizer; `weights` False: the config and tokenizer only,
+    for servers that make their own weights (`--load-format dummy`)."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -123,7 +127,11 @@ def write_model(path: str, hidden: int, layers: int, vocab: int) -> None:
                                       num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256),
                                       num_hidden_layers=layers, vocab_size=vocab, max_position_embeddings=4096,
                                       initializer_range=0.02, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
-    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    if weights:
+        transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    else:
+        config.torch_dtype = torch.bfloat16
+        config.save_pretrained(path)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t2"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1",
@@ -141,7 +149,7 @@ MIX = (0.4, 0.2, 0.25, 0.15)   # the share of each kind in the default load
 
 
 def make_jobs(n: int, vocab: int, rate: float, abort: float, seed: int = 0, mix=MIX, inline: float = 0.0,
-              save: float = 0.0) -> list[Job]:
+              save: float = 0.0, capture: str = Job.capture) -> list[Job]:
     rng = random.Random(seed)
     bounds = np.cumsum(mix) / sum(mix)
     system = [rng.randrange(3, vocab) for _ in range(256)]
@@ -153,7 +161,7 @@ def make_jobs(n: int, vocab: int, rate: float, abort: float, seed: int = 0, mix=
         r = rng.random()
         kind = KINDS[min(int(np.searchsorted(bounds, r, side="right")), len(KINDS) - 1)]
         job = Job(i, prompt, rng.randrange(16, 96), kind, at=t,
-                  positions=rng.choice(["all", "prompt", "generated"]), vector=rng.randrange(3))
+                  positions=rng.choice(["all", "prompt", "generated"]), vector=rng.randrange(3), capture=capture)
         job.stream = rng.random() < 0.25
         if rng.random() < abort:
             job.stream, job.abort_after = True, rng.randrange(1, 8)
@@ -170,7 +178,7 @@ def taps_of(job: Job) -> dict | None:
     if job.save:   # the folder's captures and positions
         ask["save"] = True
     elif "capture" in job.kind:
-        ask["capture"] = ["model.layers.*.resid"]
+        ask["capture"] = [job.capture]
         ask["positions"] = job.positions
     if "steer" in job.kind:
         ask["params"] = {"steer": f"v{job.vector}"}
@@ -580,8 +588,6 @@ def check(ref: Reference, url: str, done: list[Done], block: bool = False,
     near = {"unsteered": [0, 0], "steered": [0, 0]}   # requests with a near miss, requests checked
     for d in done:
         job = d.job
-        if d.aborted and d.tid:
-            problems += taken_after_abort(url, d)
         if d.error or d.aborted:
             continue
         if len(d.tokens) != job.max_tokens:
@@ -616,6 +622,7 @@ def check(ref: Reference, url: str, done: list[Done], block: bool = False,
         else:
             taps = load(base64.b64decode(d.inline["safetensors"]) if job.inline and "safetensors" in d.inline
                         else d.fetched)
+        seen = {k: v for k, v in seen.items() if fnmatch.fnmatchcase(k, job.capture)}
         missing = sorted(set(seen) - set(taps))
         if missing:
             problems.append(f"{where}: its results lack {len(missing)} captures ({missing[0]}, ...)"
@@ -806,6 +813,8 @@ def report(args, rows: list[str], problems: list[str], final: bool, baseline: li
                     f"{', a block by path' if args.block else ''}"
                     f"{f', {args.save:g} of all-row captures saved' if args.save else ''}"
                     f"{f', prefix rows kept in {args.prefix_rows_gib:g} GiB' if args.prefix_rows_gib else ''}"
+                    f"{f', capturing {args.capture}' if args.capture != Job.capture else ''}"
+                    f"{', dummy weights (vLLM makes them, the same on both servers; nothing checked)' if args.dummy_weights else ''}"
                     f"{f', answers checked in the first {args.check_rounds} round(s) of each mix' if args.check_rounds is not None and args.check_rounds < args.rounds else ''})\n\n{text}\n")
 
 
@@ -828,6 +837,14 @@ def main() -> int:
                          "and lost requests are counted in every round")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dummy-weights", action="store_true",
+                    help="both servers make their own random weights (vLLM's --load-format dummy, the same on both): "
+                         "models too large to write in a GPU call (e.g. --hidden 4096 --layers 32, an 8B-sized body "
+                         "whose steps are the GPU's, not the host's). There is no checkpoint for HF, so nothing is "
+                         "checked: needs --check-rounds 0")
+    ap.add_argument("--capture", default=Job.capture,
+                    help="what capturing requests ask for, a glob over the server's taps (every layer's residual "
+                         "stream); e.g. one layer's, as an SAE harvest asks, on a model of many")
     ap.add_argument("--inline", type=float, default=0.0,
                     help="share of capturing requests that ask for their captures in the response")
     ap.add_argument("--block", action="store_true",
@@ -855,6 +872,8 @@ def main() -> int:
         args.requests, args.hidden, args.layers = 300, 512, 4
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
+    if args.dummy_weights and (args.check_rounds != 0 or args.save or args.block):
+        ap.error("--dummy-weights: there are no weights for HF's reference; give --check-rounds 0, and no --save or --block")
     mixes = []
     for text in args.mix:
         mix = [float(x) for x in text.split(",")]
@@ -864,11 +883,11 @@ def main() -> int:
     vocab = 2048
     work = tempfile.mkdtemp(prefix="bench-serve-")
     model = os.path.join(work, "model")
-    write_model(model, args.hidden, args.layers, vocab)
+    write_model(model, args.hidden, args.layers, vocab, weights=not args.dummy_weights)
     vectors = [np.random.default_rng(10 + k).standard_normal(args.hidden).astype(np.float32) for k in range(3)]
     common = ["--gpu-memory-utilization", "0.35", "--max-model-len", "2048", "--enable-prompt-tokens-details",
               "--attention-backend", os.environ.get("TAPC_ATTENTION_BACKEND", "TRITON_ATTN"),
-              "--max-num-seqs", "128"]
+              "--max-num-seqs", "128", *(["--load-format", "dummy"] if args.dummy_weights else [])]
     if args.api_server_count > 1:   # tapc's processes then share vectors and results (serving/results.py)
         common += ["--api-server-count", str(args.api_server_count)]
     env_py = sys.executable
@@ -913,7 +932,8 @@ def main() -> int:
                 # prompts of their own for each mix and round (the first mix's first round as
                 # before): no load is served from the cache an earlier one filled
                 jobs = make_jobs(args.requests, vocab, args.rate, args.abort,
-                                 seed=(0 if m == 0 else 100 + m) + 1000 * r, mix=mix, inline=args.inline, save=args.save)
+                                 seed=(0 if m == 0 else 100 + m) + 1000 * r, mix=mix, inline=args.inline, save=args.save,
+                                 capture=args.capture)
                 results = {}
                 # in turn, the other first in every other round: a drift of the machine's speed
                 # over a mix falls on both
@@ -931,6 +951,9 @@ def main() -> int:
                         results[name][1]["pinning"] = pinning_s(logs[8102]) - pinned
                         results[name][1]["hooks"] = hooks_view(hooked, host_time(url))
                 found = [f"tapc: {e}" for e in results["tapc"][1]["errors"]]
+                # every round, checked or not: what the server kept of them is held until fetched
+                found += [p for d in results["tapc"][0] if d.aborted and d.tid
+                          for p in taken_after_abort("http://127.0.0.1:8102", d)]
                 found += [f"vanilla: {e}" for e in results["vanilla"][1]["errors"]]
                 lost = len(jobs) - len(results["tapc"][0])
                 if lost:
