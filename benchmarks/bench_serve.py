@@ -130,7 +130,7 @@ def write_model(path: str, hidden: int, layers: int, vocab: int, weights: bool =
     if weights:
         transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     else:
-        config.torch_dtype = torch.bfloat16
+        config.dtype, config.architectures = torch.bfloat16, ["LlamaForCausalLM"]   # as save_pretrained of the model writes them
         config.save_pretrained(path)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t2"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
