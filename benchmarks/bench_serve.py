@@ -417,7 +417,9 @@ def wait_healthy(proc: subprocess.Popen, port: int, log: str) -> None:
 
     for _ in range(600):
         if proc.poll() is not None:
-            raise SystemExit(f"server on port {port} exited ({proc.returncode}); see {log}")
+            with open(log, errors="replace") as f:   # its log may be on a machine nobody reads after
+                tail = "".join(f.readlines()[-40:])
+            raise SystemExit(f"server on port {port} exited ({proc.returncode}); the end of {log}:\n{tail}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
                 return
