@@ -27,6 +27,11 @@ TARGETS = (
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.add_requests"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.update_requests"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.prepare_inputs"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.prepare_attn"),
+    # the forward: a FULL graph's replay, or the piecewise graphs' (attention between them)
+    ("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager.run_fullgraph"),
+    ("vllm.v1.worker.gpu.cudagraph_utils", "ModelCudaGraphManager.run_fullgraph"),
+    ("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager.run_pw_graph"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample"),
     ("vllm.v1.worker.gpu.async_utils", "AsyncOutput.get_output"),   # the wait for the GPU's step
 )
