@@ -9,7 +9,7 @@ from tapc.engine.config import WORKER, engine_kwargs
 from tapc.engine.fill import Repeat, fill_step
 from tapc.engine.layout import Layout
 from tapc.engine.memcpy import copy_segments
-from tapc.engine.positions import expected_rows, select
+from tapc.engine.positions import expected_rows, interval, select
 from tapc.engine.protocol import WireRequest
 from tapc.engine.records import Record
 from tapc.engine.requests import TapRequest, check
@@ -34,6 +34,19 @@ def test_select_positions():
     assert pos[select("generated", pos, 5)].tolist() == [5, 6, 7, 8]
     assert pos[select("last", pos, 5)].tolist() == [4]
     assert pos[select([0, 3, 8], pos, 5)].tolist() == [3, 8]
+
+
+def test_a_words_interval_covers_what_select_covers():
+    """The fill's closed form of a word (`interval`) against `select`, over positions around
+    short, empty and long prompts; a list of positions has none."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        plen = int(rng.integers(0, 12))
+        pos = np.arange(int(rng.integers(0, 4)), int(rng.integers(4, 30)))
+        for word in ("all", "prompt", "generated", "last"):
+            lo, hi = interval(word, plen)
+            assert ((pos >= lo) & (pos < hi)).tolist() == select(word, pos, plen).tolist(), (word, plen)
+    assert interval([0, 3], 5) is None
 
 
 @pytest.mark.parametrize("positions,rows", [("all", 7), ("prompt", 5), ("generated", 2), ("last", 1), ([1, 6, 7], 2)])

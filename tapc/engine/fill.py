@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tapc.engine.layout import Layout
-from tapc.engine.positions import select
+from tapc.engine.positions import NO_END, select
 from tapc.engine.records import Record
 from tapc.engine.step import StepBatch
 from tapc.engine.storage import Store
@@ -96,7 +96,7 @@ class _BatchRows:
     `recs`), its row in the batch and its absolute position."""
 
     def __init__(self, tapped: list[tuple[int, Record]], query_start_loc: np.ndarray, num_computed: np.ndarray):
-        idx = np.fromiter((i for i, _ in tapped), dtype=np.int64, count=len(tapped))
+        idx = np.array([i for i, _ in tapped], dtype=np.int64)
         self.recs = [rec for _, rec in tapped]
         starts = query_start_loc[idx].astype(np.int64)
         counts = query_start_loc[idx + 1].astype(np.int64) - starts
@@ -107,12 +107,19 @@ class _BatchRows:
         self.plen = np.array([rec.prompt_len for rec in self.recs], dtype=np.int64)[self.req]
 
     def selected(self, ks: list[int]) -> np.ndarray:
-        """Mask over the rows: rows of requests `ks` whose positions select them; requests with
-        equal positions (Record.positions is hashable) share one vectorized test."""
-        out = np.zeros(self.req.size, dtype=bool)
+        """Mask over the rows: rows of requests `ks` whose positions select them. A word covers
+        one interval of positions (`Record.span`), so every request with a word takes part in
+        one comparison; requests with equal lists of positions (hashable) share one test."""
+        lo, hi = np.full(len(self.recs), NO_END, dtype=np.int64), np.zeros(len(self.recs), dtype=np.int64)
+        spans = [(k, span) for k in ks if (span := self.recs[k].span) is not None]
+        if spans:
+            at = [k for k, _ in spans]
+            lo[at], hi[at] = zip(*(span for _, span in spans))
+        out = (self.pos >= lo[self.req]) & (self.pos < hi[self.req])
         by_positions: dict = {}
         for k in ks:
-            by_positions.setdefault(self.recs[k].positions, []).append(k)
+            if self.recs[k].span is None:
+                by_positions.setdefault(self.recs[k].positions, []).append(k)
         for positions, members in by_positions.items():
             mine = np.zeros(len(self.recs), dtype=bool)
             mine[members] = True
@@ -183,7 +190,8 @@ def _fill_edits(layout: Layout, table: np.ndarray, rows: _BatchRows) -> None:
     one assignment, copied to the others (on a 2-core CPU a prompt step of 8192 rows and 32 edits
     took 2.8 ms one edit at a time, 0.3 ms so)."""
     slot = np.array([rec.slot for rec in rows.recs], dtype=np.int64)
-    bound = np.stack([rec.edit_mask for rec in rows.recs]) & (slot >= 0)[:, None]
+    # one concatenate, not np.stack (a quarter of the time for a batch's 1-D masks)
+    bound = np.concatenate([rec.edit_mask for rec in rows.recs]).reshape(len(rows.recs), -1) & (slot >= 0)[:, None]
     alike: dict[tuple, list[int]] = {}
     for e in np.flatnonzero(bound.any(axis=0)).tolist():
         at = layout.edit_at[e]

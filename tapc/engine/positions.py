@@ -33,6 +33,23 @@ def select(positions: str | Sequence[int], pos: np.ndarray, prompt_len) -> np.nd
     return np.isin(pos, np.asarray(positions, dtype=np.int64))
 
 
+def interval(positions: str | Sequence[int], prompt_len: int) -> tuple[int, int] | None:
+    """The positions a word covers, as [lo, hi) (`select`'s words in closed form, for the step
+    fill's one comparison over many requests); None for a list of positions."""
+    if positions == "all":
+        return 0, NO_END
+    if positions == "prompt":
+        return 0, prompt_len
+    if positions == "generated":
+        return prompt_len, NO_END
+    if positions == "last":
+        return prompt_len - 1, prompt_len
+    return None
+
+
+NO_END = np.iinfo(np.int64).max   # past every position
+
+
 def expected_rows(positions, prompt_len: int, num_generated: int) -> int:
     """How many rows a finished request's capture has: positions that went through the model
     (0 .. prompt_len + num_generated - 2) and that `positions` covers (what `select` over them

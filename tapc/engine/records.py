@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from tapc.engine.layout import Layout
-from tapc.engine.positions import expected_rows
+from tapc.engine.positions import expected_rows, interval
 from tapc.engine.protocol import WireRequest
 from tapc.engine.storage import Alloc, Store
 from tapc.errors import RequestError
@@ -18,6 +18,7 @@ class Record:
         self.prompt_len = prompt_len
         # hashable (a word or a tuple): the step fill groups requests by it
         self.positions = wire.ask.positions if isinstance(wire.ask.positions, str) else tuple(wire.ask.positions)
+        self.span = interval(self.positions, prompt_len)   # [lo, hi) of a word's positions, None for a list
         self.params = wire.ask.params
         wrong = [k for k in wire.ask.capture if k not in layout.plan_captures]
         if wrong:
