@@ -4,6 +4,7 @@ streams captured, one steering edit).
 
     python3 benchmarks/bench_host.py
     python3 benchmarks/bench_host.py --moe     # bench_moe.py's plan (vLLM's tree of its shape, on meta)
+    python3 benchmarks/bench_host.py --device  # on a GPU: fill, upload and copy-out as the worker runs them
 
 The pools and host storage live on the meta device and the copies are built as the GPU path
 builds them, one batch of addresses for the driver (`issued`), but not sent: on the GPU they
@@ -143,7 +144,58 @@ def moe_main():
             print(f"| decode {n}, capture {name} 24 layers | {fresh:.3f} | {again:.3f} |")
 
 
+def device_main():
+    """`--device`: the same steps on the path the worker runs on a GPU, each part timed on the
+    host: the fill, the table's upload (`Buffers.upload`) and the copy-out (`Buffers.copy_out`:
+    the snapshot, its events and the batched copy into pinned arena storage). The GPU has no
+    forward to run between steps, so each part's time is its host work alone."""
+    from tapc.engine.arena import Arena
+    from tapc.engine.buffers import Buffers
+    from tapc.engine.worker import _register
+
+    dev = torch.device("cuda")
+    arena = Arena(register=_register)
+    print("| step | fill us | upload us | copy-out us | segments |\n|---|---:|---:|---:|---:|")
+    global LAYERS
+    for layers in (8, 32):
+        LAYERS = layers
+        plan = build_plan("bench", TAPS[:1] + ["model.layers.1.resid | add(steer, alpha=4.0)"],
+                          max_num_batched_tokens=ROWS, max_num_seqs=SEQS, tree=tree())
+        layout = Layout(plan)
+        buffers = Buffers(layout, ROWS, SEQS, 2, dev)
+        steer = {"steer": np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32)}
+        cases = [("served: 64 of bench_serve's mix, 2 prefilling 230 tokens", served_scenario(plan, layout, steer)),
+                 ("decode 64, capture every layer", scenario(plan, layout, TapRequest(capture="model.layers.*.resid"),
+                                                             64, 100, True))]
+        for name, (records, batch) in cases:
+            for rid, rec in list(records.items()):   # their storage in pinned arena memory, as admitted
+                records[rid] = Record(layout, rid, WireRequest(rec.id, check(plan, TapRequest(
+                    capture=[layout.captures[c].key for st in rec.stores for c in st.caps], positions=rec.positions,
+                    params=steer if rec.edits else {}), "bench")), rec.prompt_len, 16, arena.tensor)
+                records[rid].slot = 0 if records[rid].edits else -1
+            parts, segs = [], 0
+            for _ in range(200):
+                for rec in records.values():
+                    rec.next_pos = 0
+                    for st in rec.stores:
+                        st.rows = 0
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                step = fill_step(layout, buffers.host_table(batch.padded), records, batch)
+                t1 = time.perf_counter()
+                buffers.upload(batch.padded)
+                t2 = time.perf_counter()
+                buffers.copy_out(*step)
+                t3 = time.perf_counter()
+                parts.append((t1 - t0, t2 - t1, t3 - t2))
+                segs = len(step[0])
+            med = [statistics.median(p[k] for p in parts) * 1e6 for k in range(3)]
+            print(f"| {layers} layers, {name} | {med[0]:.0f} | {med[1]:.0f} | {med[2]:.0f} | {segs} |", flush=True)
+
+
 def main():
+    if "--device" in sys.argv[1:]:
+        return device_main()
     if "--moe" in sys.argv[1:]:
         return moe_main()
     plan = build_plan("bench", TAPS, max_num_batched_tokens=ROWS, max_num_seqs=SEQS, tree=tree())
