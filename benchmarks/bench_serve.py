@@ -55,7 +55,11 @@ stacks during the timed loads (serve_stacks/sitecustomize.py, on their PYTHONPAT
 MD per process and thread; the sampling slows both servers' loads. `--timers MD` times the engine
 thread's calls of vLLM's engine-loop functions (scheduler, executor, model runner, the wait for
 the GPU: timers.py) on both servers and writes their ms a step side by side: which part of a
-slower tapc step is vLLM's own work grown, and which is not vLLM's.
+slower tapc step is vLLM's own work grown, and which is not vLLM's. `--dummy-weights` serves a
+model too large to write in a GPU call with vLLM's own random weights on both servers (nothing
+can be checked then: `--check-rounds 0`), and `--capture GLOB` sets what capturing requests
+ask for (e.g. one layer of 32, as an SAE harvest asks): the load where a step is the GPU's work
+rather than the host's.
 """
 from __future__ import annotations
 
@@ -294,7 +298,7 @@ async def load(url: str, model: str, jobs: list[Job], clients: int, tapped: bool
     return sorted(out, key=lambda d: d.job.i), time.perf_counter() - start
 
 
-def start_server(cmd: list[str], log: str, readings: dict[str, str] = {}) -> subprocess.Popen:
+def start_server(cmd: list[str], log: str, readings: dict[str, str] | None = None) -> subprocess.Popen:
     """`readings`: environment variable -> folder, where every process of the server leaves its
     reading of each load (`Stacks`, `CallTimes`: serve_stacks/sitecustomize.py)."""
     env = None
