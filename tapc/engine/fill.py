@@ -111,15 +111,14 @@ class _BatchRows:
         one interval of positions (`Record.span`), so every request with a word takes part in
         one comparison; requests with equal lists of positions (hashable) share one test."""
         lo, hi = np.full(len(self.recs), NO_END, dtype=np.int64), np.zeros(len(self.recs), dtype=np.int64)
-        spans = [(k, span) for k in ks if (span := self.recs[k].span) is not None]
-        if spans:
-            at = [k for k, _ in spans]
-            lo[at], hi[at] = zip(*(span for _, span in spans))
-        out = (self.pos >= lo[self.req]) & (self.pos < hi[self.req])
         by_positions: dict = {}
         for k in ks:
-            if self.recs[k].span is None:
-                by_positions.setdefault(self.recs[k].positions, []).append(k)
+            rec = self.recs[k]
+            if rec.span is None:
+                by_positions.setdefault(rec.positions, []).append(k)
+            else:
+                lo[k], hi[k] = rec.span
+        out = (self.pos >= lo[self.req]) & (self.pos < hi[self.req])
         for positions, members in by_positions.items():
             mine = np.zeros(len(self.recs), dtype=bool)
             mine[members] = True
