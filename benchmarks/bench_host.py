@@ -13,6 +13,7 @@ bench_serve's default mix (`served_scenario`). A decode step that repeats the la
 filled (tapc/engine/fill.py `Repeat`): the last column times those. Async scheduling overlaps this with the previous step on the GPU (about 12 ms at
 batch 64 for an 8B model, 4.6 ms at batch 1), beside vLLM's own host work.
 """
+import functools
 import statistics
 import sys
 import time
@@ -38,10 +39,10 @@ HIDDEN, LAYERS, ROWS, SEQS = 4096, 32, 8192, 256
 TAPS = ["model.layers.*.resid", "model.layers.16.resid | add(steer, alpha=4.0)"]
 
 
-def tree() -> ModuleTree:
+def tree(layers: int = LAYERS) -> ModuleTree:
     nodes = [Node("model", "LlamaModel", "tensor", HIDDEN, HIDDEN), Node("model.layers", "ModuleList", "none", None, None)]
-    nodes += [Node(f"model.layers.{i}", "LlamaDecoderLayer", "pair", HIDDEN, HIDDEN, layer=i) for i in range(LAYERS)]
-    return ModuleTree(model="bench", architecture="LlamaForCausalLM", hidden_size=HIDDEN, num_layers=LAYERS,
+    nodes += [Node(f"model.layers.{i}", "LlamaDecoderLayer", "pair", HIDDEN, HIDDEN, layer=i) for i in range(layers)]
+    return ModuleTree(model="bench", architecture="LlamaForCausalLM", hidden_size=HIDDEN, num_layers=layers,
                       vocab_size=128256, dtype="bfloat16", layers_path="model.layers", vllm_version="0.26.0",
                       nodes=tuple(nodes))
 
@@ -50,19 +51,21 @@ def meta_alloc(rows, caps, width, dtype):
     return torch.empty((rows, caps, width), dtype=dtype, device="meta")
 
 
-def record(layout, rid: str, checked, prompt_len: int) -> Record:
-    """A request's record as the worker admits it, its edits (if any) bound to slot 0."""
-    rec = Record(layout, rid, WireRequest(rid, checked), prompt_len, 128, meta_alloc)
+def record(layout, rid: str, checked, prompt_len: int, max_tokens: int = 128, alloc=meta_alloc) -> Record:
+    """A request's record as the worker admits it (its storage from `alloc`), its edits (if any)
+    bound to slot 0."""
+    rec = Record(layout, rid, WireRequest(rid, checked), prompt_len, max_tokens, alloc)
     rec.slot = 0 if rec.edits else -1
     return rec
 
 
-def scenario(plan, layout, ask: TapRequest, n_reqs: int, prompt_len: int, decode: bool):
+def scenario(plan, layout, ask: TapRequest, n_reqs: int, prompt_len: int, decode: bool, make=record):
     """(records, step arguments): n_reqs requests, all decoding one token at position
-    prompt_len + 5, or all prefilling their whole prompt in one step."""
+    prompt_len + 5, or all prefilling their whole prompt in one step. `make`: `record`, or one
+    with other storage."""
     checked = check(plan, ask, "bench")
     rids = [f"r{i}" for i in range(n_reqs)]
-    records = {rid: record(layout, rid, checked, prompt_len) for rid in rids}
+    records = {rid: make(layout, rid, checked, prompt_len) for rid in rids}
     per = 1 if decode else prompt_len
     qsl = np.arange(n_reqs + 1, dtype=np.int32) * per
     computed = np.full(n_reqs, prompt_len + 5 if decode else 0, dtype=np.int32)
@@ -71,7 +74,8 @@ def scenario(plan, layout, ask: TapRequest, n_reqs: int, prompt_len: int, decode
     return records, StepBatch(rids, qsl, computed, prompt_lens, padded)
 
 
-def served_scenario(plan, layout, steer: dict, n_reqs: int = 64, prefilling: int = 2, prompt_len: int = 230):
+def served_scenario(plan, layout, steer: dict, n_reqs: int = 64, prefilling: int = 2, prompt_len: int = 230,
+                    make=record):
     """(records, step) of a served batch as bench_serve's default mix makes them: of n_reqs
     requests 40% untapped, 20% capturing (positions all, prompt, generated, last in turn), 25%
     steered, 15% both; the first `prefilling` run their whole prompt, the others decode."""
@@ -84,7 +88,7 @@ def served_scenario(plan, layout, steer: dict, n_reqs: int = 64, prefilling: int
     for i, rid in enumerate(rids):
         kind = ("untapped", "capture", "steer", "both")[int(np.searchsorted([0.4, 0.6, 0.85], rng.random(), side="right"))]
         if kind != "untapped":
-            records[rid] = record(layout, rid, check(plan, asks[kind][i % len(asks[kind])], "bench"), prompt_len)
+            records[rid] = make(layout, rid, check(plan, asks[kind][i % len(asks[kind])], "bench"), prompt_len)
     per = np.array([prompt_len] * prefilling + [1] * (n_reqs - prefilling))
     qsl = np.concatenate([[0], np.cumsum(per)]).astype(np.int32)
     computed = np.where(per > 1, 0, prompt_len + 10).astype(np.int32)
@@ -157,23 +161,18 @@ def device_main():
     arena = Arena(register=_register)
     arena.reserve(4 << 30)   # the cases' storage, pinned up front as `capture_memory_gib` does (no growth lines)
     print("| step | fill us | upload us | copy-out us | segments |\n|---|---:|---:|---:|---:|")
-    global LAYERS
+    # their storage in pinned arena memory, as admitted (16 tokens each: under the reserve)
+    make = functools.partial(record, max_tokens=16, alloc=arena.tensor)
     for layers in (8, 32):
-        LAYERS = layers
         plan = build_plan("bench", TAPS[:1] + ["model.layers.1.resid | add(steer, alpha=4.0)"],
-                          max_num_batched_tokens=ROWS, max_num_seqs=SEQS, tree=tree())
+                          max_num_batched_tokens=ROWS, max_num_seqs=SEQS, tree=tree(layers))
         layout = Layout(plan)
         buffers = Buffers(layout, ROWS, SEQS, 2, dev)
         steer = {"steer": np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32)}
-        cases = [("served: 64 of bench_serve's mix, 2 prefilling 230 tokens", served_scenario(plan, layout, steer)),
+        cases = [("served: 64 of bench_serve's mix, 2 prefilling 230 tokens", served_scenario(plan, layout, steer, make=make)),
                  ("decode 64, capture every layer", scenario(plan, layout, TapRequest(capture="model.layers.*.resid"),
-                                                             64, 100, True))]
+                                                             64, 100, True, make=make))]
         for name, (records, batch) in cases:
-            for rid, rec in list(records.items()):   # their storage in pinned arena memory, as admitted
-                records[rid] = Record(layout, rid, WireRequest(rec.id, check(plan, TapRequest(
-                    capture=[layout.captures[c].key for st in rec.stores for c in st.caps], positions=rec.positions,
-                    params=steer if rec.edits else {}), "bench")), rec.prompt_len, 16, arena.tensor)
-                records[rid].slot = 0 if records[rid].edits else -1
             parts, segs = [], 0
             for _ in range(200):
                 for rec in records.values():
