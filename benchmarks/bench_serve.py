@@ -379,18 +379,15 @@ class CallTimes(Window):
 
     def per_step(self, steps: float) -> tuple[dict[str, tuple[float, float]], list[str]]:
         """{function: (ms a step, calls a step)} of the engine-core process, and targets missing."""
+        engine = [got for got in self.readings() if got["process"].startswith("EngineCore")]
+        if not engine:
+            raise RuntimeError(f"--timers: no engine-core process left a reading in {self.folder}")
         seconds, calls, missing = {}, {}, set()
-        got_any = False
-        for got in self.readings():
-            if not got["process"].startswith("EngineCore"):
-                continue
-            got_any = True
+        for got in engine:
             missing.update(got["missing"])
             for k, v in got["seconds"].items():
                 seconds[k] = seconds.get(k, 0.0) + v
                 calls[k] = calls.get(k, 0) + got["calls"][k]
-        if not got_any:
-            raise RuntimeError(f"--timers: no engine-core process left a reading in {self.folder}")
         steps = max(steps, 1.0)
         return {k: (seconds[k] * 1e3 / steps, calls[k] / steps) for k in seconds}, sorted(missing)
 
