@@ -326,6 +326,16 @@ class Window:
         os.remove(self.flag)
         time.sleep(0.5)   # each process writes its window within a tick of seeing the flag gone
 
+    def set_aside(self, name: str) -> "Window":
+        """The loads' readings so far, moved into a folder of their own (`name`, in this one), as
+        a window of that folder: one mix's loads, read apart from the next mix's."""
+        dest = os.path.join(self.folder, name)
+        os.makedirs(dest)
+        for f in os.listdir(self.folder):
+            if f.endswith(".json"):
+                os.replace(os.path.join(self.folder, f), os.path.join(dest, f))
+        return type(self)(dest)
+
     def readings(self) -> list[dict]:
         out = []
         for path in sorted(f for f in os.listdir(self.folder) if f.endswith(".json")):
@@ -392,13 +402,15 @@ class CallTimes(Window):
         return {k: (seconds[k] * 1e3 / steps, calls[k] / steps) for k in seconds}, sorted(missing)
 
 
-def call_times_report(timers: dict[str, CallTimes], steps: dict[str, float], seconds: dict[str, float]) -> list[str]:
-    """Both servers' engine threads side by side: ms a step in each timed function (inclusive:
-    a function's callees count in it too), calls a step, and the difference."""
+def call_times_report(timers: dict[str, CallTimes], steps: dict[str, float], seconds: dict[str, float],
+                      mix: str) -> list[str]:
+    """Both servers' engine threads side by side over one mix's loads: ms a step in each timed
+    function (inclusive: a function's callees count in it too), calls a step, and the difference."""
     got = {name: t.per_step(steps[name]) for name, t in timers.items()}
     wall = {name: seconds[name] * 1e3 / max(steps[name], 1.0) for name in timers}
-    lines = ["# bench_serve --timers: the engine thread's ms a step in vLLM's engine-loop functions, during the "
-             "timed loads (inclusive; calls on the engine core's main thread only)", "",
+    lines = [f"# bench_serve --timers, mix {mix}: the engine thread's ms a step in vLLM's engine-loop functions, "
+             "during the timed loads (inclusive; calls on the engine core's main thread only; (GPU) rows from "
+             "CUDA events, (gc) rows Python's collections)", "",
              f"steps: vanilla {steps['vanilla']:.0f}, tapc {steps['tapc']:.0f}", "",
              "| function | vanilla ms a step | tapc ms a step | tapc - vanilla | vanilla calls a step | tapc calls a step |",
              "|---|---:|---:|---:|---:|---:|",
@@ -900,6 +912,7 @@ def main() -> int:
                       for kind, wanted in ((Stacks, args.profile), (CallTimes, args.timers)) if wanted]
                for name in ("vanilla", "tapc")}
     timed = {"steps": dict.fromkeys(windows, 0.0), "seconds": dict.fromkeys(windows, 0.0)}
+    timed_mixes = []   # --timers: per mix, (mix, each server's CallTimes of its loads, steps, seconds)
     vanilla = start_server([env_py, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", "8101", *common],
                            logs[8101], {w.ENV: w.folder for w in windows["vanilla"]})
     tapped = None
@@ -984,6 +997,11 @@ def main() -> int:
                 report(args, rows + table_rows(args.mix[m], per["vanilla"], per["tapc"]), problems, final=False,
                        baseline=baseline)
             rows += table_rows(args.mix[m], per["vanilla"], per["tapc"])
+            if args.timers:
+                timed_mixes.append((args.mix[m], {name: next(w for w in ws if isinstance(w, CallTimes)).set_aside(f"mix{m}")
+                                                  for name, ws in windows.items()},
+                                    {k: dict(v) for k, v in timed.items()}))
+                timed = {k: dict.fromkeys(windows, 0.0) for k in timed}
         http_json("GET", "http://127.0.0.1:8102/health")
         for _ in range(50):   # saved requests' captures go back once the writer thread has written them
             _, held = http_json("GET", "http://127.0.0.1:8102/v1/tapc/held")
@@ -1011,8 +1029,8 @@ def main() -> int:
         with open(args.profile, "w") as f:
             f.write("\n".join(lines) + "\n")
     if args.timers:
-        lines = call_times_report({name: next(w for w in ws if isinstance(w, CallTimes)) for name, ws in windows.items()},
-                                  timed["steps"], timed["seconds"])
+        lines = [line for mix, views, got in timed_mixes
+                 for line in call_times_report(views, got["steps"], got["seconds"], mix)]
         with open(args.timers, "w") as f:
             f.write("\n".join(lines) + "\n")
     return 1 if problems else 0

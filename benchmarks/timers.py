@@ -6,9 +6,12 @@ exists, so methods that vLLM binds at start (`EngineCore.step_fn`) are wrapped t
 the process's main thread count (the engine core's loop runs there; the worker of a one-GPU
 server runs on it). Times are inclusive: a target that calls another counts the other's time
 too. Two clock reads a call, against a sampler's distortion of calls that let go of the GIL.
+Beside them, two CUDA events a step give the GPU's side (`GpuSpans`): where the GPU is busy the
+engine thread waits for it somewhere in its functions, and the events say how long.
 """
 import collections
 import functools
+import gc
 import importlib.abc
 import sys
 import threading
@@ -34,7 +37,32 @@ TARGETS = (
     ("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager.run_pw_graph"),
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.sample"),
     ("vllm.v1.worker.gpu.async_utils", "AsyncOutput.get_output"),   # the wait for the GPU's step
+    # the rest of the V2 runner's execute_model (module-level functions by their plain names)
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.finish_requests"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.free_states"),
+    ("vllm.v1.worker.gpu.model_runner", "dispatch_cg_and_sync_dp"),
+    ("vllm.v1.worker.gpu.model_runner", "build_slot_mappings_by_layer"),
+    ("vllm.v1.worker.gpu.block_table", "BlockTables.apply_staged_writes"),
+    ("vllm.v1.worker.gpu.model_states.default", "DefaultModelState.prepare_inputs"),
+    ("vllm.v1.worker.gpu.model_states.default", "DefaultModelState.prepare_attn"),
+    # every CUDA graph launch (vLLM's FULL and piecewise graphs alike), and tapc's switch over them
+    ("torch.cuda.graphs", "CUDAGraph.replay"),
+    ("tapc.engine.switch", "SwitchedGraph.replay"),
+    ("tapc.engine.switch", "SwitchedGraph._set"),
+    # the layers between the executor and the runner (tapc's adapter replaces the runner's method
+    # on the instance, and calls the class's)
+    ("vllm.v1.worker.gpu_worker", "Worker.execute_model"),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner.execute_model"),
 )
+
+# The GPU's side of a step, from CUDA events the engine thread records on its current stream: one
+# as `execute_model` is entered (the GPU reaches it once the step before is done, or at once when
+# it idles), one as `sample_tokens` returns (after the step's sampling).
+GPU_START, GPU_STOP = "UniProcExecutor.execute_model", "UniProcExecutor.sample_tokens"
+GPU_STEP, GPU_IDLE = "(GPU) execute_model to sample_tokens", "(GPU) idle between steps"
+# A step the host began this long after it marked the last one's end was waiting for work (before
+# a load, between bursts): the GPU's idle before it is not counted.
+IDLE_CUT_S = 0.05
 
 
 class Timers:
@@ -45,6 +73,9 @@ class Timers:
         self.seconds: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
         self.missing: list[str] = []
+        self.gpu = GpuSpans(self.seconds, self.calls)
+        self._gc_start = 0.0
+        gc.callbacks.append(self._gc)
         self.pending: dict[str, list[str]] = collections.defaultdict(list)
         for module, qualname in targets:
             self.pending[module].append(qualname)
@@ -56,10 +87,22 @@ class Timers:
     def snapshot(self) -> dict:
         return {"seconds": dict(self.seconds), "calls": dict(self.calls), "missing": list(self.missing)}
 
+    def _gc(self, phase: str, info: dict) -> None:
+        """Python's garbage collections on the main thread, by generation (they run inside
+        whichever function allocated, so their time is in its figure too)."""
+        if threading.get_ident() != self.main:
+            return
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            name = f"(gc) generation {info['generation']}"
+            self.seconds[name] += time.perf_counter() - self._gc_start
+            self.calls[name] += 1
+
     def _patch(self, module) -> None:
         for qualname in self.pending.pop(module.__name__, ()):
-            owner_name, attr = qualname.rsplit(".", 1)
-            owner = getattr(module, owner_name, None)
+            owner_name, _, attr = qualname.rpartition(".")
+            owner = getattr(module, owner_name, None) if owner_name else module
             fn = getattr(owner, attr, None)
             if fn is None:
                 self.missing.append(f"{module.__name__}:{qualname}")
@@ -68,18 +111,67 @@ class Timers:
 
     def _wrap(self, fn, name: str):
         main, seconds, calls, clock = self.main, self.seconds, self.calls, time.perf_counter
+        before = self.gpu.start if name == GPU_START else None
+        after = self.gpu.stop if name == GPU_STOP else None
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
             if threading.get_ident() != main:
                 return fn(*args, **kwargs)
             start = clock()
+            if before is not None:
+                before()
             try:
                 return fn(*args, **kwargs)
             finally:
+                if after is not None:
+                    after()
                 seconds[name] += clock() - start
                 calls[name] += 1
         return timed
+
+
+class GpuSpans:
+    """The GPU's time from each step's start mark to its stop mark (GPU_STEP) and from one step's
+    stop to the next one's start (GPU_IDLE: the GPU waited for the host), read from CUDA timing
+    events once the GPU has passed them (`query`: no wait). Without CUDA the marks do nothing."""
+
+    def __init__(self, seconds, calls):
+        self.seconds, self.calls = seconds, calls
+        self.open = None                          # the step's start event, until its stop
+        # (start, whether the host began the step within IDLE_CUT_S of the last, stop) not yet passed
+        self.pending: collections.deque = collections.deque()
+        self.last_stop = None
+        self.host_stop = 0.0                      # when the host marked the last step's end
+
+    def start(self) -> None:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.open = (self._record(torch), time.perf_counter() - self.host_stop < IDLE_CUT_S)
+
+    def stop(self) -> None:
+        import torch
+
+        if self.open is None:   # a step without a start mark (or before CUDA was up)
+            return
+        self.pending.append((*self.open, self._record(torch)))
+        self.open = None
+        self.host_stop = time.perf_counter()
+        while self.pending and self.pending[0][2].query():
+            begin, busy, end = self.pending.popleft()
+            self.seconds[GPU_STEP] += begin.elapsed_time(end) / 1e3
+            self.calls[GPU_STEP] += 1
+            if self.last_stop is not None and busy:
+                self.seconds[GPU_IDLE] += max(self.last_stop.elapsed_time(begin), 0.0) / 1e3
+                self.calls[GPU_IDLE] += 1
+            self.last_stop = end
+
+    @staticmethod
+    def _record(torch):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
 
 class _Hook(importlib.abc.MetaPathFinder):

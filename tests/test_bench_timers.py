@@ -1,13 +1,18 @@
-"""bench_serve's `--timers`, on the CPU: the call timers wrap a module's functions when it is
-imported, count only the main thread's calls, name targets that do not exist, and every target
-they name exists in the installed vLLM; the report turns the servers' readings into ms a step.
-The load itself needs a GPU (benchmarks/bench_serve.py)."""
+"""bench_serve's `--timers`: the call timers wrap a module's functions (methods and module-level
+functions) when it is imported, count only the main thread's calls, name targets that do not
+exist, and every target they name exists in the installed vLLM; the GPU marks read each step's
+GPU time and the GPU's idle time between steps (on the GPU); the report turns the servers'
+readings into ms a step. The load itself needs a GPU (benchmarks/bench_serve.py)."""
+import collections
+import gc
 import importlib
 import json
 import os
 import sys
 import threading
 import time
+
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_serve  # noqa: E402
@@ -39,19 +44,63 @@ def test_a_module_imported_later_is_timed_on_the_main_thread_only(tmp_path, monk
         other.start()
         other.join()
         work.inner()
+        gc.collect()   # a full collection on the main thread, timed by generation
         got = timers.window(before, timed.snapshot())
     finally:
         sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, timers._Hook)]
         sys.modules.pop("tapc_timed_toy", None)
-    assert got["calls"] == {"Work.step": 2}, "the other thread's call is not the engine thread's"
+    assert got["calls"].pop("(gc) generation 2") >= 1
+    assert {k: n for k, n in got["calls"].items() if not k.startswith("(gc)")} == {"Work.step": 2}, \
+        "the other thread's call is not the engine thread's"
     assert 0.03 <= got["seconds"]["Work.step"] < 0.05
     assert got["missing"] == ["tapc_timed_toy:Work.gone"]
 
 
 def test_every_target_exists_in_the_installed_vllm():
     for module, qualname in timers.TARGETS:
-        owner, attr = qualname.rsplit(".", 1)
-        assert callable(getattr(getattr(importlib.import_module(module), owner), attr)), f"{module}:{qualname}"
+        owner, _, attr = qualname.rpartition(".")
+        where = importlib.import_module(module)
+        assert callable(getattr(getattr(where, owner) if owner else where, attr)), f"{module}:{qualname}"
+
+
+def test_a_module_level_function_is_timed_where_its_callers_look_it_up(tmp_path, monkeypatch):
+    (tmp_path / "tapc_timed_fn.py").write_text("import time\n\ndef work(s):\n    time.sleep(s)\n    return s\n\n"
+                                               "def caller():\n    return work(0.01)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    timed = timers.Timers([("tapc_timed_fn", "work")])
+    try:
+        before = timed.snapshot()
+        assert importlib.import_module("tapc_timed_fn").caller() == 0.01
+        got = timers.window(before, timed.snapshot())
+    finally:
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, timers._Hook)]
+        sys.modules.pop("tapc_timed_fn", None)
+    assert got["calls"]["work"] == 1 and 0.01 <= got["seconds"]["work"] < 0.05
+
+
+@pytest.mark.gpu
+def test_the_gpu_marks_read_each_steps_gpu_time_and_the_idle_between():
+    import torch
+
+    torch.cuda.init()
+    seconds, calls = collections.Counter(), collections.Counter()
+    spans = timers.GpuSpans(seconds, calls)
+    own = []
+    for _ in range(4):   # steps of a known GPU time each, the host idling the GPU 20 ms between
+        spans.start()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(20_000_000)
+        b.record()
+        own.append((a, b))
+        spans.stop()
+        torch.cuda.synchronize()
+        time.sleep(0.02)
+    # a step is read at a later step's stop, once the GPU has passed it: the last one is not yet
+    assert calls[timers.GPU_STEP] == 3 and calls[timers.GPU_IDLE] == 2
+    slept = sum(a.elapsed_time(b) for a, b in own[:3]) / 1e3
+    assert slept <= seconds[timers.GPU_STEP] < slept + 0.003
+    assert 0.04 <= seconds[timers.GPU_IDLE] < 0.1     # the host's 20 ms sleeps (and a sync) each time
 
 
 def reading(folder, process: str, seconds: dict, calls: dict, k: int):
@@ -59,16 +108,23 @@ def reading(folder, process: str, seconds: dict, calls: dict, k: int):
         json.dump({"process": process, "pid": k, "seconds": seconds, "calls": calls, "missing": []}, f)
 
 
-def test_the_report_gives_each_servers_engine_ms_a_step(tmp_path):
+def test_the_report_gives_each_servers_engine_ms_a_step_for_each_mix_apart(tmp_path):
     views = {}
     for name, sched in (("vanilla", 0.2), ("tapc", 0.3)):
         folder = tmp_path / name
         folder.mkdir()
-        views[name] = bench_serve.CallTimes(str(folder))
+        window = bench_serve.CallTimes(str(folder))
+        # the first mix's load, set aside before the second mix's
+        reading(folder, "EngineCore", {"Scheduler.schedule": 5.0}, {"Scheduler.schedule": 7}, 99)
+        first = window.set_aside("mix0")
+        assert [r["seconds"] for r in first.readings()] == [{"Scheduler.schedule": 5.0}]
         for k in range(2):   # two loads; the API server's reading is not the engine's
             reading(folder, "EngineCore", {"Scheduler.schedule": sched}, {"Scheduler.schedule": 100}, k)
             reading(folder, "MainProcess", {"Scheduler.schedule": 9.0}, {"Scheduler.schedule": 1}, 10 + k)
-    lines = bench_serve.call_times_report(views, {"vanilla": 200, "tapc": 100}, {"vanilla": 1.0, "tapc": 1.0})
+        views[name] = window.set_aside("mix1")
+    lines = bench_serve.call_times_report(views, {"vanilla": 200, "tapc": 100}, {"vanilla": 1.0, "tapc": 1.0},
+                                          "0.4,0.6,0,0")
+    assert lines[0].startswith("# bench_serve --timers, mix 0.4,0.6,0,0:")
     assert "| (wall) | 5.000 | 10.000 | +5.000 | | |" in lines
     assert "| `Scheduler.schedule` | 2.000 | 6.000 | +4.000 | 1.00 | 2.00 |" in lines
 
