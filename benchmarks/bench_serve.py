@@ -55,7 +55,10 @@ stacks during the timed loads (serve_stacks/sitecustomize.py, on their PYTHONPAT
 MD per process and thread; the sampling slows both servers' loads. `--timers MD` times the engine
 thread's calls of vLLM's engine-loop functions (scheduler, executor, model runner, the wait for
 the GPU: timers.py) on both servers and writes their ms a step side by side: which part of a
-slower tapc step is vLLM's own work grown, and which is not vLLM's. `--dummy-weights` serves a
+slower tapc step is vLLM's own work grown, and which is not vLLM's; with the GPU's side of each
+step (CUDA events) and Python's collections, each mix apart. `--kernels MD` records the GPU's
+kernel and copy times in both engine cores (CUPTI, devicetime.py), each mix apart: whether a
+slower tapc step is more GPU work, and which kernels. `--dummy-weights` serves a
 model too large to write in a GPU call with vLLM's own random weights on both servers (nothing
 can be checked then: `--check-rounds 0`), and `--capture GLOB` sets what capturing requests
 ask for (e.g. one layer of 32, as an SAE harvest asks): the load where a step is the GPU's work
@@ -400,6 +403,59 @@ class CallTimes(Window):
                 calls[k] = calls.get(k, 0) + got["calls"][k]
         steps = max(steps, 1.0)
         return {k: (seconds[k] * 1e3 / steps, calls[k] / steps) for k in seconds}, sorted(missing)
+
+
+class Kernels(Window):
+    """`--kernels`: the GPU's time by kernel (CUPTI's records, devicetime.py) in one server's
+    engine-core process during its timed loads."""
+
+    ENV = "TAPC_KERNELS_DIR"
+
+    def per_step(self, steps: float) -> dict[str, tuple[float, float]]:
+        """{kernel or copy: (GPU ms a step, launches a step)} summed over the loads."""
+        got: dict[str, list] = {}
+        for reading in self.readings():
+            for name, (count, us) in reading["kernels"].items():
+                acc = got.setdefault(name, [0, 0.0])
+                acc[0] += count
+                acc[1] += us
+        if not got:
+            raise RuntimeError(f"--kernels: no process recorded a kernel in {self.folder}")
+        steps = max(steps, 1.0)
+        return {name: (us / 1e3 / steps, count / steps) for name, (count, us) in got.items()}
+
+
+def kernels_report(kernels: dict[str, Kernels], steps: dict[str, float], mix: str, top: int = 30) -> list[str]:
+    """Both servers' GPU time a step over one mix's loads: kernels, copies and tapc's own
+    kernels in all, then the kernels whose time differs most between the two."""
+    from devicetime import is_copy, tapc_kernel_names
+
+    got = {name: k.per_step(steps[name]) for name, k in kernels.items()}
+    ours = tapc_kernel_names()
+
+    def total(name: str, keep) -> tuple[float, float]:
+        rows = [v for k, v in got[name].items() if keep(k)]
+        return sum(ms for ms, _ in rows), sum(n for _, n in rows)
+
+    lines = [f"# bench_serve --kernels, mix {mix}: the GPU's ms a step (CUPTI's kernel and copy records in each "
+             "engine-core process during the timed loads; streams that overlap count twice; the records slow the "
+             "host, so these loads' speeds are not the benchmark's)", "",
+             f"steps: vanilla {steps['vanilla']:.0f}, tapc {steps['tapc']:.0f}", "",
+             "| GPU work | vanilla ms a step | tapc ms a step | tapc - vanilla | vanilla launches a step | tapc launches a step |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for what, keep in (("kernels", lambda k: not is_copy(k)), ("copies and memsets", is_copy),
+                       ("tapc's kernels", lambda k: k in ours)):
+        (vm, vn), (tm, tn) = total("vanilla", keep), total("tapc", keep)
+        lines.append(f"| {what} | {vm:.3f} | {tm:.3f} | {tm - vm:+.3f} | {vn:.1f} | {tn:.1f} |")
+    names = set(got["vanilla"]) | set(got["tapc"])
+    diff = {k: got["tapc"].get(k, (0.0, 0.0))[0] - got["vanilla"].get(k, (0.0, 0.0))[0] for k in names}
+    lines += ["", f"The {top} kernels and copies whose GPU time a step differs most:", "",
+              "| kernel or copy | vanilla ms a step | tapc ms a step | tapc - vanilla | vanilla launches a step | tapc launches a step |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for k in sorted(names, key=lambda k: -abs(diff[k]))[:top]:
+        (vm, vn), (tm, tn) = got["vanilla"].get(k, (0.0, 0.0)), got["tapc"].get(k, (0.0, 0.0))
+        lines.append(f"| `{k[:120]}` | {vm:.3f} | {tm:.3f} | {diff[k]:+.3f} | {vn:.2f} | {tn:.2f} |")
+    return lines + [""]
 
 
 def call_times_report(timers: dict[str, CallTimes], steps: dict[str, float], seconds: dict[str, float],
@@ -879,6 +935,10 @@ def main() -> int:
     ap.add_argument("--profile", default=None, metavar="MD",
                     help="sample the stacks of every process of both servers during the timed loads (a "
                          "thread per process takes the GIL every 2 ms: slower loads) and write them here")
+    ap.add_argument("--kernels", default=None, metavar="MD",
+                    help="record the GPU's kernel and copy times (CUPTI) in both servers' engine cores during the "
+                         "timed loads (benchmarks/devicetime.py) and write each mix's ms a step here; the records slow "
+                         "both servers")
     ap.add_argument("--timers", default=None, metavar="MD",
                     help="time the engine thread's calls of vLLM's engine-loop functions on both servers during "
                          "the timed loads (benchmarks/timers.py: two clock reads a call) and write ms a step here")
@@ -909,10 +969,11 @@ def main() -> int:
     logs = {port: os.path.join(work, f"{name}.log") for port, name in ((8101, "vanilla"), (8102, "tapc"))}
     # each server's readings during its timed loads: stack samples, call timers
     windows = {name: [kind(os.path.join(work, f"{kind.__name__.lower()}-{name}"))
-                      for kind, wanted in ((Stacks, args.profile), (CallTimes, args.timers)) if wanted]
+                      for kind, wanted in ((Stacks, args.profile), (CallTimes, args.timers), (Kernels, args.kernels))
+                      if wanted]
                for name in ("vanilla", "tapc")}
     timed = {"steps": dict.fromkeys(windows, 0.0), "seconds": dict.fromkeys(windows, 0.0)}
-    timed_mixes = []   # --timers: per mix, (mix, each server's CallTimes of its loads, steps, seconds)
+    timed_mixes = []   # --timers, --kernels: per mix, (mix, each server's windows of its loads, steps, seconds)
     vanilla = start_server([env_py, "-m", "vllm.entrypoints.cli.main", "serve", model, "--port", "8101", *common],
                            logs[8101], {w.ENV: w.folder for w in windows["vanilla"]})
     tapped = None
@@ -997,9 +1058,9 @@ def main() -> int:
                 report(args, rows + table_rows(args.mix[m], per["vanilla"], per["tapc"]), problems, final=False,
                        baseline=baseline)
             rows += table_rows(args.mix[m], per["vanilla"], per["tapc"])
-            if args.timers:
-                timed_mixes.append((args.mix[m], {name: next(w for w in ws if isinstance(w, CallTimes)).set_aside(f"mix{m}")
-                                                  for name, ws in windows.items()},
+            if args.timers or args.kernels:   # each mix's readings apart
+                timed_mixes.append((args.mix[m], {name: [w.set_aside(f"mix{m}") if isinstance(w, (CallTimes, Kernels))
+                                                         else w for w in ws] for name, ws in windows.items()},
                                     {k: dict(v) for k, v in timed.items()}))
                 timed = {k: dict.fromkeys(windows, 0.0) for k in timed}
         http_json("GET", "http://127.0.0.1:8102/health")
@@ -1028,10 +1089,15 @@ def main() -> int:
             lines += next(w for w in ws if isinstance(w, Stacks)).report(name)
         with open(args.profile, "w") as f:
             f.write("\n".join(lines) + "\n")
-    if args.timers:
-        lines = [line for mix, views, got in timed_mixes
-                 for line in call_times_report(views, got["steps"], got["seconds"], mix)]
-        with open(args.timers, "w") as f:
+    for path, kind in ((args.timers, CallTimes), (args.kernels, Kernels)):
+        if not path:
+            continue
+        lines = []
+        for mix, views, got in timed_mixes:
+            mine = {name: next(w for w in ws if isinstance(w, kind)) for name, ws in views.items()}
+            lines += call_times_report(mine, got["steps"], got["seconds"], mix) if kind is CallTimes \
+                else kernels_report(mine, got["steps"], mix)
+        with open(path, "w") as f:
             f.write("\n".join(lines) + "\n")
     return 1 if problems else 0
 

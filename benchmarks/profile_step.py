@@ -38,6 +38,7 @@ import time
 
 from bench_engine import ABLATE_TAPS, LLAMA_31_8B, ablation, prompts, started
 from bench_moe import ENGINE, QWEN3_30B_A3B, RESID, ROUTER, model_dir
+from devicetime import DeviceTimer, totals
 from stacks import Sampler, report_thread
 
 def timed(spent: list, fn):
@@ -119,46 +120,6 @@ class HookTimer:
         return out
 
 
-class DeviceTimer:
-    """The GPU's own time over the run, from CUPTI's records of every kernel and copy (torch's
-    profiler, device activity only): with the wall time it says whether the GPU or the host is
-    the slower side of the step, which the host's samples cannot (a host call that waits for the
-    GPU looks busy)."""
-
-    def __init__(self):
-        from torch.profiler import ProfilerActivity, profile
-
-        self.prof = profile(activities=[ProfilerActivity.CUDA])
-        self.prof.start()
-
-    def stop(self) -> dict:
-        """GPU time of kernels and copies; kernel launches (a replayed graph's nodes each count),
-        and tapc's own kernels' launches and time (the Triton kernels of tapc.kernels)."""
-        self.prof.stop()
-        kernels = copies = tapc_ms = 0.0
-        launches = tapc_launches = 0
-        ours = _tapc_kernel_names()
-        for e in self.prof.key_averages():
-            us = e.self_device_time_total
-            if e.key.startswith(("Memcpy", "Memset")):
-                copies += us
-                continue
-            kernels += us
-            launches += e.count
-            if e.key in ours:
-                tapc_ms += us
-                tapc_launches += e.count
-        return {"kernels_ms": kernels / 1e3, "copies_ms": copies / 1e3, "launches": launches,
-                "tapc_ms": tapc_ms / 1e3, "tapc_launches": tapc_launches}
-
-
-def _tapc_kernel_names() -> set[str]:
-    import tapc.kernels.capture as capture
-    import tapc.kernels.edit as edit
-
-    return {n for m in (capture, edit) for n in dir(m) if n.endswith("_kernel")}
-
-
 def _start_hook_timer(worker) -> None:
     hooks = getattr(worker, "tapc", None)   # a tapped engine's worker (engine/worker.py)
     worker._tapc_timer = HookTimer(hooks) if hooks is not None else None
@@ -175,7 +136,7 @@ def _start_sampler(worker, interval: float) -> None:
 
 
 def _stop_sampler(worker) -> dict:
-    return {"threads": worker._tapc_sampler.stop(), "device": worker._tapc_device.stop()}
+    return {"threads": worker._tapc_sampler.stop(), "device": totals(worker._tapc_device.stop())}
 
 
 def main():

@@ -1,8 +1,11 @@
-"""bench_serve's `--timers`: the call timers wrap a module's functions (methods and module-level
-functions) when it is imported, count only the main thread's calls, name targets that do not
-exist, and every target they name exists in the installed vLLM; the GPU marks read each step's
-GPU time and the GPU's idle time between steps (on the GPU); the report turns the servers'
-readings into ms a step. The load itself needs a GPU (benchmarks/bench_serve.py)."""
+"""bench_serve's readings of each server's processes during its loads (serve_stacks/
+sitecustomize.py): the call timers (timers.py) wrap a module's functions (methods and
+module-level functions) when it is imported, count only the main thread's calls and Python's
+collections, name targets that do not exist, and every target they name exists in the installed
+vLLM; the GPU marks read each step's GPU time and the GPU's idle time between steps, and the
+device timer (devicetime.py) each kernel's GPU time (both on the GPU); the reports turn the
+servers' readings into ms a step, each mix apart. The load itself needs a GPU
+(benchmarks/bench_serve.py)."""
 import collections
 import gc
 import importlib
@@ -137,3 +140,79 @@ def test_a_server_that_left_no_engine_reading_is_an_error(tmp_path):
         assert "no engine-core process left a reading" in str(e)
     else:
         raise AssertionError("an empty reading must not become a table of zeros")
+
+
+def test_the_kernel_report_gives_each_servers_gpu_ms_a_step_by_kernel(tmp_path):
+    views = {}
+    for name, kernels in (("vanilla", {"gemm": [200, 2000.0], "Memcpy HtoD (Pinned -> Device)": [100, 100.0]}),
+                          ("tapc", {"gemm": [200, 2600.0], "Memcpy HtoD (Pinned -> Device)": [100, 150.0],
+                                    "_capture_kernel": [50, 300.0]})):
+        folder = tmp_path / name
+        folder.mkdir()
+        for k, got in enumerate((kernels, {})):   # the API server's process records none
+            with open(folder / f"p-{k}.json", "w") as f:
+                json.dump({"process": "EngineCore" if k == 0 else "MainProcess", "pid": k, "kernels": got}, f)
+        views[name] = bench_serve.Kernels(str(folder))
+    lines = bench_serve.kernels_report(views, {"vanilla": 100, "tapc": 50}, "1,0,0,0")
+    assert lines[0].startswith("# bench_serve --kernels, mix 1,0,0,0:")
+    assert "| kernels | 0.020 | 0.058 | +0.038 | 2.0 | 5.0 |" in lines
+    assert "| copies and memsets | 0.001 | 0.003 | +0.002 | 1.0 | 2.0 |" in lines
+    assert "| tapc's kernels | 0.000 | 0.006 | +0.006 | 0.0 | 1.0 |" in lines
+    at = lines.index("| kernel or copy | vanilla ms a step | tapc ms a step | tapc - vanilla | vanilla launches a step "
+                     "| tapc launches a step |")
+    assert lines[at + 2] == "| `gemm` | 0.020 | 0.052 | +0.032 | 2.00 | 4.00 |"   # the largest difference first
+
+
+def test_a_server_that_recorded_no_kernel_is_an_error(tmp_path):
+    with pytest.raises(RuntimeError, match="no process recorded a kernel"):
+        bench_serve.Kernels(str(tmp_path)).per_step(10)
+
+
+@pytest.mark.gpu
+def test_the_device_timer_records_each_kernel_by_name_with_its_gpu_time():
+    import torch
+    from devicetime import DeviceTimer
+
+    torch.cuda.init()
+    timer = DeviceTimer()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(3):
+        torch.cuda._sleep(5_000_000)
+    b.record()
+    torch.cuda.synchronize()
+    got = timer.stop()
+    (name, (count, us)), = [(k, v) for k, v in got.items() if "sleep" in k.lower()]
+    assert count == 3
+    assert 0.9 * a.elapsed_time(b) * 1e3 <= us <= 1.01 * a.elapsed_time(b) * 1e3
+
+
+def test_each_process_of_a_server_leaves_its_readings_of_a_load(tmp_path):
+    """serve_stacks/sitecustomize.py in a process started as bench_serve starts a server's: the
+    load's window (the file `on`) gives a call-timer reading and a kernel reading (none recorded
+    in a process without a GPU context)."""
+    import subprocess
+
+    here = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "serve_stacks")
+    folders = {env: tmp_path / env for env in ("TAPC_TIMERS_DIR", "TAPC_KERNELS_DIR")}
+    for folder in folders.values():
+        folder.mkdir()
+    env = {**os.environ, **{k: str(v) for k, v in folders.items()},
+           "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(4)"], env=env)
+    try:
+        time.sleep(1.0)
+        for folder in folders.values():
+            (folder / "on").touch()
+        time.sleep(0.5)
+        for folder in folders.values():
+            (folder / "on").unlink()
+        deadline = time.time() + 2.5
+        while time.time() < deadline and not all(list(f.glob("*.json")) for f in folders.values()):
+            time.sleep(0.05)
+    finally:
+        child.wait(10)
+    (timed,) = [json.loads(p.read_text()) for p in folders["TAPC_TIMERS_DIR"].glob("*.json")]
+    (kernels,) = [json.loads(p.read_text()) for p in folders["TAPC_KERNELS_DIR"].glob("*.json")]
+    assert timed["process"] == kernels["process"] == "MainProcess"
+    assert set(timed) >= {"seconds", "calls", "missing"} and kernels["kernels"] == {}

@@ -1,8 +1,9 @@
 """Per-load readings of every Python process of a server that bench_serve.py starts with
-`--profile` (stack samples, stacks.py) or `--timers` (call timers on vLLM's engine loop, timers.py).
+`--profile` (stack samples, stacks.py), `--timers` (call timers on vLLM's engine loop, timers.py)
+or `--kernels` (the GPU's kernel and copy times, devicetime.py).
 
 Python imports this module at start in every process whose PYTHONPATH holds this folder (the
-API server, vLLM's engine core, anything they spawn). With TAPC_STACKS_DIR or TAPC_TIMERS_DIR
+API server, vLLM's engine core, anything they spawn). With TAPC_STACKS_DIR, TAPC_TIMERS_DIR or TAPC_KERNELS_DIR
 set, a thread waits for the file `on` there, reads while it exists, and when it goes writes the
 window's reading to `<process name>-<pid>-<window>.json` in that folder. Without them it does
 nothing.
@@ -39,6 +40,19 @@ def _stacks():
     return lambda: {"threads": sampler.stop()}
 
 
+def _kernels():
+    """CUPTI's kernel records in a process that has a GPU context (the engine core's), none else."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return lambda: {"kernels": {}}
+    from devicetime import DeviceTimer
+
+    timer = DeviceTimer()
+    return lambda: {"kernels": timer.stop()}
+
+
 def _timer_window(timers):
     from timers import window
 
@@ -46,7 +60,7 @@ def _timer_window(timers):
     return lambda: window(before, timers.snapshot())
 
 
-if os.environ.get("TAPC_STACKS_DIR") or os.environ.get("TAPC_TIMERS_DIR"):
+if os.environ.get("TAPC_STACKS_DIR") or os.environ.get("TAPC_TIMERS_DIR") or os.environ.get("TAPC_KERNELS_DIR"):
     import sys
     import threading
 
@@ -54,6 +68,9 @@ if os.environ.get("TAPC_STACKS_DIR") or os.environ.get("TAPC_TIMERS_DIR"):
     if os.environ.get("TAPC_STACKS_DIR"):
         threading.Thread(target=_watch, args=(os.environ["TAPC_STACKS_DIR"], _stacks),
                          name="tapc-stacks", daemon=True).start()
+    if os.environ.get("TAPC_KERNELS_DIR"):
+        threading.Thread(target=_watch, args=(os.environ["TAPC_KERNELS_DIR"], _kernels),
+                         name="tapc-kernels", daemon=True).start()
     if os.environ.get("TAPC_TIMERS_DIR"):
         from timers import Timers
 
