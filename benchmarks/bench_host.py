@@ -113,7 +113,7 @@ def time_step(layout, records, batch: StepBatch, repeats: int = 200, repeating: 
     table = np.empty((layout.num_tables, ROWS), dtype=np.int32)
     pools = [torch.empty(len(g.caps) * ROWS, g.width, dtype=getattr(torch, g.dtype), device="meta")
              for g in layout.groups]
-    repeat = Repeat(layout)
+    repeat = Repeat()
     if repeating:
         repeat.keep(batch, records, fill_step(layout, table[:, :batch.padded], records, batch))
     times = []

@@ -3,7 +3,7 @@ every error with its words."""
 import numpy as np
 import pytest
 import torch
-from engine_toy import HIDDEN, toy_plan
+from engine_toy import HIDDEN, INTER, toy_plan
 
 from tapc.engine.config import WORKER, engine_kwargs
 from tapc.engine.fill import Repeat, fill_step
@@ -20,7 +20,8 @@ from tapc.errors import EngineError, RequestError
 
 PLAN_TAPS = ["model.layers.*.resid", "model.layers.1.mlp.up_proj.output",
              "model.layers.2.resid | add(steer, alpha=a)", "model.layers.0.resid | set([1, 2], 1.5)",
-             "model.layers.1.resid | zero(cols)", "model.layers.*.mlp.output | add(steer, alpha=a, at=generated)"]
+             "model.layers.1.resid | zero(cols)", "model.layers.*.mlp.output | add(steer, alpha=a, at=generated)",
+             "model.layers.0.mlp.up_proj.output | scale(2.0, at=prompt)", "model.layers.2.mlp.up_proj.output | add(steer2, at=last)"]
 
 
 def cpu_alloc(rows, caps, width, dtype):
@@ -110,6 +111,8 @@ def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_t
             params.update(steer=rng.standard_normal(HIDDEN), a=1.0)
         if rng.random() < 0.5:
             params.update(cols=[1, 3])
+        if rng.random() < 0.5:
+            params.update(steer2=rng.standard_normal(INTER))
         rec = None
         if not untapped:
             wire = WireRequest(f"t{i}", check(plan, TapRequest(capture=capture, positions=at, params=params), f"r{i}"))
@@ -184,7 +187,7 @@ def test_a_repeated_decode_step_leaves_the_tables_segments_and_captures_of_a_fre
                           ask=TapRequest(capture=list(rng.choice(keys, size=3, replace=False)), positions=positions,
                                          params=params)))
     runs = []
-    for repeat in (None, Repeat(layout)):
+    for repeat in (None, Repeat()):
         slots = Slots(8)
         records = {}
         for sp in specs:

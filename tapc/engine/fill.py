@@ -8,12 +8,13 @@ uploads the table and runs the copies.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
 
 from tapc.engine.layout import Layout
-from tapc.engine.positions import NO_END, select
+from tapc.engine.positions import NO_END, interval, select
 from tapc.engine.records import Record
 from tapc.engine.step import StepBatch
 from tapc.engine.storage import Store
@@ -46,11 +47,11 @@ def fill_step(layout: Layout, table: np.ndarray, records: dict[str, Record],
     if 0 < len(tapped) <= FEW:
         segments = _fill_each(layout, table, tapped, batch, used)
     elif tapped:
-        rows = _BatchRows(tapped, batch.query_start_loc, batch.num_computed)
-        if any(rec.stores for rec in rows.recs):
-            segments = _fill_captures(layout, table, rows, used)
-        if any(rec.slot >= 0 and rec.edits for rec in rows.recs):
-            _fill_edits(layout, table[:, :batch.padded], rows)
+        reqs = _Requests(tapped, batch.query_start_loc, batch.num_computed)
+        if any(rec.stores for rec in reqs.recs):
+            segments = _fill_captures(layout, table, reqs, used)
+        if any(rec.slot >= 0 and rec.edits for rec in reqs.recs):
+            _fill_edits(layout, table[:, :batch.padded], reqs)
     if layout.always:
         _fill_always(layout, table, batch)
     return segments, used
@@ -91,69 +92,76 @@ def _fill_each(layout: Layout, table: np.ndarray, tapped: list[tuple[int, Record
     return segments
 
 
-class _BatchRows:
-    """The rows of one step's tapped requests, flattened: for each row its request (index into
-    `recs`), its row in the batch and its absolute position."""
+class _Requests:
+    """The step's tapped requests (in batch order) as arrays: each one's first row in the batch,
+    the position of that row and the position past its last row this step.
+    A word of positions covers one interval of a request's positions, so the rows it selects in
+    a step are one run, found without a row-by-row mask (`rows`)."""
 
     def __init__(self, tapped: list[tuple[int, Record]], query_start_loc: np.ndarray, num_computed: np.ndarray):
-        idx = np.array([i for i, _ in tapped], dtype=np.int64)
+        idx = np.fromiter((i for i, _ in tapped), np.int64, len(tapped))
         self.recs = [rec for _, rec in tapped]
-        starts = query_start_loc[idx].astype(np.int64)
-        counts = query_start_loc[idx + 1].astype(np.int64) - starts
-        self.req = np.repeat(np.arange(len(tapped)), counts)
-        offset = np.arange(self.req.size) - np.repeat(np.cumsum(counts) - counts, counts)
-        self.row = np.repeat(starts, counts) + offset
-        self.pos = np.repeat(num_computed[idx].astype(np.int64), counts) + offset
-        self.plen = np.array([rec.prompt_len for rec in self.recs], dtype=np.int64)[self.req]
+        self.row = query_start_loc[idx].astype(np.int64)
+        self.first = num_computed[idx].astype(np.int64)
+        self.end = self.first + (query_start_loc[idx + 1] - query_start_loc[idx])
 
-    def selected(self, ks: list[int]) -> np.ndarray:
-        """Mask over the rows: rows of requests `ks` whose positions select them. A word covers
-        one interval of positions (`Record.span`), so every request with a word takes part in
-        one comparison; requests with equal lists of positions (hashable) share one test."""
-        lo, hi = np.full(len(self.recs), NO_END, dtype=np.int64), np.zeros(len(self.recs), dtype=np.int64)
-        by_positions: dict = {}
-        for k in ks:
-            rec = self.recs[k]
-            if rec.span is None:
-                by_positions.setdefault(rec.positions, []).append(k)
-            else:
-                lo[k], hi[k] = rec.span
-        out = (self.pos >= lo[self.req]) & (self.pos < hi[self.req])
-        for positions, members in by_positions.items():
-            mine = np.zeros(len(self.recs), dtype=bool)
-            mine[members] = True
-            m = mine[self.req]
-            out[m] = select(positions, self.pos[m], self.plen[m])
-        return out
+    @functools.cached_property
+    def plen(self) -> np.ndarray:
+        """Each one's prompt length (the edits' words need it; a capture's interval is its record's)."""
+        return np.fromiter((rec.prompt_len for rec in self.recs), np.int64, len(self.recs))
+
+    def rows(self, lo, hi) -> tuple[np.ndarray, np.ndarray]:
+        """Each request's rows whose positions are in [lo, hi) (per request, or one for all), in
+        request order, and how many each has."""
+        b = np.minimum(hi, self.end)
+        a = np.minimum(np.maximum(lo, self.first), b)   # (a request with none: a == b, within its rows)
+        counts = b - a
+        total = int(counts.sum())
+        runs = np.repeat(self.row + a - self.first - (np.cumsum(counts) - counts), counts)
+        return runs + np.arange(total), counts
+
+    def positions(self, rows: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """The positions of rows that `rows` gave with these counts."""
+        return rows + np.repeat(self.first - self.row, counts)
 
 
-def _fill_captures(layout: Layout, table: np.ndarray, rows: _BatchRows, used: list[int]) -> list[Segment]:
-    recs = rows.recs
-    capturing = [k for k, rec in enumerate(recs) if rec.stores]
-    next_pos = np.array([rec.next_pos for rec in recs], dtype=np.int64)
-    want = rows.selected(capturing) & (rows.pos >= next_pos[rows.req])
-    sel = np.flatnonzero(want)
-    if not sel.size:
+def _fill_captures(layout: Layout, table: np.ndarray, reqs: _Requests, used: list[int]) -> list[Segment]:
+    recs = reqs.recs
+    # The positions each request captures this step: its word's (`Record.cap_lo`, `cap_hi`), from
+    # the first it has not yet captured (a list's: every one from there, picked below).
+    n = len(recs)
+    lo = np.maximum(np.fromiter((rec.cap_lo for rec in recs), np.int64, n),
+                    np.fromiter((rec.next_pos for rec in recs), np.int64, n))
+    rows, counts = reqs.rows(lo, np.fromiter((rec.cap_hi for rec in recs), np.int64, n))
+    lists = [k for k, rec in enumerate(recs) if rec.stores and rec.span is None]
+    if lists:   # a list of positions takes some rows of its run: each such run cut down (rare: one call a request)
+        runs = np.split(rows, np.cumsum(counts)[:-1])
+        pos = np.split(reqs.positions(rows, counts), np.cumsum(counts)[:-1])
+        for k in lists:
+            runs[k] = runs[k][select(recs[k].positions, pos[k], recs[k].prompt_len)]
+            counts[k] = runs[k].size
+        rows = np.concatenate(runs)
+    if not rows.size:
         return []
-    req = rows.req[sel]
-    # Rows are in batch order, so each request's selected rows are one run: its last row sets
-    # next_pos, and a row's rank in its run is its index minus the run's start.
-    last = np.flatnonzero(np.append(req[1:] != req[:-1], True))
-    for k, p in zip(req[last].tolist(), rows.pos[sel[last]].tolist()):
+    ends = np.cumsum(counts)
+    hit = np.flatnonzero(counts)
+    last = rows[ends[hit] - 1] + reqs.first[hit] - reqs.row[hit]   # each request's last position captured
+    for k, p in zip(hit.tolist(), last.tolist()):
         recs[k].next_pos = p + 1
-    n_rows = np.bincount(req, minlength=len(recs))
-    rank = np.arange(sel.size) - (np.cumsum(n_rows) - n_rows)[req]
+    offs = ends - counts
+    rank = np.arange(rows.size) - np.repeat(offs, counts)   # a row's place in its request's run
     segments: list[Segment] = []
     for g in range(len(layout.groups)):
         stores = [rec.store_of[g] for rec in recs]
-        n_caps = np.array([0 if st is None else st.caps.size for st in stores], dtype=np.int64)
+        n_caps = np.fromiter((rec.n_caps[g] for rec in recs), np.int64, len(recs))
         if not n_caps.any():
             continue
-        block = n_rows * n_caps                          # pool rows of each request in this step
+        block = counts * n_caps                          # pool rows of each request in this step
         base = used[g] + np.cumsum(block) - block
-        keep = n_caps[req] > 0
-        r, row, nc = req[keep], rows.row[sel[keep]], n_caps[req[keep]]
-        first = base[r] + rank[keep] * nc                # pool row of each row's first capture
+        nc = np.repeat(n_caps, counts)
+        keep = nc > 0
+        row, nc = rows[keep], nc[keep]
+        first = np.repeat(base, counts)[keep] + rank[keep] * nc   # pool row of each row's first capture
         mine = [st for st in stores if st is not None]
         if all(st.caps_key == mine[0].caps_key for st in mine[1:]):
             # The usual case, every request asking for the same captures: one broadcast.
@@ -167,12 +175,13 @@ def _fill_captures(layout: Layout, table: np.ndarray, rows: _BatchRows, used: li
                 table[caps[:, None], row[None, :]] = first[None, :] + np.arange(caps.size)[:, None]
         else:
             # One entry per (row, capture j): pool row first + j, table row = the capture.
+            req = np.repeat(np.arange(len(recs)), counts)[keep]
             j = np.arange(int(nc.sum())) - np.repeat(np.cumsum(nc) - nc, nc)
             caps = np.concatenate([st.caps for st in mine])
             cap_start = np.cumsum(n_caps) - n_caps
-            table[caps[np.repeat(cap_start[r], nc) + j], np.repeat(row, nc)] = np.repeat(first, nc) + j
-        starts, counts = base.tolist(), n_rows.tolist()   # Python ints: indexing numpy per request is slow
-        segments += [Segment(stores[k], starts[k], counts[k]) for k in np.flatnonzero(block).tolist()]
+            table[caps[np.repeat(cap_start[req], nc) + j], np.repeat(row, nc)] = np.repeat(first, nc) + j
+        starts, sizes = base.tolist(), counts.tolist()   # Python ints: indexing numpy per request is slow
+        segments += [Segment(stores[k], starts[k], sizes[k]) for k in np.flatnonzero(block).tolist()]
         used[g] += int(block.sum())
     return segments
 
@@ -183,22 +192,22 @@ def _span(a: np.ndarray) -> slice | None:
     return slice(int(a[0]), int(a[-1]) + 1) if a.size and int(a[-1]) - int(a[0]) == a.size - 1 else None
 
 
-def _fill_edits(layout: Layout, table: np.ndarray, rows: _BatchRows) -> None:
-    """Each bound edit: the request's slot on the rows its tap's `at` covers. Edits bound by the
-    same requests with the same `at` (a glob over 32 layers) take the same rows: one mask and
-    one assignment, copied to the others (on a 2-core CPU a prompt step of 8192 rows and 32 edits
-    took 2.8 ms one edit at a time, 0.3 ms so)."""
-    slot = np.array([rec.slot for rec in rows.recs], dtype=np.int64)
+def _fill_edits(layout: Layout, table: np.ndarray, reqs: _Requests) -> None:
+    """Each bound edit: the request's slot on the rows its tap's `at` (a word, edits.py) covers,
+    one run of rows a request. Edits bound by the same requests with the same `at` (a glob over
+    32 layers) take the same rows: one assignment, copied to the others (on a 2-core CPU a
+    prompt step of 8192 rows and 32 edits took 2.8 ms one edit at a time, 0.3 ms so)."""
+    slot = np.fromiter((rec.slot for rec in reqs.recs), np.int64, len(reqs.recs))
     # one concatenate, not np.stack (a quarter of the time for a batch's 1-D masks)
-    bound = np.concatenate([rec.edit_mask for rec in rows.recs]).reshape(len(rows.recs), -1) & (slot >= 0)[:, None]
+    bound = np.concatenate([rec.edit_mask for rec in reqs.recs]).reshape(len(reqs.recs), -1) & (slot >= 0)[:, None]
     alike: dict[tuple, list[int]] = {}
     for e in np.flatnonzero(bound.any(axis=0)).tolist():
-        at = layout.edit_at[e]
-        alike.setdefault((at if isinstance(at, str) else tuple(at), bound[:, e].tobytes()), []).append(e)
+        alike.setdefault((layout.edit_at[e], bound[:, e].tobytes()), []).append(e)
     for edits in alike.values():
-        first = layout.edit_row(edits[0])
-        m = bound[rows.req, edits[0]] & select(layout.edit_at[edits[0]], rows.pos, rows.plen)
-        table[first, rows.row[m]] = slot[rows.req[m]]
+        first, mine = layout.edit_row(edits[0]), bound[:, edits[0]]
+        lo, hi = interval(layout.edit_at[edits[0]], reqs.plen)
+        rows, counts = reqs.rows(np.where(mine, lo, NO_END), hi)
+        table[first, rows] = np.repeat(slot, counts)
         if len(edits) > 1:   # the others' rows are all -1 until now: a copy of the first's
             table[[layout.edit_row(e) for e in edits[1:]]] = table[first]
 
@@ -215,8 +224,7 @@ class Repeat:
     and not the next: a step where one is in use is filled afresh. The runner hooks `forget` it
     whenever the records, their slots or the device tables change."""
 
-    def __init__(self, layout: Layout):
-        self.words_only = all(isinstance(at, str) for at in layout.edit_at)
+    def __init__(self):
         self.forget()
 
     def forget(self) -> None:
@@ -246,7 +254,7 @@ class Repeat:
     def keep(self, batch: StepBatch, records: dict[str, Record], step: tuple[list[Segment], list[int]]) -> None:
         """Remember a step just filled, if it is one the next step can repeat."""
         self.forget()
-        if not self.words_only or not _decode(batch):
+        if not _decode(batch):
             return
         tapped = [(i, rec) for i, rid in enumerate(batch.req_ids) if (rec := records.get(rid)) is not None]
         if any(not isinstance(rec.positions, str) for _, rec in tapped):

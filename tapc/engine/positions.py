@@ -33,9 +33,10 @@ def select(positions: str | Sequence[int], pos: np.ndarray, prompt_len) -> np.nd
     return np.isin(pos, np.asarray(positions, dtype=np.int64))
 
 
-def interval(positions: str | Sequence[int], prompt_len: int) -> tuple[int, int] | None:
-    """The positions a word covers, as [lo, hi) (`select`'s words in closed form, for the step
-    fill's one comparison over many requests); None for a list of positions."""
+def interval(positions: str | Sequence[int], prompt_len):
+    """The positions a word covers, as [lo, hi) (`select`'s words in closed form: the step fill
+    takes a request's rows of a word as one run); None for a list of positions. `prompt_len` may
+    be an array (one per request): the bounds are then arrays or numbers that broadcast."""
     if positions == "all":
         return 0, NO_END
     if positions == "prompt":

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from tapc.engine.layout import Layout
-from tapc.engine.positions import expected_rows, interval
+from tapc.engine.positions import NO_END, expected_rows, interval
 from tapc.engine.protocol import WireRequest
 from tapc.engine.storage import Alloc, Store
 from tapc.errors import RequestError
@@ -42,9 +42,13 @@ class Record:
         # The taps (table rows) it may own rows of, as a bitmask: a step's graphs run the tap
         # kernels of its requests' taps only (switch.py).
         self.taps = layout.taps_mask([*caps.tolist(), *map(layout.edit_row, self.edits)])
+        # The positions its captures may take, as the step fill reads them: its word's interval;
+        # every position for a list (the fill picks its own from them); none without captures.
+        self.cap_lo, self.cap_hi = (NO_END, 0) if not self.stores else (0, NO_END) if self.span is None else self.span
         self.store_of: list[Store | None] = [None] * len(layout.groups)
         for st in self.stores:
             self.store_of[st.group] = st
+        self.n_caps = [0 if st is None else st.caps.size for st in self.store_of]   # captures in each group
         self.slot = -1
         # Positions below this were captured already: a request preempted and resumed recomputes
         # its tokens from 0, and each position is kept once, the first time it went through.

@@ -74,7 +74,7 @@ class RunnerHooks:
         # while vLLM runs them: other GPUs of the group may have admitted them (points.py)
         self.unadmitted: set[str] = set()
         self._step = None
-        self._repeat = Repeat(layout)             # a decode step like the last one needs no fill
+        self._repeat = Repeat()                   # a decode step like the last one needs no fill
         self.host_s = dict.fromkeys(TIMED, 0.0)   # seconds in each hook since the worker started
         self.steps = 0                            # forwards the hooks filled tables for (begin_step)
 
