@@ -325,9 +325,18 @@ class Window:
     def __enter__(self):
         open(self.flag, "w").close()
 
+    # A process's reading may take a while to write once the flag goes (CUPTI's records of a load
+    # are hundreds of thousands of kernels): the mix's readings are set aside only once all are in.
+    WRITE_S = 600
+
     def __exit__(self, *exc):
         os.remove(self.flag)
-        time.sleep(0.5)   # each process writes its window within a tick of seeing the flag gone
+        time.sleep(0.2)   # each process sees the flag gone within a tick
+        deadline = time.time() + self.WRITE_S
+        while any(f.endswith(".open") for f in os.listdir(self.folder)):
+            if time.time() > deadline:
+                raise RuntimeError(f"a server process did not write its reading in {self.WRITE_S} s ({self.folder})")
+            time.sleep(0.1)
 
     def set_aside(self, name: str) -> "Window":
         """The loads' readings so far, moved into a folder of their own (`name`, in this one), as

@@ -7,6 +7,7 @@ device timer (devicetime.py) each kernel's GPU time (both on the GPU); the repor
 servers' readings into ms a step, each mix apart. The load itself needs a GPU
 (benchmarks/bench_serve.py)."""
 import collections
+import contextlib
 import gc
 import importlib
 import json
@@ -202,14 +203,12 @@ def test_each_process_of_a_server_leaves_its_readings_of_a_load(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(4)"], env=env)
     try:
         time.sleep(1.0)
-        for folder in folders.values():
-            (folder / "on").touch()
-        time.sleep(0.5)
-        for folder in folders.values():
-            (folder / "on").unlink()
-        deadline = time.time() + 2.5
-        while time.time() < deadline and not all(list(f.glob("*.json")) for f in folders.values()):
-            time.sleep(0.05)
+        with contextlib.ExitStack() as load:   # a load's window on both readings, as bench_serve opens them
+            for folder in folders.values():
+                load.enter_context(bench_serve.Window(str(folder)))
+            time.sleep(0.5)
+        # once the windows are closed, every reading is in (none is still being written)
+        assert all(list(f.glob("*.json")) and not list(f.glob("*.open")) for f in folders.values())
     finally:
         child.wait(10)
     (timed,) = [json.loads(p.read_text()) for p in folders["TAPC_TIMERS_DIR"].glob("*.json")]

@@ -21,15 +21,17 @@ def _watch(folder: str, start) -> None:
     while True:
         while not os.path.exists(flag):
             time.sleep(0.05)
+        name = multiprocessing.current_process().name
+        path = os.path.join(folder, f"{name}-{os.getpid()}-{window}.json")
+        open(path + ".open", "w").close()   # a reading under way: the bench waits for it (bench_serve.Window)
         stop = start()
         while os.path.exists(flag):
             time.sleep(0.05)
         reading = stop()
-        name = multiprocessing.current_process().name
-        path = os.path.join(folder, f"{name}-{os.getpid()}-{window}.json")
         with open(path + ".tmp", "w") as f:
             json.dump({"process": name, "pid": os.getpid(), **reading}, f)
-        os.replace(path + ".tmp", path)   # whole or absent: the bench reads as soon as it appears
+        os.replace(path + ".tmp", path)   # whole or absent
+        os.remove(path + ".open")
         window += 1
 
 
