@@ -420,8 +420,8 @@ class Kernels(Window):
 
     ENV = "TAPC_KERNELS_DIR"
 
-    def per_step(self, steps: float) -> dict[str, tuple[float, float]]:
-        """{kernel or copy: (GPU ms a step, launches a step)} summed over the loads."""
+    def summed(self) -> dict[str, list]:
+        """{kernel or copy: [launches, GPU us]} summed over the loads."""
         got: dict[str, list] = {}
         for reading in self.readings():
             for name, (count, us) in reading["kernels"].items():
@@ -430,39 +430,39 @@ class Kernels(Window):
                 acc[1] += us
         if not got:
             raise RuntimeError(f"--kernels: no process recorded a kernel in {self.folder}")
-        steps = max(steps, 1.0)
-        return {name: (us / 1e3 / steps, count / steps) for name, (count, us) in got.items()}
+        return got
 
 
 def kernels_report(kernels: dict[str, Kernels], steps: dict[str, float], mix: str, top: int = 30) -> list[str]:
     """Both servers' GPU time a step over one mix's loads: kernels, copies and tapc's own
-    kernels in all, then the kernels whose time differs most between the two."""
-    from devicetime import is_copy, tapc_kernel_names
+    kernels in all (devicetime.totals), then the kernels whose time differs most between the two."""
+    from devicetime import totals
 
-    got = {name: k.per_step(steps[name]) for name, k in kernels.items()}
-    ours = tapc_kernel_names()
-
-    def total(name: str, keep) -> tuple[float, float]:
-        rows = [v for k, v in got[name].items() if keep(k)]
-        return sum(ms for ms, _ in rows), sum(n for _, n in rows)
-
+    got = {name: k.summed() for name, k in kernels.items()}
+    per = {name: max(steps[name], 1.0) for name in got}
+    sums = {name: totals(g) for name, g in got.items()}
     lines = [f"# bench_serve --kernels, mix {mix}: the GPU's ms a step (CUPTI's kernel and copy records in each "
              "engine-core process during the timed loads; streams that overlap count twice; the records slow the "
              "host, so these loads' speeds are not the benchmark's)", "",
              f"steps: vanilla {steps['vanilla']:.0f}, tapc {steps['tapc']:.0f}", "",
              "| GPU work | vanilla ms a step | tapc ms a step | tapc - vanilla | vanilla launches a step | tapc launches a step |",
              "|---|---:|---:|---:|---:|---:|"]
-    for what, keep in (("kernels", lambda k: not is_copy(k)), ("copies and memsets", is_copy),
-                       ("tapc's kernels", lambda k: k in ours)):
-        (vm, vn), (tm, tn) = total("vanilla", keep), total("tapc", keep)
+    for what, ms, n in (("kernels", "kernels_ms", "launches"), ("copies and memsets", "copies_ms", "copies"),
+                        ("tapc's kernels", "tapc_ms", "tapc_launches")):
+        (vm, vn), (tm, tn) = ((sums[name][ms] / per[name], sums[name][n] / per[name]) for name in ("vanilla", "tapc"))
         lines.append(f"| {what} | {vm:.3f} | {tm:.3f} | {tm - vm:+.3f} | {vn:.1f} | {tn:.1f} |")
+
+    def step(name: str, k: str) -> tuple[float, float]:   # (GPU ms a step, launches a step) of one kernel
+        count, us = got[name].get(k, (0, 0.0))
+        return us / 1e3 / per[name], count / per[name]
+
     names = set(got["vanilla"]) | set(got["tapc"])
-    diff = {k: got["tapc"].get(k, (0.0, 0.0))[0] - got["vanilla"].get(k, (0.0, 0.0))[0] for k in names}
+    diff = {k: step("tapc", k)[0] - step("vanilla", k)[0] for k in names}
     lines += ["", f"The {top} kernels and copies whose GPU time a step differs most:", "",
               "| kernel or copy | vanilla ms a step | tapc ms a step | tapc - vanilla | vanilla launches a step | tapc launches a step |",
               "|---|---:|---:|---:|---:|---:|"]
     for k in sorted(names, key=lambda k: -abs(diff[k]))[:top]:
-        (vm, vn), (tm, tn) = got["vanilla"].get(k, (0.0, 0.0)), got["tapc"].get(k, (0.0, 0.0))
+        (vm, vn), (tm, tn) = step("vanilla", k), step("tapc", k)
         lines.append(f"| `{k[:120]}` | {vm:.3f} | {tm:.3f} | {diff[k]:+.3f} | {vn:.2f} | {tn:.2f} |")
     return lines + [""]
 

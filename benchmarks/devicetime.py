@@ -36,12 +36,14 @@ def tapc_kernel_names() -> set[str]:
 
 
 def totals(kernels: dict[str, list]) -> dict:
-    """GPU ms of kernels and of copies; kernel launches; tapc's own kernels' ms and launches."""
+    """GPU ms of kernels and of copies; kernel launches and copies; tapc's own kernels' ms and
+    launches."""
     ours = tapc_kernel_names()
-    out = {"kernels_ms": 0.0, "copies_ms": 0.0, "launches": 0, "tapc_ms": 0.0, "tapc_launches": 0}
+    out = {"kernels_ms": 0.0, "copies_ms": 0.0, "launches": 0, "copies": 0, "tapc_ms": 0.0, "tapc_launches": 0}
     for name, (count, us) in kernels.items():
         if is_copy(name):
             out["copies_ms"] += us / 1e3
+            out["copies"] += count
             continue
         out["kernels_ms"] += us / 1e3
         out["launches"] += count

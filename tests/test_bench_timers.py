@@ -166,7 +166,7 @@ def test_the_kernel_report_gives_each_servers_gpu_ms_a_step_by_kernel(tmp_path):
 
 def test_a_server_that_recorded_no_kernel_is_an_error(tmp_path):
     with pytest.raises(RuntimeError, match="no process recorded a kernel"):
-        bench_serve.Kernels(str(tmp_path)).per_step(10)
+        bench_serve.Kernels(str(tmp_path)).summed()
 
 
 @pytest.mark.gpu

@@ -135,8 +135,8 @@ def _fill_captures(layout: Layout, table: np.ndarray, reqs: _Requests, used: lis
     rows, counts = reqs.rows(lo, np.fromiter((rec.cap_hi for rec in recs), np.int64, n))
     lists = [k for k, rec in enumerate(recs) if rec.stores and rec.span is None]
     if lists:   # a list of positions takes some rows of its run: each such run cut down (rare: one call a request)
-        runs = np.split(rows, np.cumsum(counts)[:-1])
-        pos = np.split(reqs.positions(rows, counts), np.cumsum(counts)[:-1])
+        cuts = np.cumsum(counts)[:-1]
+        runs, pos = np.split(rows, cuts), np.split(reqs.positions(rows, counts), cuts)
         for k in lists:
             runs[k] = runs[k][select(recs[k].positions, pos[k], recs[k].prompt_len)]
             counts[k] = runs[k].size
