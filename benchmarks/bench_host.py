@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tapc.engine.protocol import WireRequest  # noqa: E402
 from tapc.engine.requests import TapRequest, check  # noqa: E402
-from tapc.engine.fill import Repeat, fill_step  # noqa: E402
+from tapc.engine.fill import Repeat, fill_step, tapped_of  # noqa: E402
 from tapc.engine.layout import Layout  # noqa: E402
 from tapc.engine.memcpy import copy_segments  # noqa: E402
 from tapc.engine.records import Record  # noqa: E402
@@ -115,7 +115,8 @@ def time_step(layout, records, batch: StepBatch, repeats: int = 200, repeating: 
              for g in layout.groups]
     repeat = Repeat()
     if repeating:
-        repeat.keep(batch, records, fill_step(layout, table[:, :batch.padded], records, batch))
+        tapped = tapped_of(records, batch)
+        repeat.keep(batch, tapped, fill_step(layout, table[:, :batch.padded], tapped, batch))
     times = []
     for k in range(repeats):
         for rec in records.values():   # the same rows again (no store grows)
@@ -125,7 +126,7 @@ def time_step(layout, records, batch: StepBatch, repeats: int = 200, repeating: 
                 rec.next_pos = 0
         step = replace(batch, num_computed=batch.num_computed + k + 1) if repeating else batch
         t0 = time.perf_counter()
-        got = repeat.same(step) if repeating else fill_step(layout, table[:, :batch.padded], records, batch)
+        got = repeat.same(step) if repeating else fill_step(layout, table[:, :batch.padded], tapped_of(records, batch), batch)
         copy_segments(got[0], pools, issued, Stream())
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
@@ -181,7 +182,7 @@ def device_main():
                         st.rows = 0
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                step = fill_step(layout, buffers.host_table(batch.padded), records, batch)
+                step = fill_step(layout, buffers.host_table(batch.padded), tapped_of(records, batch), batch)
                 t1 = time.perf_counter()
                 buffers.upload(batch.padded)
                 t2 = time.perf_counter()

@@ -437,7 +437,8 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank
     hooks = RunnerHooks(layout, buffers, Arena(segment_bytes=4096), points, inline=inline,
                         switch=Switch(None, buffers.table, ops.KERNELS) if switch else None,
                         prefix_rows=PrefixRows(layout, *prefix_rows) if prefix_rows else None)
-    patches.apply(runner, adapter(runner, hooks), points)
+    # with a switch, its idle check is patched into the ops process-wide: callers put it back
+    patches.apply(runner, adapter(runner, hooks), points, switch=hooks.switch)
     return runner, hooks
 
 

@@ -6,7 +6,7 @@ import torch
 from engine_toy import HIDDEN, INTER, toy_plan
 
 from tapc.engine.config import WORKER, engine_kwargs
-from tapc.engine.fill import Repeat, fill_step
+from tapc.engine.fill import Repeat, fill_step, tapped_of
 from tapc.engine.layout import Layout
 from tapc.engine.memcpy import copy_segments
 from tapc.engine.positions import expected_rows, interval, select
@@ -131,7 +131,7 @@ def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_t
         batch = StepBatch([r["rid"] for r in live], qsl, np.array([r["done"] for r in live], dtype=np.int32),
                           np.array([r["plen"] for r in live], dtype=np.int32), padded)
         table[:] = 7   # stale values from an earlier step
-        segments, _ = fill_step(layout, table, records, batch)
+        segments, _ = fill_step(layout, table, tapped_of(records, batch), batch)
         acts = [torch.randn(256, t.width, generator=torch.Generator().manual_seed(int(rng.integers(1 << 30))))
                 for t in layout.captures]
         device_step(layout, table, padded, pools, acts)
@@ -219,10 +219,11 @@ def test_a_repeated_decode_step_leaves_the_tables_segments_and_captures_of_a_fre
             got = run["repeat"].same(batch) if run["repeat"] is not None else None
             if got is None:
                 table = np.full((layout.num_tables, batch.padded), 7, np.int32)
-                got = fill_step(layout, table, run["records"], batch)
+                tapped = tapped_of(run["records"], batch)
+                got = fill_step(layout, table, tapped, batch)
                 run["device"][:, :batch.padded] = table            # the upload
                 if run["repeat"] is not None:
-                    run["repeat"].keep(batch, run["records"], got)
+                    run["repeat"].keep(batch, tapped, got)
             else:
                 run["hits"] += 1
             device_step(layout, run["device"], batch.padded, run["pools"], acts)

@@ -1,10 +1,12 @@
-"""Which tap kernels a step's graphs run (tapc/engine/switch.py), on the CPU stand-in.
+"""Which tap kernels a step runs (tapc/engine/switch.py), on the CPU stand-in.
 
-On a GPU a kernel whose taps the step's requests do not ask for is a disabled graph node. Here
-the toy engine's ops stand in for the nodes: an op whose taps are not in the switch's `want`
-is skipped, and at every skip its row tables must own none of the step's rows (what the kernel
-would have done is nothing). The captures are then compared with the model run alone, as in
-test_engine_cpu.py, under continuous batching, steering and a parameterless edit.
+On a GPU a kernel whose taps the step's requests do not ask for is a disabled graph node, and
+outside graphs (batches larger than vLLM's largest graph) its op launches nothing. Here the toy
+engine runs every forward as the latter: an op asks the switch (`Switch.idle`, installed by
+patches.apply as the worker does) and skips when the step asks nothing of its tap; at every skip
+its row table must own none of the step's rows (what the kernel would have done is nothing).
+The captures are then compared with the model run alone, as in test_engine_cpu.py, under
+continuous batching, steering and a parameterless edit.
 """
 import numpy as np
 import pytest
@@ -19,38 +21,49 @@ from tapc.kernels import edit as kedit
 from tapc.kernels import ops
 from tapc.session import TapSession
 
-# What the ops call (the Triton kernels, in the interpreter here, or the torch references), and
-# where their row tables are among the arguments.
-CALLS = [(kcapture, "capture", (1,)), (kcapture, "capture_pair", (2, 3)), (kcapture, "capture_sum", (2,)),
-         (kedit, "add_", (2,)), (kedit, "scale_", (2,)), (kedit, "set_cols_", (2,)), (kedit, "project_out_", (2,))]
+# What the ops call (the Triton kernels, in the interpreter here, or the torch references).
+CALLS = [(kcapture, "capture"), (kcapture, "capture_pair"), (kcapture, "capture_sum"), (kedit, "add_"),
+         (kedit, "scale_"), (kedit, "set_cols_"), (kedit, "project_out_")]
 
 
 @pytest.fixture
 def switched(monkeypatch):
-    """Installs the stand-in; returns the calls seen, {"on": n, "off": n}, and `start(plan, **kw)`,
-    the toy engine (`hooks_for`) with a switch, whose `want` the ops obey."""
+    """Counts the kernels run and the launches skipped, {"on": n, "off": n}; `start(plan, **kw)`
+    is the toy engine (`hooks_for`) with a switch, whose `idle` the ops ask."""
     seen = {"on": 0, "off": 0}
-    state = {}
+    monkeypatch.setattr(ops, "_idle", None)   # put back after the test: the worker's patch is process-wide
 
-    def wrap(fn, at):
-        def op(*args):
-            x, tables = args[0], [args[i] for i in at]
-            switch: Switch = state["hooks"].switch
-            if switch.taps_of(tables) & switch.want:
-                seen["on"] += 1
-                return fn(*args)
-            seen["off"] += 1
-            owned = [int((t[: x.shape[0]] >= 0).sum()) for t in tables]
-            assert not any(owned), f"a switched-off {fn.__name__} owns {owned} rows of this step"
-        return op
+    def counted(fn):
+        def kernel(*args):
+            seen["on"] += 1
+            return fn(*args)
+        return kernel
 
-    for module, name, at in CALLS:
+    for module, name in CALLS:
         for fn in (name, f"{name.rstrip('_')}_ref"):
-            monkeypatch.setattr(module, fn, wrap(getattr(module, fn), at))
+            monkeypatch.setattr(module, fn, counted(getattr(module, fn)))
 
     def start(plan, **kwargs):
-        runner, state["hooks"] = hooks_for(plan, ToyModel(), switch=True, **kwargs)
-        return runner, state["hooks"]
+        runner, hooks = hooks_for(plan, ToyModel(), switch=True, **kwargs)
+        asked = ops._idle
+        assert asked == hooks.switch.idle, "the hooks' patches make the ops ask the switch"
+        begin, step = hooks.begin_step, {}
+
+        def begin_step(batch):
+            step["rows"] = batch.padded
+            begin(batch)
+
+        def idle(table):
+            if not asked(table):
+                return False
+            seen["off"] += 1
+            owned = int((table[: step["rows"]] >= 0).sum())
+            assert not owned, f"a skipped launch's row table owns {owned} rows of this step"
+            return True
+
+        monkeypatch.setattr(ops, "_idle", idle)
+        monkeypatch.setattr(hooks, "begin_step", begin_step)
+        return runner, hooks
 
     return seen, start
 
@@ -93,15 +106,42 @@ def test_a_parameterless_edit_keeps_its_kernel_on_for_untapped_requests(switched
     assert seen["off"], "the capture's kernel is off once x is done"
 
 
-def test_hooks_want_nothing_in_dummy_runs_and_what_records_ask_otherwise():
+def test_hooks_want_nothing_in_dummy_runs_and_what_records_ask_otherwise(monkeypatch):
+    monkeypatch.setattr(ops, "_idle", None)
     plan = toy_plan(TAPS)
     runner, hooks = hooks_for(plan, ToyModel(), switch=True)
     layout = hooks.layout
     reqs = make_requests(plan)
     run(runner, reqs[:2], budget=64)   # "a" captures every key, "b" the residual at prompt rows
     assert hooks.switch.want == layout.taps_mask([layout.cap_index[k] for k in plan.capture_keys])
+    assert hooks.switch.stepping
     hooks.reset()
-    assert hooks.switch.want == 0
+    assert hooks.switch.want == 0 and not hooks.switch.stepping
+
+
+def test_an_op_launches_nothing_only_in_a_step_that_asks_nothing_of_its_tap():
+    table = torch.full((3, 4), -1, dtype=torch.int32)
+    table[0, :2] = torch.tensor([0, 1], dtype=torch.int32)
+    x, pool = torch.randn(4, 8), torch.zeros(2, 8)
+    switch = Switch(None, table, ops.KERNELS)
+    switch.want = 1 << 0
+    assert not switch.idle(table[1]), "a dummy run (no step yet) launches every op"
+    switch.stepping = True
+    assert switch.idle(table[1]) and switch.idle(table[2]) and not switch.idle(table[0])
+    assert not switch.idle(torch.full((4,), -1, dtype=torch.int32)), "not a row table: it launches"
+    switch.want = ALL
+    assert not switch.idle(table[1])
+    # through the op, as the compiled forward calls it
+    switch.want = 1 << 1
+    ops._idle = switch.idle
+    try:
+        ops.capture(x, table[0], pool)
+        assert not pool.any(), "its tap is not asked for: nothing launched"
+        switch.want = 1 << 0
+        ops.capture(x, table[0], pool)
+        assert torch.equal(pool, x[:2])
+    finally:
+        ops._idle = None
 
 
 def test_taps_of_maps_table_views_to_their_rows():

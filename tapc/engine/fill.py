@@ -29,11 +29,18 @@ class Segment(NamedTuple):
     rows: int
 
 
-def fill_step(layout: Layout, table: np.ndarray, records: dict[str, Record],
+def tapped_of(records: dict[str, Record], batch: StepBatch) -> list[tuple[int, Record]]:
+    """The step's tapped requests as (place in the batch, record), in batch order; `records` maps
+    vLLM request ids to tapped requests. Found once a step (the hooks, the fill and `Repeat` read it)."""
+    get = records.get
+    return [(i, rec) for i, rid in enumerate(batch.req_ids) if (rec := get(rid)) is not None]
+
+
+def fill_step(layout: Layout, table: np.ndarray, tapped: list[tuple[int, Record]],
               batch: StepBatch) -> tuple[list[Segment], list[int]]:
     """Write `table[:, :batch.padded]` for one step; return the capture segments to copy out
-    after the forward and the rows used in each group's pool. `records` maps vLLM request ids
-    to tapped requests (the others are left alone).
+    after the forward and the rows used in each group's pool. `tapped`: the step's tapped
+    requests (`tapped_of`; the others are left alone).
 
     This runs on the host every step, beside vLLM's own step preparation. For many tapped
     requests it works on arrays over all their rows at once (one fancy assignment per group and
@@ -43,7 +50,6 @@ def fill_step(layout: Layout, table: np.ndarray, records: dict[str, Record],
     table[:, :batch.padded] = -1
     used = [0] * len(layout.groups)
     segments: list[Segment] = []
-    tapped = [(i, rec) for i, rid in enumerate(batch.req_ids) if (rec := records.get(rid)) is not None]
     if 0 < len(tapped) <= FEW:
         segments = _fill_each(layout, table, tapped, batch, used)
     elif tapped:
@@ -251,12 +257,12 @@ class Repeat:
             rec.next_pos = computed[i] + 1
         return self._step
 
-    def keep(self, batch: StepBatch, records: dict[str, Record], step: tuple[list[Segment], list[int]]) -> None:
-        """Remember a step just filled, if it is one the next step can repeat."""
+    def keep(self, batch: StepBatch, tapped: list[tuple[int, Record]], step: tuple[list[Segment], list[int]]) -> None:
+        """Remember a step just filled (its tapped requests, `tapped_of`), if it is one the next
+        step can repeat."""
         self.forget()
         if not _decode(batch):
             return
-        tapped = [(i, rec) for i, rid in enumerate(batch.req_ids) if (rec := records.get(rid)) is not None]
         if any(not isinstance(rec.positions, str) for _, rec in tapped):
             return
         moving = [(rec, i) for i, rec in tapped if rec.stores and rec.positions in ("all", "generated")]

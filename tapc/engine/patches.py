@@ -15,7 +15,8 @@ model, not listed here):
   prefix cache of a capture of prompt rows only as far as those rows go;
 - the runner's `capture_model` captures with `torch.cuda.CUDAGraph` swapped, only while it runs:
   for `SegmentedGraph` (graphs.py) with Python blocks, else for a `SwitchedGraph` (switch.py),
-  with the tap ops' launch observer set (kernels/ops.py) so that each graph learns its tap nodes.
+  with the tap ops' launch observer set (kernels/ops.py) so that each graph learns its tap nodes;
+- with a switch, the tap ops ask it whether to launch at all outside graphs (kernels/ops.py `_idle`).
 `Patches.undo` puts everything back, last applied first.
 """
 from __future__ import annotations
@@ -74,7 +75,8 @@ def apply(runner, adapter, points=None, breaks: bool = False, switch=None, prefi
     """Route `runner`'s step (vLLM's V2 or V1 model runner, or a stand-in with its methods) through
     `adapter` (runner_v2.V2Adapter, runner_v1.V1Adapter); with `points` (EnginePoints), the sampler and
     the boundary handler; with `breaks` (the plan has Python blocks), FULL graphs captured broken at
-    them; else, with `switch` (switch.Switch), graphs whose tap kernels it switches; with
+    them; else, with `switch` (switch.Switch), tap ops that launch only for taps the step asks
+    for, and (with its driver) graphs whose tap kernels it switches; with
     `prefix_rows` (prefixrows.PrefixRows), vLLM's prefix-cache lookup limited by it."""
     from tapc.engine.graphs import SegmentedGraph, breaking
     from tapc.engine.switch import SwitchedGraph
@@ -90,7 +92,10 @@ def apply(runner, adapter, points=None, breaks: bool = False, switch=None, prefi
     if breaks:
         patches.add(capture_patch(runner, SegmentedGraph))
     elif switch is not None:
-        patches.add(capture_patch(runner, SwitchedGraph.bound(switch), Patch(ops, "_launch_observer", switch.observe)))
+        patches.add(Patch(ops, "_idle", switch.idle))
+        if switch.driver is not None:
+            patches.add(capture_patch(runner, SwitchedGraph.bound(switch),
+                                      Patch(ops, "_launch_observer", switch.observe)))
     if prefix_rows is not None:
         patches.add(cache_lookup_patch(prefix_rows))
     return patches

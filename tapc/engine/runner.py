@@ -23,7 +23,7 @@ import torch
 
 from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
-from tapc.engine.fill import Repeat, fill_step
+from tapc.engine.fill import Repeat, fill_step, tapped_of
 from tapc.engine.layout import Layout
 from tapc.engine.points import EnginePoints
 from tapc.engine.prefixrows import PrefixRows
@@ -107,20 +107,22 @@ class RunnerHooks:
     @_timed
     def begin_step(self, batch: StepBatch) -> None:
         self.steps += 1
-        owns = bool(self.layout.always) or any(rid in self.records for rid in batch.req_ids)
+        tapped = tapped_of(self.records, batch) if self.records else []
+        owns = bool(self.layout.always) or bool(tapped)
         if owns or not self.buffers.clean(batch.padded):
             # the device's tables are this step's already when it repeats the last decode step
             self._step = self._repeat.same(batch)
             if self._step is None:
-                self._step = fill_step(self.layout, self.buffers.host_table(batch.padded), self.records, batch)
+                self._step = fill_step(self.layout, self.buffers.host_table(batch.padded), tapped, batch)
                 self.buffers.upload(batch.padded, owns_rows=owns)
-                self._repeat.keep(batch, self.records, self._step)
-                self._taps = self._asked(batch) if owns else 0
+                self._repeat.keep(batch, tapped, self._step)
+                self._taps = self._asked(tapped) if owns else 0
         else:
             self._step = None
             self._taps = 0
         if self.switch is not None:
             self.switch.want = self._taps
+            self.switch.stepping = True
         if self.points is not None:
             self.points.begin_step(self.records, batch, self.unadmitted)
 
@@ -140,15 +142,14 @@ class RunnerHooks:
         self._taps = 0
         if self.switch is not None:
             self.switch.want = 0
+            self.switch.stepping = False
 
-    def _asked(self, batch: StepBatch) -> int:
+    def _asked(self, tapped: list[tuple[int, Record]]) -> int:
         """The taps the step's requests may own rows of (a superset of those they do: a node
         left on does nothing, one left off would capture nothing)."""
         taps = self.layout.always_taps
-        for rid in batch.req_ids:
-            rec = self.records.get(rid)
-            if rec is not None:
-                taps |= rec.taps
+        for _, rec in tapped:
+            taps |= rec.taps
         return taps
 
     # ---------------------------------------------------------------- requests

@@ -25,8 +25,13 @@ cugraph.py), so:
 
 A node is only off where no request of the step asks for its tap: its table owns no row then,
 and the kernel would have done nothing. Graphs broken by Python blocks (graphs.py) are not
-switched. Where the driver lacks these calls (older than CUDA 12.3), or TAPC_SWITCH_GRAPHS=0 in
-the engine's environment, nothing is switched: every tap kernel runs at every replay.
+switched. Where the driver lacks these calls (older than CUDA 12.3), graphs are not switched.
+
+Batches larger than vLLM's largest graph run the compiled forward without CUDA graphs, where
+each tap op is a Python call and a Triton launch (about 50 us of the engine's thread, 33 a step
+for a plan on every layer of an 8B model). There the op asks the switch first (`idle`, kernels/ops.py)
+and launches nothing for a tap the step does not ask for. TAPC_SWITCH_GRAPHS=0 in the engine's
+environment turns both off: every tap kernel runs at every replay and every launch.
 """
 from __future__ import annotations
 
@@ -57,6 +62,9 @@ class Switch:
         self.driver = driver
         self.kernels = kernels
         self.want = ALL
+        # Whether the forward under way is a step's (the hooks filled its tables), not a dummy run:
+        # a dummy run launches every op, so that Triton builds each kernel before any graph capture.
+        self.stepping = False
         self._base = table.data_ptr()
         self._row_bytes = table.stride(0) * table.element_size()
         self._end = self._base + table.shape[0] * self._row_bytes
@@ -69,6 +77,16 @@ class Switch:
             if self._base <= ptr < self._end:
                 mask |= 1 << ((ptr - self._base) // self._row_bytes)
         return mask
+
+    def idle(self, table: torch.Tensor) -> bool:
+        """Whether a tap op outside a graph may launch nothing (kernels/ops.py): in a step whose
+        requests ask nothing of the tap whose row `table` is (every entry -1: the kernel would do
+        nothing), and not under a graph capture, whose graph would lack the node for good."""
+        ptr = table.data_ptr()
+        if not self.stepping or not self._base <= ptr < self._end \
+                or self.want & (1 << ((ptr - self._base) // self._row_bytes)):
+            return False
+        return not (table.is_cuda and torch.cuda.is_current_stream_capturing())
 
     def observe(self, tables) -> None:
         """A tap op's launch (kernels/ops.py's launch observer): under a SwitchedGraph's capture,
@@ -96,6 +114,7 @@ class SwitchedGraph(torch.cuda.CUDAGraph):
 
     def __init__(self, *args, **kwargs):
         super().__init__(keep_graph=True)   # node handles belong to the graph: keep it
+        self.device = torch.cuda.current_device()   # where it is captured and replayed
         self.nodes: dict[int, int] = {}           # node -> the taps it serves
         self._graph = None                        # the CUDA graph the nodes were noted in
         self._state = ALL                         # the want its nodes are set for
@@ -133,8 +152,10 @@ class SwitchedGraph(torch.cuda.CUDAGraph):
         want = self.switch.want
         if want == 0 and self.bare is not None:
             # The same kernels on the same memory, less the taps': launched as torch launches
-            # its graph (vLLM's graphs draw no random numbers, whose offsets torch would advance).
-            self.switch.driver.launch(self.bare, torch.cuda.current_stream().cuda_stream)
+            # its graph (vLLM's graphs draw no random numbers, whose offsets torch would advance),
+            # on the current stream's raw handle (as Inductor's code reads it: a Stream object
+            # costs more than the launch, and a piecewise step makes 30-odd of these).
+            self.switch.driver.launch(self.bare, torch._C._cuda_getCurrentRawStream(self.device))
             return
         if want != self._state and self.nodes:
             self._set(want)

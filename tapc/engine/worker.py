@@ -61,10 +61,9 @@ class TapWorker(Worker):
         self.tapc_has_blocks = any(t.action == "block" for t in plan.taps)
         arena = Arena(register=_register)
         arena.reserve(config.get("capture_memory", 0))   # capture_memory_gib: pinned now, not on a step's path
-        # Graphs broken by blocks are not switched (switch.py); nor where the driver cannot, or
-        # the user said not to.
-        driver = Driver.load() if not layout.blocks and switching() else None
-        switch = Switch(driver, buffers.table, ops.KERNELS) if driver is not None else None
+        # Graphs broken by blocks are not switched (switch.py), nor where the user said not to;
+        # where the driver cannot, only the launches outside graphs are.
+        switch = Switch(Driver.load(), buffers.table, ops.KERNELS) if not layout.blocks and switching() else None
         rows = None
         if config.get("prefix_rows"):
             backend = self.vllm_config.parallel_config.distributed_executor_backend
