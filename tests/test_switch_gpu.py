@@ -81,3 +81,36 @@ def test_a_graphs_tap_nodes_switch_off_and_on_and_nothing_else_does():
         assert not pools[0].any()
         close(pools[1], h * 2 + h, "capture_sum alone")
         close(out, torch.tanh(h * 2), "the edit stays off")
+
+
+def test_ops_outside_graphs_skip_unasked_taps_but_never_while_a_graph_is_captured():
+    """Batches larger than vLLM's graphs call the ops eagerly: a tap the step does not ask for
+    launches nothing there (`Switch.idle`), yet an op under a graph capture always launches, or
+    the graph would lack its node for good."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(1)
+    table = torch.full((2, ROWS), -1, dtype=torch.int32, device=dev)
+    table[0] = torch.arange(ROWS, device=dev, dtype=torch.int32)
+    switch = Switch(None, table, ops.KERNELS)
+    x = torch.randn(ROWS, WIDTH, device=dev, generator=g)
+    pool = torch.zeros(ROWS, WIDTH, device=dev)
+    with Patch(ops, "_idle", switch.idle):
+        torch.ops.tapc.capture(x, table[0], pool)   # warm up: a dummy run launches every op
+        torch.cuda.synchronize()
+        assert torch.equal(pool, x), "not in a step yet: it launches"
+        pool.zero_()
+        switch.stepping, switch.want = True, 1 << 1
+        torch.ops.tapc.capture(x, table[0], pool)
+        torch.cuda.synchronize()
+        assert not pool.any(), "the step asks nothing of tap 0: no launch, though its table has rows"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.ops.tapc.capture(x, table[0], pool)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(pool, x), "under capture it launched: the graph has the node"
+        pool.zero_()
+        switch.want = 1 << 0
+        torch.ops.tapc.capture(x, table[0], pool)
+        torch.cuda.synchronize()
+        assert torch.equal(pool, x), "asked for: it launches"
