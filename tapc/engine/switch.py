@@ -73,18 +73,22 @@ class Switch:
         """The bitmask of the taps whose rows of `table` these tensors start in (0 for others)."""
         mask = 0
         for t in tables:
-            ptr = t.data_ptr()
-            if self._base <= ptr < self._end:
-                mask |= 1 << ((ptr - self._base) // self._row_bytes)
+            mask |= self._bit(t)
         return mask
+
+    def _bit(self, t: torch.Tensor) -> int:
+        """The bit of the tap whose row of `table` `t` starts in; 0 for any other tensor."""
+        ptr = t.data_ptr()
+        return 1 << ((ptr - self._base) // self._row_bytes) if self._base <= ptr < self._end else 0
 
     def idle(self, table: torch.Tensor) -> bool:
         """Whether a tap op outside a graph may launch nothing (kernels/ops.py): in a step whose
         requests ask nothing of the tap whose row `table` is (every entry -1: the kernel would do
         nothing), and not under a graph capture, whose graph would lack the node for good."""
-        ptr = table.data_ptr()
-        if not self.stepping or not self._base <= ptr < self._end \
-                or self.want & (1 << ((ptr - self._base) // self._row_bytes)):
+        if not self.stepping:
+            return False
+        bit = self._bit(table)
+        if not bit or self.want & bit:
             return False
         return not (table.is_cuda and torch.cuda.is_current_stream_capturing())
 
