@@ -139,7 +139,6 @@ class ToyBuffers(Buffers):
         self._clean = rows
         self._uva = [_UvaTable(layout.num_tables * rows, torch.device("cpu")) for _ in range(2)]
         self._next = 0
-        self._copy2d = None   # no driver: the upload is a torch copy
         self.pools = [torch.zeros(len(g.caps) * rows, g.width, dtype=getattr(torch, g.dtype)) for g in layout.groups]
         self.staging = Staging(torch.device("cpu"))
         self.params = ParamTables(layout.edits, slots, torch.device("cpu"), layout.localize, self.staging)

@@ -4,9 +4,8 @@ Everything here is allocated once, when the worker installs the taps (before vLL
 forward), and never moves: the compiled graphs and CUDA graphs keep reading these addresses.
 
 Per step (all stream-ordered on the compute stream, so async scheduling is safe):
-1. `upload`: the host's row tables go up from one of `depth` pinned buffers, one pitched DMA
-   (memcpy.py `Copy2D`; a torch copy kernel reading them through UVA where the driver call is
-   missing). The host writes buffer i while the device may still read buffer
+1. `upload`: the host's row tables go up through one of `depth` pinned, device-visible (UVA)
+   buffers, one copy kernel. The host writes buffer i while the device may still read buffer
    i-1; vLLM keeps at most `depth` steps in flight, so a buffer is never rewritten early. A
    step that owns no row skips it while the device's tables already own none among its rows
    (it took up to 96 us of host time a decode step on the MoE shape, timed with a sampling
@@ -37,7 +36,7 @@ import torch
 from tapc.edits import slot_row
 from tapc.engine.fill import Segment
 from tapc.engine.layout import Layout
-from tapc.engine.memcpy import BatchCopy, Copy2D, copy_segments
+from tapc.engine.memcpy import BatchCopy, copy_segments
 from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 
 
@@ -74,9 +73,6 @@ class Buffers:
         self._row_bytes = [p.shape[1] * p.element_size() for p in self.pools]
         self.direct_bytes = DIRECT_BYTES
         self._batch = BatchCopy.load() if device.type == "cuda" else None
-        self._copy2d = Copy2D.load() if device.type == "cuda" else None
-        self._table_at = (self.table.data_ptr(), self.table.stride(0) * self.table.element_size())   # address, pitch
-        self._device = self.table.device.index   # a tensor's device has its index
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self._nonfinite_host = torch.zeros((), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._counting = False
@@ -106,12 +102,8 @@ class Buffers:
         """The host table just filled goes up; `owns_rows` False when it is all -1."""
         buf = self._uva[self._next]
         self._next = (self._next + 1) % len(self._uva)
-        k, item = self.layout.num_tables, self.table.element_size()
-        # The driver's call keeps the GIL (memcpy.py): torch's copy lets it go, and under a serving
-        # load vLLM's output thread then takes it while the step's launches wait.
-        if self._copy2d is None or not self._copy2d(self._table_at[0], self._table_at[1], buf.ptr, padded * item,
-                                                    padded * item, k, torch._C._cuda_getCurrentRawStream(self._device)):
-            self.table[:, :padded].copy_(buf.uva[: k * padded].view(k, padded), non_blocking=True)
+        k = self.layout.num_tables
+        self.table[:, :padded].copy_(buf.uva[: k * padded].view(k, padded), non_blocking=True)
         self._clean = 0 if owns_rows else max(self._clean, padded)
 
     def reset(self) -> None:
@@ -233,7 +225,6 @@ class _UvaTable:
     def __init__(self, n: int, device: torch.device):
         cuda = device.type == "cuda"
         self.cpu = torch.zeros(n, dtype=torch.int32, pin_memory=cuda)
-        self.ptr = self.cpu.data_ptr()
         self.np = self.cpu.numpy()
         if cuda:
             from vllm.utils.torch_utils import get_accelerator_view_from_cpu_tensor

@@ -8,8 +8,7 @@ host's critical path (vLLM's own host loop nearly fills the GPU's decode step at
 stream order, on the copy engines, flagged to overlap with compute.
 
 Loaded through ctypes from libcuda; where the driver lacks it, or a call fails, the caller
-falls back to one `copy_` per block (`copy_segments`), and a failure is logged once. The step's
-row tables go up the same way (`Copy2D`, one pitched copy; buffers.py `upload`).
+falls back to one `copy_` per block (`copy_segments`), and a failure is logged once.
 """
 from __future__ import annotations
 
@@ -81,59 +80,6 @@ class BatchCopy:
         if err != 0:
             self.failed = True
             log.warning("tapc: cuMemcpyBatchAsync_v2 failed (CUresult %d); captures are copied one by one", err)
-            return False
-        return True
-
-
-class _Memcpy2D(ctypes.Structure):   # CUDA_MEMCPY2D, fields in the header's order
-    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
-                ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
-                ("srcPitch", ctypes.c_size_t),
-                ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t), ("dstMemoryType", ctypes.c_int),
-                ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64), ("dstArray", ctypes.c_void_p),
-                ("dstPitch", ctypes.c_size_t),
-                ("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t)]
-
-
-_HOST, _DEVICE = 1, 2   # CU_MEMORYTYPE_HOST, CU_MEMORYTYPE_DEVICE
-
-
-class Copy2D:
-    """`cuMemcpy2DAsync_v2`: rows of pinned host memory into a pitched device tensor, one driver
-    call and one DMA (the step's row tables: `[tables, padded]` packed on the host into the
-    first `padded` columns of `[tables, rows]` on the device). A torch copy of the same is a copy
-    kernel reading host memory through UVA, behind its dispatcher: 33-79 us of host time a step on
-    the H200 host (`bench_host.py --device`), against a few here."""
-
-    def __init__(self, fn):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.POINTER(_Memcpy2D), ctypes.c_void_p]
-        self._fn = fn
-        self._args = _Memcpy2D(srcMemoryType=_HOST, dstMemoryType=_DEVICE)
-        self.failed = False
-
-    @classmethod
-    def load(cls) -> "Copy2D | None":
-        """The driver's 2-D copy, or None where there is no driver. PyDLL, as `BatchCopy`."""
-        try:
-            return cls(ctypes.PyDLL("libcuda.so.1").cuMemcpy2DAsync_v2)
-        except (OSError, AttributeError):
-            return None
-
-    def __call__(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
-                 stream: int) -> bool:
-        """`height` rows of `width` bytes from host address `src` (rows `src_pitch` apart) to
-        device address `dst` (rows `dst_pitch` apart), on `stream`. False when not issued: the
-        caller copies another way."""
-        if self.failed:
-            return False
-        a = self._args
-        a.srcHost, a.srcPitch, a.dstDevice, a.dstPitch, a.WidthInBytes, a.Height = \
-            src, src_pitch, dst, dst_pitch, width, height
-        err = self._fn(ctypes.byref(a), ctypes.c_void_p(stream))
-        if err != 0:
-            self.failed = True
-            log.warning("tapc: cuMemcpy2DAsync_v2 failed (CUresult %d); the row tables go up by a torch copy", err)
             return False
         return True
 
