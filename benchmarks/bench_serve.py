@@ -490,6 +490,15 @@ def call_times_report(timers: dict[str, CallTimes], steps: dict[str, float], sec
     return lines
 
 
+_T0 = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    """A line on stderr with the seconds since the start: a GPU call cut short by its time limit
+    shows how far the run got (the tables print only once a round is done)."""
+    print(f"[bench_serve +{time.perf_counter() - _T0:.0f} s] {what}", file=sys.stderr, flush=True)
+
+
 def wait_healthy(proc: subprocess.Popen, port: int, log: str) -> None:
     import urllib.request
 
@@ -994,6 +1003,7 @@ def main() -> int:
         # One after the other: vLLM's memory profile at start fails when another process on the
         # GPU changes its memory use meanwhile.
         wait_healthy(vanilla, 8101, logs[8101])
+        progress("vanilla vllm serve is up")
         tapped = start_server([env_py, "-m", "tapc.cli", "serve", model, "--port", "8102",
                                "--tap", "model.layers.*.resid",
                                "--tap", f"model.layers.{STEER_LAYER}.resid | add(steer, alpha={ALPHA})",
@@ -1003,6 +1013,7 @@ def main() -> int:
                                *(["--prefix-rows-gib", str(args.prefix_rows_gib)] if args.prefix_rows_gib else []), *common],
                               logs[8102], {w.ENV: w.folder for w in windows["tapc"]})
         wait_healthy(tapped, 8102, logs[8102])
+        progress("tapc serve is up")
         for k, v in enumerate(vectors):
             http_json("POST", "http://127.0.0.1:8102/v1/tapc/vectors", {"name": f"v{k}", "values": v.tolist()})
         # Untimed first: every kind of request (other prompts), so neither server's timed runs
@@ -1010,6 +1021,7 @@ def main() -> int:
         warm = make_jobs(WARMUP, vocab, args.rate, 0.0, seed=1)
         for url, tap in (("http://127.0.0.1:8101", False), ("http://127.0.0.1:8102", True)):
             asyncio.run(load(url, model, warm, args.clients, tap, args.via))   # (captures fetched as they end)
+        progress("warmed up")
         ref = None
         servers = (("vanilla", "http://127.0.0.1:8101", False), ("tapc", "http://127.0.0.1:8102", True))
         for m, mix in enumerate(mixes):
@@ -1033,6 +1045,7 @@ def main() -> int:
                     results[name] = (done, {**summary(done, seconds), **engine_view(counted, engine_counters(url), seconds)})
                     timed["steps"][name] += results[name][1]["steps"]
                     timed["seconds"][name] += seconds
+                    progress(f"mix {args.mix[m]}, round {r}: {name}'s load took {seconds:.1f} s")
                     if tap:
                         results[name][1]["pinning"] = pinning_s(logs[8102]) - pinned
                         results[name][1]["hooks"] = hooks_view(hooked, host_time(url))
