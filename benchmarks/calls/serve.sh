@@ -6,14 +6,7 @@
 #     bash benchmarks/calls/serve.sh --rounds 2 --mix 1,0,0,0 0.4,0.2,0.25,0.15 --timers "$OUT/timers.md"
 # Each server starts in 100-150 s (more on a fresh machine, whose Triton cache is empty) and a
 # round of a mix is two loads of 10-15 s: a GPU call of 600 s holds about six rounds after the
-# starts. The log ($OUT/serve.log) has a progress line with the seconds since start for each
-# phase, so a call cut short by its limit shows how far it got.
-rm -rf /tmp/site
-export VLLM_DISABLE_COMPILE_CACHE=1
-source .gpu-serve/activate
-out=${OUT:-/tmp/out}; mkdir -p "$out"
-timeout "${LIMIT:-560}" python3 -u benchmarks/bench_serve.py --hidden 4096 --layers 32 --dummy-weights \
-    --check-rounds 0 --requests 700 --via shm --prefix-rows-gib 4 --capture model.layers.16.resid \
-    --out "$out/serve.md" "$@" > "$out/serve.log" 2>&1
-echo "rc=$?" >> "$out/serve.log"
-tail -40 "$out/serve.log"
+# starts. The log ($OUT/bench_serve.log) has a progress line with the seconds since start for
+# each phase, so a call cut short by its limit shows how far it got.
+exec bash "$(dirname "$0")/bench.sh" bench_serve.py --hidden 4096 --layers 32 --dummy-weights --check-rounds 0 \
+    --requests 700 --via shm --prefix-rows-gib 4 --capture model.layers.16.resid --out "${OUT:-/tmp/out}/serve.md" "$@"
