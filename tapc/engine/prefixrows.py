@@ -118,11 +118,17 @@ class PrefixRows:
         if not pos.size or not rec.stores:
             return
         hashes = self.hashes.get(rec.rid, [])
-        blocks = np.unique(pos // self.block)
+        # The blocks of its rows (`pos` ascends: each block's first row starts a run), and each
+        # row's block among them: no sort, as np.unique and searchsorted would make.
+        of_row = pos // self.block
+        starts = np.empty(of_row.size, dtype=bool)
+        starts[0], starts[1:] = True, of_row[1:] != of_row[:-1]
+        blocks, src_block = of_row[starts].tolist(), np.cumsum(starts) - 1
+        need = {int(c) for st in rec.stores for c in st.caps}   # every capture it asks for
         kept = []
         for b in blocks:
             rows = self.rows.get(hashes[b]) if b < len(hashes) else None
-            if not all(_covers(rows, st.caps) for st in rec.stores):
+            if rows is None or not need <= rows.keys():
                 for st in rec.stores:
                     st.failed = (f"its first {computed} tokens came from vLLM's prefix cache, and the captured rows "
                                  f"of block {b} are no longer kept (prefix_rows_gib)")
@@ -130,7 +136,6 @@ class PrefixRows:
                 return
             kept.append(rows)
         self._touch([hashes[b] for b in blocks])
-        src_block = np.searchsorted(blocks, pos // self.block)   # each row's block among `kept`, and its row there
         for st in rec.stores:
             first = st.take(len(pos))
             if first is not None:
