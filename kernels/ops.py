@@ -41,15 +41,21 @@ def set_launch_observer(fn: Optional[LaunchObserver]) -> None:
     _launch_observer = fn
 
 
-def _launched(*tables: torch.Tensor) -> None:
-    if _launch_observer is not None:
-        _launch_observer(tables)
-
-
 # fn(table) -> True where an op whose row table is `table` may launch nothing this call: the
 # engine's switch (tapc/engine/switch.py `Switch.idle`) in batches that run without CUDA graphs,
 # where each op costs its Python call and a Triton launch. None: every op launches.
 _idle: Optional[Callable[[torch.Tensor], bool]] = None
+
+
+def _run(tables: tuple[torch.Tensor, ...], kernel: Callable, ref: Callable, x: torch.Tensor, *args) -> None:
+    """One op's call: nothing where the switch says every one of its row tables is idle; else
+    the Triton kernel (or, where Triton cannot run on x, the torch reference) on (x, *args),
+    then the launch observer."""
+    if _idle is not None and all(_idle(t) for t in tables):
+        return
+    (kernel if runs_triton(x) else ref)(x, *args)
+    if _launch_observer is not None:
+        _launch_observer(tables)
 
 
 def _register(schema: str, impl: Callable) -> None:
@@ -63,63 +69,42 @@ def _register(schema: str, impl: Callable) -> None:
 
 def capture(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
     """out[dst[i]] = x[i].to(out.dtype) for rows i < x.shape[0] with dst[i] >= 0."""
-    if _idle is not None and _idle(dst):
-        return
-    (_capture.capture if runs_triton(x) else _capture.capture_ref)(x, dst, out)
-    _launched(dst)
+    _run((dst,), _capture.capture, _capture.capture_ref, x, dst, out)
 
 
 def capture_pair(x0: torch.Tensor, x1: torch.Tensor, dst0: torch.Tensor, dst1: torch.Tensor,
                  out0: torch.Tensor, out1: torch.Tensor) -> None:
     """Two captures (x0 -> out0 by dst0, x1 -> out1 by dst1) in one launch."""
-    if _idle is not None and _idle(dst0) and _idle(dst1):
-        return
-    (_capture.capture_pair if runs_triton(x0) else _capture.capture_pair_ref)(x0, x1, dst0, dst1, out0, out1)
-    _launched(dst0, dst1)
+    _run((dst0, dst1), _capture.capture_pair, _capture.capture_pair_ref, x0, x1, dst0, dst1, out0, out1)
 
 
 def capture_sum(a: torch.Tensor, b: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
     """out[dst[i]] = a[i] + b[i] (fp32 add, stored in out.dtype) for rows with dst[i] >= 0."""
-    if _idle is not None and _idle(dst):
-        return
-    (_capture.capture_sum if runs_triton(a) else _capture.capture_sum_ref)(a, b, dst, out)
-    _launched(dst)
+    _run((dst,), _capture.capture_sum, _capture.capture_sum_ref, a, b, dst, out)
 
 
 def add_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor, vec: torch.Tensor,
          alpha: torch.Tensor) -> None:
     """x[i] += alpha[slot[i]] * vec[slot[i]] for rows with slot[i] >= 0."""
-    if _idle is not None and _idle(slot):
-        return
-    (_edit.add_ if runs_triton(x) else _edit.add_ref)(x, b, slot, vec, alpha)
-    _launched(slot)
+    _run((slot,), _edit.add_, _edit.add_ref, x, b, slot, vec, alpha)
 
 
 def scale_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor,
            factor: torch.Tensor) -> None:
     """s = x (+ b) becomes factor[slot[i]] * s, written through x."""
-    if _idle is not None and _idle(slot):
-        return
-    (_edit.scale_ if runs_triton(x) else _edit.scale_ref)(x, b, slot, factor)
-    _launched(slot)
+    _run((slot,), _edit.scale_, _edit.scale_ref, x, b, slot, factor)
 
 
 def set_cols_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor, cols: torch.Tensor,
               vals: torch.Tensor) -> None:
     """s[cols[k, j]] = vals[k, j] with k = slot[i], entries cols >= 0; written through x."""
-    if _idle is not None and _idle(slot):
-        return
-    (_edit.set_cols_ if runs_triton(x) else _edit.set_cols_ref)(x, b, slot, cols, vals)
-    _launched(slot)
+    _run((slot,), _edit.set_cols_, _edit.set_cols_ref, x, b, slot, cols, vals)
 
 
 def project_out_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor,
                  dirs: torch.Tensor) -> None:
     """s -= (s . d) d with d = dirs[slot[i]], dot in fp32; written through x."""
-    if _idle is not None and _idle(slot):
-        return
-    (_edit.project_out_ if runs_triton(x) else _edit.project_out_ref)(x, b, slot, dirs)
-    _launched(slot)
+    _run((slot,), _edit.project_out_, _edit.project_out_ref, x, b, slot, dirs)
 
 
 BoundaryHandler = Callable[[int, torch.Tensor, Optional[torch.Tensor]], None]

@@ -140,6 +140,15 @@ def test_an_op_launches_nothing_only_in_a_step_that_asks_nothing_of_its_tap():
         switch.want = 1 << 0
         ops.capture(x, table[0], pool)
         assert torch.equal(pool, x[:2])
+        # a paired capture launches while either of its taps is asked for (one launch writes both)
+        table[1, 2:] = torch.tensor([0, 1], dtype=torch.int32)
+        pool0, pool1 = torch.zeros(2, 8), torch.zeros(2, 8)
+        switch.want = 1 << 1
+        ops.capture_pair(x, 2 * x, table[0], table[1], pool0, pool1)
+        assert torch.equal(pool1, 2 * x[2:]) and torch.equal(pool0, x[:2])
+        switch.want = 1 << 2
+        ops.capture_pair(x, 2 * x, table[0], table[1], pool0.zero_(), pool1.zero_())
+        assert not pool0.any() and not pool1.any(), "neither tap asked for: nothing launched"
     finally:
         ops._idle = None
 
