@@ -6,7 +6,9 @@
 One process, one GPU; needs vLLM's MoE kernels (the GPU bundle with TAPC_GPU_MOE=1). Dummy
 weights (`load_format="dummy"`), greedy, ignore_eos, token-id prompts; engines of one phase run
 side by side and their runs are interleaved, `--repeats` rounds, the first discarded as warmup;
-the table shows medians and each variant's ratio to vanilla vLLM in the same phase.
+the table shows medians and each variant's ratio to vanilla vLLM in the same phase. A second
+table gives tapc's own host time a step on the engine thread (its hooks' timers, read through
+`tapc_host_time` between runs, outside their time), summed over the kept rounds.
 
 Phase `moe`: Qwen3-30B-A3B's layer shape (hidden 2048, 32 query / 4 KV heads of 128, 128
 experts of width 768, top 8, renormalized), `--layers` of its 48 layers (24 by default, so
@@ -58,6 +60,47 @@ def model_dir(config: dict, layers: int | None = None) -> str:
     return path
 
 
+class HookTimes:
+    """tapc's hooks' host time a step for each (workload, variant) on a tapped engine: the
+    difference of the worker's `tapc_host_time` readings around each run (the runs of one
+    engine's variants follow one another, so the reading after one run is the next's start)."""
+
+    def __init__(self):
+        self.last: dict[int, dict] = {}
+        self.sums: dict[tuple[str, str], dict[str, float]] = {}
+        self.engines: dict[str, object] = {}   # variant -> its tapped engine
+
+    @staticmethod
+    def read(engine) -> dict[str, float]:
+        return engine.llm.collective_rpc("tapc_host_time")[0]
+
+    def start(self, variant: str, engine) -> None:
+        self.engines[variant] = engine
+        self.last.setdefault(id(engine), self.read(engine))
+
+    def __call__(self, workload: str, variant: str, kept: bool) -> None:
+        engine = self.engines.get(variant)
+        if engine is None:
+            return
+        now, before = self.read(engine), self.last[id(engine)]
+        self.last[id(engine)] = now
+        if kept:
+            acc = self.sums.setdefault((workload, variant), {})
+            for k, v in now.items():
+                acc[k] = acc.get(k, 0.0) + v - before[k]
+
+    def table(self) -> list[str]:
+        lines = ["tapc's hooks on the engine thread, us a step (sums over the kept rounds' runs)", "",
+                 "| workload | variant | steps | schedule | begin_step | end_step | all hooks |",
+                 "|---|---|---:|---:|---:|---:|---:|"]
+        for (w, name), acc in self.sums.items():
+            steps = max(acc["steps"], 1)
+            per = {k: acc[f"{k}_s"] / steps * 1e6 for k in ("schedule", "begin_step", "end_step")}
+            lines.append(f"| {w} | {name} | {acc['steps']:.0f} | {per['schedule']:.1f} | {per['begin_step']:.1f} | "
+                         f"{per['end_step']:.1f} | {sum(per.values()):.1f} |")
+        return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_moe.md")
@@ -90,6 +133,7 @@ def main():
     common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"))
     results: dict[tuple[str, str], list[float]] = {}
     names = []
+    hooks = HookTimes()
 
     def report() -> None:
         head = [f"# bench_moe: {torch.cuda.get_device_name()}, vLLM {vllm.__version__}, torch {torch.__version__}, "
@@ -98,6 +142,11 @@ def main():
                 "Output tok/s (higher is better); ratio to vanilla vLLM of the same phase and workload.", "",
                 *names, ""]
         write_table(head, results, [w for w in dict.fromkeys(w for w, _ in results)], args.out)
+        if hooks.sums:
+            text = "\n".join(["", *hooks.table()]) + "\n"
+            print(text)
+            with open(args.out, "a") as f:
+                f.write(text)
 
     def generating(engine, ask=None):
         if ask is None and not isinstance(engine, VLLM):
@@ -114,7 +163,10 @@ def main():
                     f"tapc, residual {layers} layers": generating(tapped, TapRequest(capture=RESID)),
                     f"tapc, router {layers} layers": generating(tapped, TapRequest(capture=ROUTER)),
                     f"tapc, residual + router {layers} layers": generating(tapped, TapRequest(capture="*"))}
-        rounds({f"moe {w}": v for w, v in shapes.items()}, variants, repeats, results, report, phase=1)
+        for name in variants:
+            if name.startswith("tapc"):
+                hooks.start(name, tapped)
+        rounds({f"moe {w}": v for w, v in shapes.items()}, variants, repeats, results, report, phase=1, after=hooks)
         for engine in (vanilla, tapped):
             shutdown(engine)
         torch.cuda.empty_cache()
@@ -135,7 +187,9 @@ def main():
         for runner in ("v2", "v1"):
             variants[f"tapc {runner.upper()}, residual {layers} layers"] = generating(
                 engines[f"tapc {runner}"], TapRequest(capture=RESID))
-        rounds({f"llama {w}": v for w, v in shapes.items()}, variants, repeats, results, report, phase=2)
+        for runner in ("v2", "v1"):
+            hooks.start(f"tapc {runner.upper()}, residual {layers} layers", engines[f"tapc {runner}"])
+        rounds({f"llama {w}": v for w, v in shapes.items()}, variants, repeats, results, report, phase=2, after=hooks)
         for engine in engines.values():
             shutdown(engine)
     report()

@@ -84,16 +84,20 @@ def timed(generate, workload: tuple[int, int, int], seed: int) -> float:
     return n * gen / dt
 
 
-def rounds(workloads: dict, runs: dict, repeats: int, results: dict, report, phase: int = 0) -> None:
+def rounds(workloads: dict, runs: dict, repeats: int, results: dict, report, phase: int = 0, after=None) -> None:
     """`repeats` rounds, every run of `runs` ({name: generate}) on every workload in turn;
-    round 0 is warmup unless it is the only one. New prompts for every run (`run_seed`)."""
+    round 0 is warmup unless it is the only one. New prompts for every run (`run_seed`).
+    `after(workload, name, kept)`, if given, runs after each timed run, outside its time."""
     for rnd in range(repeats):
         for i, (w, shape) in enumerate(workloads.items()):
             for v, (name, gen) in enumerate(runs.items()):
                 value = timed(gen, shape, seed=run_seed(phase, rnd, i, v))
                 print(f"round {rnd} {w:14s} {name:40s} {value:10.2f}", flush=True)
-                if rnd > 0 or repeats == 1:
+                kept = rnd > 0 or repeats == 1
+                if kept:
                     results.setdefault((w, name), []).append(value)
+                if after is not None:
+                    after(w, name, kept)
         report()
 
 
