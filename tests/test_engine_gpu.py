@@ -69,6 +69,21 @@ def assert_matches(got: torch.Tensor, ref: torch.Tensor, what: str):
     assert rel < 3e-2 and cos > 0.995, f"{what}: relative error {rel:.4f}, worst row cosine {cos:.5f}"
 
 
+def assert_same_or_tie(path: str, prompt: list[int], got: list[int], ref: list[int], what: str) -> None:
+    """An untapped request's greedy tokens `got` are `ref` (its tokens in another run), or part
+    where HF's top two logits, on the prompt and `ref`'s tokens before the first divergence, are
+    within bf16 noise of each other (vLLM is not batch-invariant: a request whose batch, or
+    whose prefix-cache hit, differs between the two runs may split at a near tie)."""
+    if got == ref:
+        return
+    k = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), None)
+    assert k is not None, f"{what}: {len(got)} tokens against {len(ref)}"
+    logits = hf_forward(path, prompt + ref[:k]).logits[0, -1].float()
+    margin = abs((logits[ref[k]] - logits[got[k]]).item())
+    assert margin <= 2e-2 * logits.abs().max().item(), \
+        f"{what}: token {k} is {got[k]} against {ref[k]}, with a logit margin of {margin:.4f} (not a near tie)"
+
+
 def assert_captures_equal_hf(outs, path: str, keys, hf_points, label: str = "") -> None:
     """Every request's captures at `keys` equal `hf_points(path, tokens)` on the tokens that went
     through the model (the last generated one is never fed back)."""
@@ -140,7 +155,8 @@ def test_steering_per_request(tapped, request):
         plain = llm.generate(prompts(2), sampling())
     plain_tokens = [list(o.outputs[0].token_ids) for o in plain]
     for i in (1, 3, 4, 5):
-        assert tapped_tokens[i] == plain_tokens[i], f"{arch}: unsteered request {i} differs from an untapped engine"
+        assert_same_or_tie(path, list(outs[i].prompt_token_ids), tapped_tokens[i], plain_tokens[i],
+                           f"{arch}: unsteered request {i} against an untapped engine")
     for i in (0, 2):
         assert tapped_tokens[i] != plain_tokens[i], f"{arch}: steering request {i} did not change its tokens"
     tokens = list(outs[0].prompt_token_ids) + tapped_tokens[0]
@@ -180,7 +196,8 @@ def test_tap_kernels_switch_with_what_the_steps_ask(tapped):
         outs = llm.generate(prompts(3), sampling(), taps=asks)
         for i, (out, ask) in enumerate(zip(outs, asks)):
             if ask is None:
-                assert list(out.outputs[0].token_ids) == list(plain[i].outputs[0].token_ids), f"{arch} request {i}"
+                assert_same_or_tie(path, list(out.prompt_token_ids), list(out.outputs[0].token_ids),
+                                   list(plain[i].outputs[0].token_ids), f"{arch} untapped request {i}")
                 continue
             tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
             ref = hf_reference(path, tokens[:-1])
