@@ -5,6 +5,8 @@ streams captured, one steering edit).
     python3 benchmarks/bench_host.py
     python3 benchmarks/bench_host.py --moe     # bench_moe.py's plan (vLLM's tree of its shape, on meta)
     python3 benchmarks/bench_host.py --device  # on a GPU: fill, upload and copy-out as the worker runs them
+    python3 benchmarks/bench_host.py --device --contend   # the same beside a thread that wants the GIL
+    python3 benchmarks/bench_host.py --device --busy      # the same behind a long kernel (a call that waits shows)
 
 The pools and host storage live on the meta device and the copies are built as the GPU path
 builds them, one batch of addresses for the driver (`issued`), but not sent: on the GPU they
@@ -13,6 +15,7 @@ bench_serve's default mix (`served_scenario`). A decode step that repeats the la
 filled (tapc/engine/fill.py `Repeat`): the last column times those. Async scheduling overlaps this with the previous step on the GPU (about 12 ms at
 batch 64 for an 8B model, 4.6 ms at batch 1), beside vLLM's own host work.
 """
+import contextlib
 import functools
 import statistics
 import sys
@@ -149,18 +152,52 @@ def moe_main():
             print(f"| decode {n}, capture {name} 24 layers | {fresh:.3f} | {again:.3f} |")
 
 
+class Contender:
+    """A thread like vLLM's output thread in a served engine core: bursts of Python work that
+    hold the GIL (`burst_s`, as encoding a step's outputs does), then a wait that lets it go
+    (`idle_s`, as the socket's send and the queue's get do). A call on the timed thread that lets
+    the GIL go while this one waits for it hands it over, and waits for the burst to end."""
+
+    def __init__(self, burst_s: float = 300e-6, idle_s: float = 300e-6):
+        import threading
+        self.burst_s, self.idle_s = burst_s, idle_s
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stop.is_set():
+            end = time.perf_counter() + self.burst_s
+            while time.perf_counter() < end:
+                pass
+            time.sleep(self.idle_s)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
 def device_main():
     """`--device`: the same steps on the path the worker runs on a GPU, each part timed on the
     host: the fill, the table's upload (`Buffers.upload`) and the copy-out (`Buffers.copy_out`:
     the snapshot, its events and the batched copy into pinned arena storage). The GPU has no
-    forward to run between steps, so each part's time is its host work alone."""
+    forward to run between steps, so each part's time is its host work alone. Each case runs
+    with the copy-out's stream work by the driver (`TAPC_STREAM_CALLS=driver`: streams.py, which
+    keeps the GIL) and by torch (the default, which lets it go); the upload is a torch copy
+    either way. With `--contend`, both again beside a `Contender`; with `--busy`, both again
+    behind a long kernel, where a call that waits for the GPU takes the kernel's milliseconds."""
     from tapc.engine.arena import Arena
     from tapc.engine.buffers import Buffers
+    from tapc.engine.streams import StreamOps
     from tapc.engine.worker import _register
 
     dev = torch.device("cuda")
     arena = Arena(register=_register)
     arena.reserve(4 << 30)   # the cases' storage, pinned up front as `capture_memory_gib` does (no growth lines)
+    # medians, and means in brackets: a thread that takes the GIL makes some calls wait its burst
     print("| step | fill us | upload us | copy-out us | segments |\n|---|---:|---:|---:|---:|")
     # their storage in pinned arena memory, as admitted (16 tokens each: under the reserve)
     make = functools.partial(record, max_tokens=16, alloc=arena.tensor)
@@ -168,30 +205,54 @@ def device_main():
         plan = build_plan("bench", TAPS[:1] + ["model.layers.1.resid | add(steer, alpha=4.0)"],
                           max_num_batched_tokens=ROWS, max_num_seqs=SEQS, tree=tree(layers))
         layout = Layout(plan)
-        buffers = Buffers(layout, ROWS, SEQS, 2, dev)
         steer = {"steer": np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32)}
         cases = [("served: 64 of bench_serve's mix, 2 prefilling 230 tokens", served_scenario(plan, layout, steer, make=make)),
                  ("decode 64, capture every layer", scenario(plan, layout, TapRequest(capture="model.layers.*.resid"),
                                                              64, 100, True, make=make))]
+        # (label, by torch's calls, a GIL-holding thread beside, a kernel of ~5 ms queued before each step)
+        modes = [(f", {how} calls", by_torch, False, False) for how, by_torch in (("driver", False), ("torch", True))]
+        if "--contend" in sys.argv[1:]:
+            modes += [(f", {how} calls, beside a GIL-holding thread", by_torch, True, False)
+                      for how, by_torch in (("driver", False), ("torch", True))]
+        if "--busy" in sys.argv[1:]:   # a call that waits for the GPU takes the kernel's time
+            modes += [(f", {how} calls, the GPU busy", by_torch, False, True)
+                      for how, by_torch in (("driver", False), ("torch", True))]
         for name, (records, batch) in cases:
-            parts, segs = [], 0
-            for _ in range(200):
-                for rec in records.values():
-                    rec.next_pos = 0
-                    for st in rec.stores:
-                        st.rows = 0
+            for how, by_torch, contend, busy in modes:
+                buffers = Buffers(layout, ROWS, SEQS, 2, dev)
+                buffers._ops = None if by_torch else StreamOps.load()
+                with Contender() if contend else contextlib.nullcontext():
+                    parts, segs = time_device_step(layout, buffers, records, batch, busy=busy)
+                cells = [f"{statistics.median(p[k] for p in parts) * 1e6:.0f} ({statistics.fmean(p[k] for p in parts) * 1e6:.0f})"
+                         for k in range(3)]
+                print(f"| {layers} layers, {name}{how} | {' | '.join(cells)} | {segs} |", flush=True)
+                del buffers
                 torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                step = fill_step(layout, buffers.host_table(batch.padded), tapped_of(records, batch), batch)
-                t1 = time.perf_counter()
-                buffers.upload(batch.padded)
-                t2 = time.perf_counter()
-                buffers.copy_out(*step)
-                t3 = time.perf_counter()
-                parts.append((t1 - t0, t2 - t1, t3 - t2))
-                segs = len(step[0])
-            med = [statistics.median(p[k] for p in parts) * 1e6 for k in range(3)]
-            print(f"| {layers} layers, {name} | {med[0]:.0f} | {med[1]:.0f} | {med[2]:.0f} | {segs} |", flush=True)
+
+
+def time_device_step(layout, buffers, records, batch: StepBatch, repeats: int = 200, busy: bool = False):
+    """Each of `repeats` steps' (fill, upload, copy-out) host seconds, and the step's segments;
+    `busy`: each step behind a kernel of about 5 ms, as a served step's calls are behind the
+    forwards queued before them."""
+    parts, segs = [], 0
+    for _ in range(repeats):
+        for rec in records.values():
+            rec.next_pos = 0
+            for st in rec.stores:
+                st.rows = 0
+        torch.cuda.synchronize()
+        if busy:
+            torch.cuda._sleep(10_000_000)   # clock cycles: about 5 ms at the H200's 1.98 GHz
+        t0 = time.perf_counter()
+        step = fill_step(layout, buffers.host_table(batch.padded), tapped_of(records, batch), batch)
+        t1 = time.perf_counter()
+        buffers.upload(batch.padded)
+        t2 = time.perf_counter()
+        buffers.copy_out(*step)
+        t3 = time.perf_counter()
+        parts.append((t1 - t0, t2 - t1, t3 - t2))
+        segs = len(step[0])
+    return parts, segs
 
 
 def main():

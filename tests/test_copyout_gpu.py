@@ -11,6 +11,7 @@ from tapc.engine.buffers import DIRECT_BYTES, Buffers
 from tapc.engine.fill import Segment
 from tapc.engine.layout import Layout
 from tapc.engine.storage import Store
+from tapc.engine.streams import StreamOps
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -23,14 +24,24 @@ def pinned(rows, caps, width, dtype):   # a Store's chunk allocator
 
 # direct_bytes 0: every step through a snapshot; DIRECT_BYTES: decode steps (1.5 KiB) straight
 PATHS = pytest.mark.parametrize("direct", [0, DIRECT_BYTES], ids=["snapshots", "direct"])
+# the copy-out's events, waits and snapshot copies by the driver (streams.py), or torch's
+STREAMS = pytest.mark.parametrize("driver", [True, False], ids=["driver", "torch"])
 
 
+def streams(buffers: Buffers, driver: bool) -> Buffers:
+    """`buffers` with its copy-out's stream work by the driver's calls or torch's (the default)."""
+    buffers._ops = StreamOps.load() if driver else None
+    assert driver == (buffers._ops is not None), "the H200's driver has the event and copy calls"
+    return buffers
+
+
+@STREAMS
 @PATHS
-def test_decode_steps_copy_out_while_a_prompt_steps_copies_run_and_every_row_lands(direct):
+def test_decode_steps_copy_out_while_a_prompt_steps_copies_run_and_every_row_lands(direct, driver):
     plan = toy_plan(["model.layers.*.resid"], rows=ROWS, slots=SEQS)
     layout = Layout(plan)
     dev = torch.device("cuda")
-    buffers = Buffers(layout, ROWS, SEQS, 2, dev)
+    buffers = streams(Buffers(layout, ROWS, SEQS, 2, dev), driver)
     buffers.direct_bytes = direct
     (pool,) = buffers.pools
     caps = np.arange(LAYERS)
@@ -70,10 +81,11 @@ def test_decode_steps_copy_out_while_a_prompt_steps_copies_run_and_every_row_lan
     assert buffers.nonfinite() == nans
 
 
+@STREAMS
 @PATHS
-def test_every_step_copies_through_one_snapshot_when_the_pools_are_decode_sized(direct):
+def test_every_step_copies_through_one_snapshot_when_the_pools_are_decode_sized(direct, driver):
     plan = toy_plan(["model.layers.*.resid"], rows=SEQS, slots=SEQS)
-    buffers = Buffers(Layout(plan), SEQS, SEQS, 2, torch.device("cuda"))
+    buffers = streams(Buffers(Layout(plan), SEQS, SEQS, 2, torch.device("cuda")), driver)
     buffers.direct_bytes = direct
     assert buffers._small is None
     (pool,) = buffers.pools

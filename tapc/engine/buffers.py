@@ -27,8 +27,18 @@ Per step (all stream-ordered on the compute stream, so async scheduling is safe)
    it is four more eager ops a capture group on every capturing step.
    A step of at most `DIRECT_BYTES` (a decode step at a small batch) skips the snapshot: its
    rows go to host memory straight from the pools, on the compute stream.
+With `TAPC_STREAM_CALLS=driver` in the worker's environment, the copy-out's events, waits and
+snapshot copies are the CUDA driver's calls (streams.py), which keep the GIL; torch's calls let
+it go, and in a served engine core vLLM's output thread may then take it while the step's
+launches wait. It is not the default until a served measure shows it helps: the one served run
+with it (the second session of 2026-12-02, beside the upload by the driver's 2-D copy) read
+worse than torch's calls in another call, with neither cause separated (docs/serving.md).
+The upload stays a copy kernel: as a DMA by the driver's 2-D copy (tried in c8b6c33 and in
+that run) it sits on a copy engine, where other copies can hold up the compute stream.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -37,6 +47,7 @@ from tapc.edits import slot_row
 from tapc.engine.fill import Segment
 from tapc.engine.layout import Layout
 from tapc.engine.memcpy import BatchCopy, copy_segments
+from tapc.engine.streams import StreamOps
 from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 
 
@@ -44,6 +55,9 @@ from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 # stream (`Buffers._copy_direct`). Copies of 128 KiB or less are bound by latency, not bandwidth
 # (cudf chose the same bound for its batched copies).
 DIRECT_BYTES = 128 << 10
+
+# "driver": the copy-out's stream work by the driver's calls, not torch's (read as the buffers are made)
+STREAM_CALLS = "TAPC_STREAM_CALLS"
 
 
 class Buffers:
@@ -73,6 +87,8 @@ class Buffers:
         self._row_bytes = [p.shape[1] * p.element_size() for p in self.pools]
         self.direct_bytes = DIRECT_BYTES
         self._batch = BatchCopy.load() if device.type == "cuda" else None
+        # the copy-out's events, waits and snapshot copies by the driver (streams.py; None: torch's)
+        self._ops = StreamOps.load() if device.type == "cuda" and os.environ.get(STREAM_CALLS) == "driver" else None
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self._nonfinite_host = torch.zeros((), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._counting = False
@@ -111,9 +127,9 @@ class Buffers:
         self.table.fill_(-1)
         self._clean = self.rows
 
-    def copy_out(self, segments: list[Segment], used: list[int]) -> torch.cuda.Event:
-        """Start the step's copies to host memory; the event is recorded once they, and every
-        earlier step's, are done."""
+    def copy_out(self, segments: list[Segment], used: list[int]):
+        """Start the step's copies to host memory; the event (streams.Event, or torch's without a
+        driver) is recorded once they, and every earlier step's, are done."""
         compute = torch.cuda.current_stream()
         if sum(n * b for n, b in zip(used, self._row_bytes)) <= self.direct_bytes:
             return self._copy_direct(segments, used, compute)
@@ -121,14 +137,16 @@ class Buffers:
         if other is not None and all(n <= len(t) for n, t in zip(used, other.tensors)):
             snap, other = other, snap
         if snap.freed is not None:
-            compute.wait_event(snap.freed)
-        for t, pool, n in zip(snap.tensors, self.pools, used):
-            if n:
+            self._wait(compute, snap.freed)
+        for t, pool, n, row in zip(snap.tensors, self.pools, used, self._row_bytes):
+            if not n:
+                continue
+            if self._ops is not None:
+                self._ops.copy(t.data_ptr(), pool.data_ptr(), n * row, compute.cuda_stream)
+            else:
                 t[:n].copy_(pool[:n])
         self._count(snap.tensors, used)
-        ready = torch.cuda.Event()
-        ready.record(compute)
-        snap.stream.wait_event(ready)
+        self._wait(snap.stream, self._event(compute))
         copy_segments(segments, snap.tensors, self._batch, snap.stream)
         # The other snapshot's copies may still run (a prompt step's, under the decode steps
         # after it): then this step is done when both streams are, joined on a third.
@@ -165,24 +183,35 @@ class Buffers:
         if self._counting and not pending:
             with torch.cuda.stream(stream):
                 self._nonfinite_host.copy_(self._nonfinite, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
+        return self._event(stream)
 
     def _joined(self, done: torch.cuda.Event, pending: list["_Snapshot"]) -> torch.cuda.Event:
         """`done`, or where snapshots' copies are still pending, an event recorded once they and
         `done` are: a collect waits for a request's last step only."""
         if not pending:
             return done
-        with torch.cuda.stream(self._join):
-            self._join.wait_event(done)
-            for snap in pending:
-                self._join.wait_event(snap.freed)
-            if self._counting:   # the live total, read once every stream's copies are done
+        self._wait(self._join, done)
+        for snap in pending:
+            self._wait(self._join, snap.freed)
+        if self._counting:   # the live total, read once every stream's copies are done
+            with torch.cuda.stream(self._join):
                 self._nonfinite_host.copy_(self._nonfinite, non_blocking=True)
-            joined = torch.cuda.Event()
-            joined.record(self._join)
-        return joined
+        return self._event(self._join)
+
+    def _event(self, stream):
+        """An event recorded on `stream` now (a driver event, or torch's where there is no driver)."""
+        if self._ops is not None:
+            return self._ops.event(stream.cuda_stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def _wait(self, stream, event) -> None:
+        """`stream`'s later work waits for `event` (one of `_event`'s)."""
+        if self._ops is not None:
+            self._ops.wait(stream.cuda_stream, event)
+        else:
+            stream.wait_event(event)
 
     def count_nonfinite(self, on: bool) -> None:
         """Count from now on (from 0), or stop counting."""

@@ -1,0 +1,87 @@
+"""The copy-out's stream work through the CUDA driver, keeping the GIL: events recorded, waited
+on, queried and synchronized, and copies between device buffers (buffers.py `copy_out`).
+
+A torch call that reaches the GPU lets the GIL go around it. In a served engine core, vLLM's
+output thread is often waiting for the GIL then; it takes it, and the engine's thread waits for
+the end of that thread's burst of Python before it launches the rest of the step. Beside such a
+thread (`bench_host.py --device --contend`, H200 host, second session of 2026-12-02), the table
+upload's torch copy took 53-419 us a step (medians) where the driver's 2-D copy took 13-20 us,
+and with the upload by the driver the wait moved on to the copy-out's torch calls: a copy, two
+events and two waits on a capturing step. These are their driver calls, bound through
+`ctypes.PyDLL` like memcpy.py's copies and cugraph.py's graph calls; the GPU runs the same work
+in the same order as torch's calls queue it. Only a collect's wait for an event
+(`Event.synchronize`, which may take milliseconds) lets the GIL go. (The upload keeps its copy
+kernel: buffers.py says why.)
+"""
+from __future__ import annotations
+
+import ctypes
+
+from tapc.engine.cugraph import bind, check
+
+_DISABLE_TIMING = 0x2   # CU_EVENT_DISABLE_TIMING, as torch.cuda.Event's default
+_NOT_READY = 600        # CUDA_ERROR_NOT_READY
+
+
+class StreamOps:
+    """libcuda's event and device-copy calls, bound once (`load`); streams by their raw handle
+    (`torch.cuda.Stream.cuda_stream`)."""
+
+    def __init__(self, lib, releasing_lib):
+        vp = ctypes.c_void_p
+        self._create = bind(lib.cuEventCreate, [ctypes.POINTER(vp), ctypes.c_uint])
+        self._record = bind(lib.cuEventRecord, [vp, vp])
+        self._wait = bind(lib.cuStreamWaitEvent, [vp, vp, ctypes.c_uint])
+        self._copy = bind(lib.cuMemcpyDtoDAsync_v2, [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, vp])
+        self.query_fn = bind(lib.cuEventQuery, [vp])
+        self.destroy_fn = bind(lib.cuEventDestroy_v2, [vp])
+        self.synchronize_fn = bind(releasing_lib.cuEventSynchronize, [vp])
+
+    @classmethod
+    def load(cls) -> "StreamOps | None":
+        """The calls, or None where there is no driver (the caller uses torch's)."""
+        try:
+            return cls(ctypes.PyDLL("libcuda.so.1"), ctypes.CDLL("libcuda.so.1"))
+        except (OSError, AttributeError):
+            return None
+
+    def event(self, stream: int) -> "Event":
+        """A new event, recorded on `stream` after the work queued there."""
+        handle = ctypes.c_void_p()
+        check(self._create(ctypes.byref(handle), _DISABLE_TIMING), "cuEventCreate")
+        event = Event(self, handle)
+        check(self._record(handle, ctypes.c_void_p(stream)), "cuEventRecord")
+        return event
+
+    def wait(self, stream: int, event: "Event") -> None:
+        """Work queued on `stream` from now on waits for `event`."""
+        check(self._wait(ctypes.c_void_p(stream), event.handle, 0), "cuStreamWaitEvent")
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """`nbytes` from device address `src` to `dst`, on `stream`."""
+        check(self._copy(dst, src, nbytes, ctypes.c_void_p(stream)), "cuMemcpyDtoDAsync_v2")
+
+
+class Event:
+    """A driver event, with as much of `torch.cuda.Event` as the engine's readers use (`query`,
+    `synchronize`); destroyed with the object (the driver lets a pending one complete first)."""
+
+    __slots__ = ("_ops", "handle")
+
+    def __init__(self, ops: StreamOps, handle: ctypes.c_void_p):
+        self._ops, self.handle = ops, handle
+
+    def query(self) -> bool:
+        """Whether the work before it is done."""
+        err = self._ops.query_fn(self.handle)
+        if err == _NOT_READY:
+            return False
+        check(err, "cuEventQuery")
+        return True
+
+    def synchronize(self) -> None:
+        """Wait for the work before it, letting the GIL go meanwhile."""
+        check(self._ops.synchronize_fn(self.handle), "cuEventSynchronize")
+
+    def __del__(self):
+        self._ops.destroy_fn(self.handle)
