@@ -10,7 +10,7 @@ rm -rf /tmp/site   # the bundle installs afresh: a warm machine may hold another
 export VLLM_DISABLE_COMPILE_CACHE=1
 source .gpu-serve/activate
 out=${OUT:-/tmp/out}; mkdir -p "$out"
-log="$out/${script%.py}.log"
+log="$out/${LOG:-${script%.py}}.log"   # LOG: another name, for a second run in the same call
 timeout "${LIMIT:-560}" python3 -u "benchmarks/$script" "$@" > "$log" 2>&1
 echo "rc=$?" >> "$log"
 tail -40 "$log"
