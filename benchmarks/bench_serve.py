@@ -301,17 +301,15 @@ async def load(url: str, model: str, jobs: list[Job], clients: int, tapped: bool
     return sorted(out, key=lambda d: d.job.i), time.perf_counter() - start
 
 
-def start_server(cmd: list[str], log: str, readings: dict[str, str] | None = None,
-                 extra: dict[str, str] | None = None) -> subprocess.Popen:
+def start_server(cmd: list[str], log: str, readings: dict[str, str] | None = None) -> subprocess.Popen:
     """`readings`: environment variable -> folder, where every process of the server leaves its
-    reading of each load (`Stacks`, `CallTimes`: serve_stacks/sitecustomize.py); `extra`: more
-    of the server's environment (`--tapc-env`)."""
-    env = {**os.environ, **extra} if extra else None
+    reading of each load (`Stacks`, `CallTimes`: serve_stacks/sitecustomize.py)."""
+    env = None
     if readings:
         for folder in readings.values():
             os.makedirs(folder, exist_ok=True)
         here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serve_stacks")
-        env = {**(env or os.environ), **readings,
+        env = {**os.environ, **readings,
                "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
@@ -897,7 +895,6 @@ def report(args, rows: list[str], problems: list[str], final: bool, baseline: li
     text = "\n".join(lines)
     print(text, flush=True)
     if args.out:
-        tapc_env = f", the tapc server with {' '.join(args.tapc_env)}" if args.tapc_env else ""
         with open(args.out, "w") as f:
             f.write(f"bench_serve ({'quick' if args.quick else 'full'}, {args.hidden} wide, {args.layers} layers, "
                     f"{args.clients} clients, {args.requests} requests a mix, {args.api_server_count} API server "
@@ -907,7 +904,6 @@ def report(args, rows: list[str], problems: list[str], final: bool, baseline: li
                     f"{f', prefix rows kept in {args.prefix_rows_gib:g} GiB' if args.prefix_rows_gib else ''}"
                     f"{f', capturing {args.capture}' if args.capture != Job.capture else ''}"
                     f"{', dummy weights (vLLM makes them, the same on both servers; nothing checked)' if args.dummy_weights else ''}"
-                    f"{tapc_env}"
                     f"{f', answers checked in the first {args.check_rounds} round(s) of each mix' if args.check_rounds is not None and args.check_rounds < args.rounds else ''})\n\n{text}\n")
 
 
@@ -964,15 +960,7 @@ def main() -> int:
     ap.add_argument("--timers", default=None, metavar="MD",
                     help="time the engine thread's calls of vLLM's engine-loop functions on both servers during "
                          "the timed loads (benchmarks/timers.py: two clock reads a call) and write ms a step here")
-    ap.add_argument("--tapc-env", nargs="+", default=[], metavar="NAME=VALUE",
-                    help="more environment for the tapc server only (e.g. TAPC_STREAM_CALLS=driver). Two runs in "
-                         "one GPU call, with and without, give two ratios against vanilla on the same machine: "
-                         "speeds of vanilla itself differed by a third between calls")
     args = ap.parse_args()
-    bad = [kv for kv in args.tapc_env if "=" not in kv or not kv.split("=", 1)[0]]
-    if bad:
-        ap.error(f"--tapc-env takes NAME=VALUE, not {bad[0]!r}")
-    tapc_env = dict(kv.split("=", 1) for kv in args.tapc_env)
     if args.quick:
         args.requests, args.hidden, args.layers = 300, 512, 4
     if args.rounds is None:
@@ -1023,7 +1011,7 @@ def main() -> int:
                                   "--block", "probe=benchmarks.bench_serve:probe"] if args.block else []),
                                *(["--save-to", save_dir, "--save-shard-tokens", "4096"] if args.save else []),
                                *(["--prefix-rows-gib", str(args.prefix_rows_gib)] if args.prefix_rows_gib else []), *common],
-                              logs[8102], {w.ENV: w.folder for w in windows["tapc"]}, tapc_env)
+                              logs[8102], {w.ENV: w.folder for w in windows["tapc"]})
         wait_healthy(tapped, 8102, logs[8102])
         progress("tapc serve is up")
         for k, v in enumerate(vectors):

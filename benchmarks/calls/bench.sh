@@ -11,6 +11,7 @@ export VLLM_DISABLE_COMPILE_CACHE=1
 source .gpu-serve/activate
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 log="$out/${LOG:-${script%.py}}.log"   # LOG: another name, for a second run in the same call
-timeout "${LIMIT:-560}" python3 -u "benchmarks/$script" "$@" > "$log" 2>&1
+env | grep '^TAPC_' > "$log"   # the tapc settings of this run (ab.sh), if any
+timeout "${LIMIT:-560}" python3 -u "benchmarks/$script" "$@" >> "$log" 2>&1
 echo "rc=$?" >> "$log"
 tail -40 "$log"

@@ -7,7 +7,7 @@
 # Each server starts in 100-150 s (more on a fresh machine, whose Triton cache is empty) and a
 # round of a mix is two loads of 10-15 s: a GPU call of 600 s holds about six rounds after the
 # starts. The log ($OUT/bench_serve.log) has a progress line with the seconds since start for
-# each phase, so a call cut short by its limit shows how far it got. serve_ab.sh runs it twice in
-# one call, to measure a tapc setting against the default on the same machine.
+# each phase, so a call cut short by its limit shows how far it got. ab.sh runs it twice in one
+# call, to measure a tapc setting against the default on the same machine.
 exec bash "$(dirname "$0")/bench.sh" bench_serve.py --hidden 4096 --layers 32 --dummy-weights --check-rounds 0 \
     --requests 700 --via shm --prefix-rows-gib 4 --capture model.layers.16.resid --out "${OUT:-/tmp/out}/${LOG:-serve}.md" "$@"
