@@ -7,7 +7,7 @@ import pytest
 import torch
 from engine_toy import HIDDEN, LAYERS, toy_plan
 
-from tapc.engine.buffers import DIRECT_BYTES, Buffers
+from tapc.engine.buffers import DIRECT_BYTES, STREAM_CALLS, Buffers
 from tapc.engine.fill import Segment
 from tapc.engine.layout import Layout
 from tapc.engine.storage import Store
@@ -101,14 +101,20 @@ def test_every_step_copies_through_one_snapshot_when_the_pools_are_decode_sized(
     torch.testing.assert_close(store.chunks[0][: store.rows].view(-1, LAYERS, HIDDEN), torch.cat(want), rtol=0, atol=0)
 
 
-def test_the_row_tables_go_up_whole_and_leave_the_columns_past_the_step():
-    """`upload` of a step's host tables (random entries, every padded size from one row to all):
-    the device's first `padded` columns of every table equal them once the stream is done, and
-    the columns past them keep what they held."""
-    plan = toy_plan(["model.layers.*.resid", "model.layers.1.resid | add(steer, alpha=2.0)"], rows=512, slots=SEQS)
-    buffers = Buffers(Layout(plan), 512, SEQS, 2, torch.device("cuda"))
+@STREAMS
+def test_the_row_tables_go_up_whole_and_leave_the_columns_past_the_step(driver, monkeypatch):
+    """`upload` of a step's host tables (random entries, every padded size from one row to all,
+    through both pinned buffers): the device's first `padded` columns of every table equal them
+    once the stream is done. By torch's copy the columns past them keep what they held; by the
+    driver's launch of a captured copy (streams.UploadGraphs) the columns up to the graph's width
+    own no row (-1) and those past it keep what they held."""
+    if driver:
+        monkeypatch.setenv(STREAM_CALLS, "driver")
+    plan = toy_plan(["model.layers.*.resid", "model.layers.1.resid | add(steer, alpha=2.0)"], rows=500, slots=SEQS)
+    buffers = Buffers(Layout(plan), 500, SEQS, 2, torch.device("cuda"))
+    assert driver == (buffers._uploads is not None)
     rng = np.random.default_rng(0)
-    for padded in (1, 7, 8, 136, 511, 512):
+    for padded in (1, 7, 8, 136, 136, 257, 499, 500):
         buffers.table.fill_(-5)
         host = buffers.host_table(padded)
         host[:] = rng.integers(-1, 1 << 20, size=host.shape)
@@ -116,5 +122,6 @@ def test_the_row_tables_go_up_whole_and_leave_the_columns_past_the_step():
         buffers.upload(padded)
         torch.cuda.current_stream().synchronize()
         got = buffers.table.cpu().numpy()
+        width = buffers._uploads.width(padded) if driver else padded
         assert (got[:, :padded] == want).all(), padded
-        assert (got[:, padded:] == -5).all(), padded
+        assert (got[:, padded:width] == -1).all() and (got[:, width:] == -5).all(), padded

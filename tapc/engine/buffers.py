@@ -28,9 +28,9 @@ Per step (all stream-ordered on the compute stream, so async scheduling is safe)
    A step of at most `DIRECT_BYTES` (a decode step at a small batch) skips the snapshot: its
    rows go to host memory straight from the pools, on the compute stream.
 With `TAPC_STREAM_CALLS=driver` in the worker's environment, the copy-out's events, waits and
-snapshot copies are the CUDA driver's calls (streams.py), which keep the GIL; torch's calls let
-it go, and in a served engine core vLLM's output thread may then take it while the step's
-launches wait. It is not the default until a served measure shows it helps: the one served run
+snapshot copies are the CUDA driver's calls, and the upload's copy kernel is launched from a
+CUDA graph by the driver (streams.py): they keep the GIL. torch's calls let it go, and in a
+served engine core vLLM's output thread may then take it while the step's launches wait. It is not the default until a served measure shows it helps: the one served run
 with it (the second session of 2026-12-02, beside the upload by the driver's 2-D copy) read
 worse than torch's calls in another call, with neither cause separated (docs/serving.md).
 The upload stays a copy kernel: as a DMA by the driver's 2-D copy (tried in c8b6c33 and in
@@ -47,7 +47,8 @@ from tapc.edits import slot_row
 from tapc.engine.fill import Segment
 from tapc.engine.layout import Layout
 from tapc.engine.memcpy import BatchCopy, copy_segments
-from tapc.engine.streams import StreamOps
+from tapc.engine.cugraph import Driver
+from tapc.engine.streams import StreamOps, UploadGraphs
 from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 
 
@@ -87,8 +88,11 @@ class Buffers:
         self._row_bytes = [p.shape[1] * p.element_size() for p in self.pools]
         self.direct_bytes = DIRECT_BYTES
         self._batch = BatchCopy.load() if device.type == "cuda" else None
-        # the copy-out's events, waits and snapshot copies by the driver (streams.py; None: torch's)
+        # the copy-out's events, waits and snapshot copies by the driver, and the upload's copy
+        # kernel launched from a graph by it (streams.py; None: torch's calls)
         self._ops = StreamOps.load() if device.type == "cuda" and os.environ.get(STREAM_CALLS) == "driver" else None
+        driver = Driver.load() if self._ops is not None else None
+        self._uploads = UploadGraphs(self.table, [u.uva for u in self._uva], driver) if driver is not None else None
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self._nonfinite_host = torch.zeros((), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._counting = False
@@ -106,9 +110,14 @@ class Buffers:
     # ---------------------------------------------------------------- per step
 
     def host_table(self, padded: int) -> np.ndarray:
-        """The next pinned buffer, as the host view `[num_tables, padded]` to fill."""
-        buf = self._uva[self._next]
-        return buf.np[: self.layout.num_tables * padded].reshape(self.layout.num_tables, padded)
+        """The next pinned buffer, as the host view `[num_tables, padded]` to fill (in rows of
+        its upload graph's width, the columns past `padded` -1, where the upload is a graph)."""
+        buf, k = self._uva[self._next], self.layout.num_tables
+        width = padded if self._uploads is None else self._uploads.width(padded)
+        view = buf.np[: k * width].reshape(k, width)
+        if width > padded:
+            view[:, padded:] = -1
+        return view[:, :padded]
 
     def clean(self, padded: int) -> bool:
         """Whether the device's tables already own no row among a step's first `padded`."""
@@ -116,10 +125,14 @@ class Buffers:
 
     def upload(self, padded: int, owns_rows: bool = True) -> None:
         """The host table just filled goes up; `owns_rows` False when it is all -1."""
-        buf = self._uva[self._next]
+        source, buf = self._next, self._uva[self._next]
         self._next = (self._next + 1) % len(self._uva)
-        k = self.layout.num_tables
-        self.table[:, :padded].copy_(buf.uva[: k * padded].view(k, padded), non_blocking=True)
+        if self._uploads is not None:
+            padded = self._uploads.width(padded)   # the columns past the step's rows go up as -1
+            self._uploads.launch(source, padded)
+        else:
+            k = self.layout.num_tables
+            self.table[:, :padded].copy_(buf.uva[: k * padded].view(k, padded), non_blocking=True)
         self._clean = 0 if owns_rows else max(self._clean, padded)
 
     def reset(self) -> None:

@@ -1,5 +1,7 @@
-"""The copy-out's stream work through the CUDA driver, keeping the GIL: events recorded, waited
-on, queried and synchronized, and copies between device buffers (buffers.py `copy_out`).
+"""The hooks' stream work through the CUDA driver, keeping the GIL (buffers.py, with
+`TAPC_STREAM_CALLS=driver`): the copy-out's events (recorded, waited on, queried and
+synchronized) and copies between device buffers (`StreamOps`), and the row tables' upload as a
+copy kernel captured in CUDA graphs that the driver launches (`UploadGraphs`).
 
 A torch call that reaches the GPU lets the GIL go around it. In a served engine core, vLLM's
 output thread is often waiting for the GIL then; it takes it, and the engine's thread waits for
@@ -10,14 +12,17 @@ and with the upload by the driver the wait moved on to the copy-out's torch call
 events and two waits on a capturing step. These are their driver calls, bound through
 `ctypes.PyDLL` like memcpy.py's copies and cugraph.py's graph calls; the GPU runs the same work
 in the same order as torch's calls queue it. Only a collect's wait for an event
-(`Event.synchronize`, which may take milliseconds) lets the GIL go. (The upload keeps its copy
-kernel: buffers.py says why.)
+(`Event.synchronize`, which may take milliseconds) lets the GIL go. The upload stays a copy
+kernel on the SMs, not the driver's 2-D copy (a DMA: buffers.py says why), launched from a graph.
 """
 from __future__ import annotations
 
+import bisect
 import ctypes
 
-from tapc.engine.cugraph import bind, check
+import torch
+
+from tapc.engine.cugraph import Driver, bind, check
 
 _DISABLE_TIMING = 0x2   # CU_EVENT_DISABLE_TIMING, as torch.cuda.Event's default
 _NOT_READY = 600        # CUDA_ERROR_NOT_READY
@@ -85,3 +90,48 @@ class Event:
 
     def __del__(self):
         self._ops.destroy_fn(self.handle)
+
+
+class UploadGraphs:
+    """The row tables' upload: torch's copy kernel from a pinned buffer (through its UVA view)
+    into the device's `[tables, rows]` table, captured once for each buffer and each width (the
+    powers of two up to `rows`, and `rows`), launched by the driver on the current stream.
+    A step's host table is laid out at the width that holds its rows (`width`), the columns past
+    them -1, so one graph serves every step of up to that many rows."""
+
+    def __init__(self, table: torch.Tensor, sources: list[torch.Tensor], driver: Driver):
+        k, rows = table.shape
+        self.widths = self.widths_for(rows)
+        self.driver = driver
+        self.device = table.device.index
+        # Captured on a side stream by hand: `torch.cuda.graph` would collect garbage and empty
+        # torch's cache for each of these (2 x 14 graphs at 8192 rows) while the worker loads.
+        side, here = torch.cuda.Stream(device=table.device), torch.cuda.current_stream(table.device)
+        side.wait_stream(here)
+        self.graphs: list[list[torch.cuda.CUDAGraph]] = []   # kept: their instantiated graphs are launched
+        with torch.cuda.stream(side):
+            for src in sources:
+                per = []
+                for w in self.widths:
+                    graph = torch.cuda.CUDAGraph()
+                    graph.capture_begin()
+                    table[:, :w].copy_(src[: k * w].view(k, w), non_blocking=True)
+                    graph.capture_end()
+                    per.append(graph)
+                self.graphs.append(per)
+        here.wait_stream(side)
+        self.execs = [[g.raw_cuda_graph_exec() for g in per] for per in self.graphs]
+
+    @staticmethod
+    def widths_for(rows: int) -> list[int]:
+        """The powers of two below `rows`, and `rows`."""
+        return sorted({min(1 << i, rows) for i in range(rows.bit_length() + 1)})
+
+    def width(self, padded: int) -> int:
+        """The narrowest width that holds `padded` columns."""
+        return self.widths[bisect.bisect_left(self.widths, padded)]
+
+    def launch(self, source: int, width: int) -> None:
+        """The copy of `width` columns from pinned buffer `source`, on the current stream."""
+        self.driver.launch(self.execs[source][self.widths.index(width)],
+                           torch._C._cuda_getCurrentRawStream(self.device))
