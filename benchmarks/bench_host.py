@@ -17,6 +17,7 @@ batch 64 for an 8B model, 4.6 ms at batch 1), beside vLLM's own host work.
 """
 import contextlib
 import functools
+import os
 import statistics
 import sys
 import time
@@ -185,13 +186,12 @@ def device_main():
     host: the fill, the table's upload (`Buffers.upload`) and the copy-out (`Buffers.copy_out`:
     the snapshot, its events and the batched copy into pinned arena storage). The GPU has no
     forward to run between steps, so each part's time is its host work alone. Each case runs
-    with the copy-out's stream work by the driver (`TAPC_STREAM_CALLS=driver`: streams.py, which
-    keeps the GIL) and by torch (the default, which lets it go); the upload is a torch copy
-    either way. With `--contend`, both again beside a `Contender`; with `--busy`, both again
-    behind a long kernel, where a call that waits for the GPU takes the kernel's milliseconds."""
+    with the upload's and the copy-out's stream work by the driver (`TAPC_STREAM_CALLS=driver`:
+    streams.py, which keeps the GIL) and by torch (the default, which lets it go). With
+    `--contend`, both again beside a `Contender`; with `--busy`, both again behind a long kernel,
+    where a call that waits for the GPU takes the kernel's milliseconds."""
     from tapc.engine.arena import Arena
-    from tapc.engine.buffers import Buffers
-    from tapc.engine.streams import StreamOps
+    from tapc.engine.buffers import STREAM_CALLS, Buffers
     from tapc.engine.worker import _register
 
     dev = torch.device("cuda")
@@ -219,8 +219,8 @@ def device_main():
                       for how, by_torch in (("driver", False), ("torch", True))]
         for name, (records, batch) in cases:
             for how, by_torch, contend, busy in modes:
+                os.environ[STREAM_CALLS] = "torch" if by_torch else "driver"   # read as the buffers are made
                 buffers = Buffers(layout, ROWS, SEQS, 2, dev)
-                buffers._ops = None if by_torch else StreamOps.load()
                 with Contender() if contend else contextlib.nullcontext():
                     parts, segs = time_device_step(layout, buffers, records, batch, busy=busy)
                 cells = [f"{statistics.median(p[k] for p in parts) * 1e6:.0f} ({statistics.fmean(p[k] for p in parts) * 1e6:.0f})"

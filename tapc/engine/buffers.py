@@ -96,7 +96,7 @@ class Buffers:
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self._nonfinite_host = torch.zeros((), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._counting = False
-        self.staging = Staging(device)
+        self.staging = Staging(device, self._ops)
         self.params = ParamTables(layout.edits, self.slots, device, layout.localize, self.staging)
         self.logit_params = ParamTables(layout.logit_edits, self.slots, device, staging=self.staging)
         self.logit_rows = torch.full((len(layout.logit_edits), seqs), -1, dtype=torch.int32, device=device)
@@ -364,35 +364,47 @@ class Staging:
     a half again it waits for the event recorded when it left that half, after the copies that
     read it: long done, since a half holds hundreds of rows. A row larger than a half (a logits
     vector of a large vocabulary is 0.5 MiB) is pinned on its own. On a CPU device (tests) the
-    copy is direct."""
+    copy is direct. With `ops` (streams.StreamOps) the copies and events are the driver's calls,
+    which keep the GIL."""
 
     HALF = 4 << 20
     ALIGN = 64      # every row starts aligned for any dtype's view
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, ops: StreamOps | None = None):
         self.cuda = device.type == "cuda"
+        self.ops = ops
+        self.device = device.index
         self.buf = torch.empty(2 * self.HALF if self.cuda else 0, dtype=torch.uint8, pin_memory=self.cuda)
+        self.base = self.buf.data_ptr()
         self.np = self.buf.numpy()
         self.side = 0
         self.used = 0
         self.left: list[torch.cuda.Event | None] = [None, None]
 
     def put(self, dst: torch.Tensor, src: np.ndarray) -> None:
-        """`dst` <- `src` (of its shape and dtype), without blocking, in stream order."""
+        """`dst` <- `src` (of its shape and dtype), without blocking, in stream order; `dst` is
+        contiguous (a parameter table's row, a whole row table)."""
         src = src if src.flags.c_contiguous else src.copy()   # (ascontiguousarray makes a scalar 1-d)
         n = src.nbytes
         if not self.cuda or n > self.HALF:
             t = torch.from_numpy(src)
             dst.copy_(t.pin_memory() if self.cuda else t, non_blocking=True)
             return
+        stream = torch._C._cuda_getCurrentRawStream(self.device) if self.ops is not None else None
         if self.used + n > self.HALF:
-            left = torch.cuda.Event()
-            left.record()
+            if self.ops is not None:
+                left = self.ops.event(stream)
+            else:
+                left = torch.cuda.Event()
+                left.record()
             self.left[self.side] = left
             self.side, self.used = 1 - self.side, 0
             if self.left[self.side] is not None:
                 self.left[self.side].synchronize()
         at = self.side * self.HALF + self.used
         self.np[at: at + n] = src.reshape(-1).view(np.uint8)
-        dst.copy_(self.buf[at: at + n].view(dst.dtype).view(dst.shape), non_blocking=True)
+        if self.ops is not None:
+            self.ops.copy_up(dst.data_ptr(), self.base + at, n, stream)
+        else:
+            dst.copy_(self.buf[at: at + n].view(dst.dtype).view(dst.shape), non_blocking=True)
         self.used += -(-n // self.ALIGN) * self.ALIGN

@@ -1,7 +1,8 @@
 """The hooks' stream work through the CUDA driver, keeping the GIL (buffers.py, with
 `TAPC_STREAM_CALLS=driver`): the copy-out's events (recorded, waited on, queried and
-synchronized) and copies between device buffers (`StreamOps`), and the row tables' upload as a
-copy kernel captured in CUDA graphs that the driver launches (`UploadGraphs`).
+synchronized) and copies between device buffers, the parameter rows' copies at admission
+(`StreamOps`), and the row tables' upload as a copy kernel captured in CUDA graphs that the
+driver launches (`UploadGraphs`).
 
 A torch call that reaches the GPU lets the GIL go around it. In a served engine core, vLLM's
 output thread is often waiting for the GIL then; it takes it, and the engine's thread waits for
@@ -38,6 +39,7 @@ class StreamOps:
         self._record = bind(lib.cuEventRecord, [vp, vp])
         self._wait = bind(lib.cuStreamWaitEvent, [vp, vp, ctypes.c_uint])
         self._copy = bind(lib.cuMemcpyDtoDAsync_v2, [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, vp])
+        self._up = bind(lib.cuMemcpyHtoDAsync_v2, [ctypes.c_uint64, vp, ctypes.c_size_t, vp])
         self.query_fn = bind(lib.cuEventQuery, [vp])
         self.destroy_fn = bind(lib.cuEventDestroy_v2, [vp])
         self.synchronize_fn = bind(releasing_lib.cuEventSynchronize, [vp])
@@ -65,6 +67,11 @@ class StreamOps:
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """`nbytes` from device address `src` to `dst`, on `stream`."""
         check(self._copy(dst, src, nbytes, ctypes.c_void_p(stream)), "cuMemcpyDtoDAsync_v2")
+
+    def copy_up(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """`nbytes` from pinned host address `src` to device address `dst`, on `stream` (what
+        torch's non-blocking copy of a pinned tensor makes: a DMA)."""
+        check(self._up(dst, ctypes.c_void_p(src), nbytes, ctypes.c_void_p(stream)), "cuMemcpyHtoDAsync_v2")
 
 
 class Event:
