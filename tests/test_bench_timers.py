@@ -60,6 +60,27 @@ def test_a_module_imported_later_is_timed_on_the_main_thread_only(tmp_path, monk
     assert got["missing"] == ["tapc_timed_toy:Work.gone"]
 
 
+def test_a_window_holds_only_the_part_of_a_call_inside_it(tmp_path, monkeypatch):
+    """A call that began before a window opened (an engine waiting for work while the other
+    server's load ran) counts from the window's start: snapshots count calls in progress so far."""
+    (tmp_path / "tapc_timed_span.py").write_text(MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    timed = timers.Timers([("tapc_timed_span", "Work.step")])
+    try:
+        work = importlib.import_module("tapc_timed_span").Work()
+        taken = []
+        opener = threading.Timer(0.15, lambda: taken.append(timed.snapshot()))   # opens mid-call
+        opener.start()
+        work.step(0.25)
+        opener.join()
+        got = timers.window(taken[0], timed.snapshot())
+    finally:
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, timers._Hook)]
+        sys.modules.pop("tapc_timed_span", None)
+    assert 0.07 <= got["seconds"]["Work.step"] <= 0.15, got   # about 0.1 of its 0.25 s
+    assert got["calls"]["Work.step"] == 1
+
+
 def test_every_target_exists_in_the_installed_vllm():
     for module, qualname in timers.TARGETS:
         owner, _, attr = qualname.rpartition(".")
