@@ -30,9 +30,10 @@ Per step (all stream-ordered on the compute stream, so async scheduling is safe)
 With `TAPC_STREAM_CALLS=driver` in the worker's environment, the copy-out's events, waits and
 snapshot copies are the CUDA driver's calls, and the upload's copy kernel is launched from a
 CUDA graph by the driver (streams.py): they keep the GIL. torch's calls let it go, and in a
-served engine core vLLM's output thread may then take it while the step's launches wait. It is not the default until a served measure shows it helps: the one served run
-with it (the second session of 2026-12-02, beside the upload by the driver's 2-D copy) read
-worse than torch's calls in another call, with neither cause separated (docs/serving.md).
+served engine core vLLM's output thread may then take it while the step's launches wait. It is
+not the default until a served measure shows it helps: the one served run with its copy-out
+part (the second session of 2026-12-02, beside the upload by the driver's 2-D copy) read worse
+than torch's calls in another call, with neither cause separated (docs/serving.md).
 The upload stays a copy kernel: as a DMA by the driver's 2-D copy (tried in c8b6c33 and in
 that run) it sits on a copy engine, where other copies can hold up the compute stream.
 """
@@ -57,7 +58,7 @@ from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 # (cudf chose the same bound for its batched copies).
 DIRECT_BYTES = 128 << 10
 
-# "driver": the copy-out's stream work by the driver's calls, not torch's (read as the buffers are made)
+# "driver": the hooks' stream work by the driver's calls, not torch's (read as the buffers are made)
 STREAM_CALLS = "TAPC_STREAM_CALLS"
 
 
