@@ -374,7 +374,8 @@ class Staging:
     def __init__(self, device: torch.device, ops: StreamOps | None = None):
         self.cuda = device.type == "cuda"
         self.ops = ops
-        self.device = device.index
+        # the index the driver's calls find the current stream by ("cuda" alone: the current device)
+        self.device = device.index if device.index is not None or not self.cuda else torch.cuda.current_device()
         self.buf = torch.empty(2 * self.HALF if self.cuda else 0, dtype=torch.uint8, pin_memory=self.cuda)
         self.base = self.buf.data_ptr()
         self.np = self.buf.numpy()

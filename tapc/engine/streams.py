@@ -121,7 +121,7 @@ class UploadGraphs:
                 per = []
                 for w in self.widths:
                     graph = torch.cuda.CUDAGraph()
-                    graph.capture_begin()
+                    graph.capture_begin(capture_error_mode="thread_local")   # other threads' CUDA calls go on
                     table[:, :w].copy_(src[: k * w].view(k, w), non_blocking=True)
                     graph.capture_end()
                     per.append(graph)
