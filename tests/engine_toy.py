@@ -174,10 +174,11 @@ class ToyUploads(UploadGraphs):
         self.widths = self.widths_for(buffers.rows)
         self.launched: list[int] = []   # each launch's width
 
-    def launch(self, source: int, width: int) -> None:
-        k = self.buffers.layout.num_tables
+    def launch(self, source: int, padded: int) -> int:
+        width, k = self.width(padded), self.buffers.layout.num_tables
         self.buffers.table[:, :width] = self.buffers._uva[source].cpu[: k * width].view(k, width)
         self.launched.append(width)
+        return width
 
 
 @dataclass

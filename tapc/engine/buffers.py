@@ -129,8 +129,7 @@ class Buffers:
         source, buf = self._next, self._uva[self._next]
         self._next = (self._next + 1) % len(self._uva)
         if self._uploads is not None:
-            padded = self._uploads.width(padded)   # the columns past the step's rows go up as -1
-            self._uploads.launch(source, padded)
+            padded = self._uploads.launch(source, padded)   # the columns past the step's rows go up as -1
         else:
             k = self.layout.num_tables
             self.table[:, :padded].copy_(buf.uva[: k * padded].view(k, padded), non_blocking=True)

@@ -138,7 +138,9 @@ class UploadGraphs:
         """The narrowest width that holds `padded` columns."""
         return self.widths[bisect.bisect_left(self.widths, padded)]
 
-    def launch(self, source: int, width: int) -> None:
-        """The copy of `width` columns from pinned buffer `source`, on the current stream."""
-        self.driver.launch(self.execs[source][self.widths.index(width)],
-                           torch._C._cuda_getCurrentRawStream(self.device))
+    def launch(self, source: int, padded: int) -> int:
+        """The copy from pinned buffer `source` of the narrowest width that holds `padded`
+        columns, on the current stream; that width."""
+        i = bisect.bisect_left(self.widths, padded)
+        self.driver.launch(self.execs[source][i], torch._C._cuda_getCurrentRawStream(self.device))
+        return self.widths[i]
