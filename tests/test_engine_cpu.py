@@ -537,3 +537,16 @@ def test_upload_graphs_send_the_columns_past_a_step_as_owning_no_row():
     assert buffers._uploads.launched == [8, 1, 8]
     assert (buffers.table[:, :8] == -1).all(), "the wider step's rows 5-7 went up again from the reused buffer"
     assert buffers.clean(8) and not buffers.clean(9)
+
+
+def test_an_unknown_stream_calls_setting_is_refused_by_name(monkeypatch):
+    """`TAPC_STREAM_CALLS` with a value it does not know (a typo) stops the engine's setup with
+    the variable and the values it takes, rather than running the default silently."""
+    from tapc.engine.buffers import STREAM_CALLS, Buffers
+    from tapc.errors import EngineError
+
+    monkeypatch.setenv(STREAM_CALLS, "drivers")
+    with pytest.raises(EngineError, match="TAPC_STREAM_CALLS='drivers': it is 'torch' .* or 'driver'"):
+        Buffers(Layout(toy_plan(TAPS)), 64, 8, 2, torch.device("cpu"))
+    monkeypatch.setenv(STREAM_CALLS, "torch")
+    assert Buffers(Layout(toy_plan(TAPS)), 64, 8, 2, torch.device("cpu"))._ops is None

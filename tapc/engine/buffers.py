@@ -50,6 +50,7 @@ from tapc.engine.layout import Layout
 from tapc.engine.memcpy import BatchCopy, copy_segments
 from tapc.engine.cugraph import Driver
 from tapc.engine.streams import StreamOps, UploadGraphs
+from tapc.errors import EngineError
 from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 
 
@@ -60,6 +61,14 @@ DIRECT_BYTES = 128 << 10
 
 # "driver": the hooks' stream work by the driver's calls, not torch's (read as the buffers are made)
 STREAM_CALLS = "TAPC_STREAM_CALLS"
+
+
+def stream_calls() -> str:
+    """Whose calls do the hooks' stream work: "torch" (the default) or "driver"."""
+    value = os.environ.get(STREAM_CALLS) or "torch"
+    if value not in ("torch", "driver"):
+        raise EngineError(f"{STREAM_CALLS}={value!r}: it is 'torch' (the default) or 'driver'")
+    return value
 
 
 class Buffers:
@@ -91,7 +100,7 @@ class Buffers:
         self._batch = BatchCopy.load() if device.type == "cuda" else None
         # the copy-out's events, waits and snapshot copies by the driver, and the upload's copy
         # kernel launched from a graph by it (streams.py; None: torch's calls)
-        self._ops = StreamOps.load() if device.type == "cuda" and os.environ.get(STREAM_CALLS) == "driver" else None
+        self._ops = StreamOps.load() if stream_calls() == "driver" and device.type == "cuda" else None
         driver = Driver.load() if self._ops is not None else None
         self._uploads = UploadGraphs(self.table, [u.uva for u in self._uva], driver) if driver is not None else None
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
