@@ -17,7 +17,6 @@ batch 64 for an 8B model, 4.6 ms at batch 1), beside vLLM's own host work.
 """
 import contextlib
 import functools
-import os
 import statistics
 import sys
 import time
@@ -185,13 +184,12 @@ def device_main():
     """`--device`: the same steps on the path the worker runs on a GPU, each part timed on the
     host: the fill, the table's upload (`Buffers.upload`) and the copy-out (`Buffers.copy_out`:
     the snapshot, its events and the batched copy into pinned arena storage). The GPU has no
-    forward to run between steps, so each part's time is its host work alone. Each case runs
-    with the upload's and the copy-out's stream work by the driver (`TAPC_STREAM_CALLS=driver`:
-    streams.py, which keeps the GIL) and by torch (the default, which lets it go). With
-    `--contend`, both again beside a `Contender`; with `--busy`, both again behind a long kernel,
-    where a call that waits for the GPU takes the kernel's milliseconds."""
+    forward to run between steps, so each part's time is its host work alone. With `--contend`,
+    each case again beside a `Contender` (torch's calls that reach the GPU let the GIL go); with
+    `--busy`, again behind a long kernel, where a call that waits for the GPU takes the kernel's
+    milliseconds."""
     from tapc.engine.arena import Arena
-    from tapc.engine.buffers import STREAM_CALLS, Buffers
+    from tapc.engine.buffers import Buffers
     from tapc.engine.worker import _register
 
     dev = torch.device("cuda")
@@ -209,25 +207,22 @@ def device_main():
         cases = [("served: 64 of bench_serve's mix, 2 prefilling 230 tokens", served_scenario(plan, layout, steer, make=make)),
                  ("decode 64, capture every layer", scenario(plan, layout, TapRequest(capture="model.layers.*.resid"),
                                                              64, 100, True, make=make))]
-        # (label, by torch's calls, a GIL-holding thread beside, a kernel of ~5 ms queued before each step)
-        modes = [(f", {how} calls", by_torch, False, False) for how, by_torch in (("driver", False), ("torch", True))]
+        # (label, a GIL-holding thread beside, a kernel of ~5 ms queued before each step)
+        modes = [("", False, False)]
         if "--contend" in sys.argv[1:]:
-            modes += [(f", {how} calls, beside a GIL-holding thread", by_torch, True, False)
-                      for how, by_torch in (("driver", False), ("torch", True))]
+            modes.append((", beside a GIL-holding thread", True, False))
         if "--busy" in sys.argv[1:]:   # a call that waits for the GPU takes the kernel's time
-            modes += [(f", {how} calls, the GPU busy", by_torch, False, True)
-                      for how, by_torch in (("driver", False), ("torch", True))]
+            modes.append((", the GPU busy", False, True))
+        buffers = Buffers(layout, ROWS, SEQS, 2, dev)
         for name, (records, batch) in cases:
-            for how, by_torch, contend, busy in modes:
-                os.environ[STREAM_CALLS] = "torch" if by_torch else "driver"   # read as the buffers are made
-                buffers = Buffers(layout, ROWS, SEQS, 2, dev)
+            for how, contend, busy in modes:
                 with Contender() if contend else contextlib.nullcontext():
                     parts, segs = time_device_step(layout, buffers, records, batch, busy=busy)
                 cells = [f"{statistics.median(p[k] for p in parts) * 1e6:.0f} ({statistics.fmean(p[k] for p in parts) * 1e6:.0f})"
                          for k in range(3)]
                 print(f"| {layers} layers, {name}{how} | {' | '.join(cells)} | {segs} |", flush=True)
-                del buffers
-                torch.cuda.synchronize()
+        del buffers
+        torch.cuda.synchronize()
 
 
 def time_device_step(layout, buffers, records, batch: StepBatch, repeats: int = 200, busy: bool = False):

@@ -28,7 +28,6 @@ from tapc.engine.runner import RunnerHooks
 from tapc.engine.memcpy import copy_segments
 from tapc.engine.runner_v1 import V1Adapter
 from tapc.engine.runner_v2 import V2Adapter
-from tapc.engine.streams import UploadGraphs
 from tapc.planner import build_plan
 from tapc.session import TapSession
 from tapc.tree import ModuleTree, Node, SourceOp
@@ -140,7 +139,6 @@ class ToyBuffers(Buffers):
         self._clean = rows
         self._uva = [_UvaTable(layout.num_tables * rows, torch.device("cpu")) for _ in range(2)]
         self._next = 0
-        self._uploads = None   # the upload is a torch copy
         self.pools = [torch.zeros(len(g.caps) * rows, g.width, dtype=getattr(torch, g.dtype)) for g in layout.groups]
         self.staging = Staging(torch.device("cpu"))
         self.params = ParamTables(layout.edits, slots, torch.device("cpu"), layout.localize, self.staging)
@@ -164,21 +162,6 @@ class ToyBuffers(Buffers):
 
     def nonfinite(self):
         return self.nonfinite_values if self.counting else None
-
-
-class ToyUploads(UploadGraphs):
-    """`UploadGraphs` on the CPU: the same widths and host layout, each launch the copy itself."""
-
-    def __init__(self, buffers: ToyBuffers):
-        self.buffers = buffers
-        self.widths = self.widths_for(buffers.rows)
-        self.launched: list[int] = []   # each launch's width
-
-    def launch(self, source: int, padded: int) -> int:
-        width, k = self.width(padded), self.buffers.layout.num_tables
-        self.buffers.table[:, :width] = self.buffers._uva[source].cpu[: k * width].view(k, width)
-        self.launched.append(width)
-        return width
 
 
 @dataclass
@@ -428,13 +411,11 @@ def run(runner, reqs: list[Req], budget: int) -> None:
 
 
 def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank: int = 0, stage: int = 0,
-              runner: str = "v2", inline: bool = False, switch: bool = False, prefix_rows: tuple | None = None,
-              upload_graphs: bool = False):
+              runner: str = "v2", inline: bool = False, switch: bool = False, prefix_rows: tuple | None = None):
     """The toy runner of vLLM's `runner` ("v2" or "v1") with `plan` installed in `model`, as the
     worker installs it; and its hooks (`inline`: a worker on another node than the API; `switch`:
     with a `Switch` for the hooks to set, `hooks.switch`, without a driver: no graphs here;
-    `prefix_rows`: (block, budget bytes) of kept prefix rows, `hooks.prefix_rows`;
-    `upload_graphs`: the upload as `TAPC_STREAM_CALLS=driver` makes it, `ToyUploads`)."""
+    `prefix_rows`: (block, budget bytes) of kept prefix rows, `hooks.prefix_rows`)."""
     from tapc.engine.prefixrows import PrefixRows
     from tapc.engine.switch import Switch
     from tapc.kernels import ops
@@ -447,8 +428,6 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank
 
     layout = Layout(plan, tp_rank, stage)   # on several GPUs: this one's part of the plan
     buffers = ToyBuffers(layout, rows, slots)
-    if upload_graphs:
-        buffers._uploads = ToyUploads(buffers)
     install(model, layout, buffers)
     toy, adapter = {"v2": (ToyRunner, V2Adapter), "v1": (ToyRunnerV1, V1Adapter)}[runner]
     runner = toy(model, pad)

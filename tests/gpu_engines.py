@@ -218,24 +218,18 @@ def engines():
     started.close()
 
 
-def tapped_name(arch: str, runner: str = "v2", stream_calls: str | None = None) -> str:
-    return f"tapped {arch} {runner}" + (f" {stream_calls} calls" if stream_calls else "")
-
-
 @pytest.fixture(scope="session")
 def tapped_engine(engines, checkpoints):
-    """(arch, runner, stream_calls) -> the engine with CAPTURES and STEER on that arch's
-    checkpoint, on vLLM's `runner` ("v2" or "v1", `model_runner`); `stream_calls`: its
-    `TAPC_STREAM_CALLS` (None: the default, torch's calls). Named `tapped_name(...)`."""
-    def get(arch: str, runner: str = "v2", stream_calls: str | None = None):
+    """(arch, runner) -> the engine with CAPTURES and STEER on that arch's checkpoint, on vLLM's
+    `runner` ("v2" or "v1", `model_runner`)."""
+    def get(arch: str, runner: str = "v2"):
         from tapc import VLLM
-        from tapc.engine.buffers import STREAM_CALLS
 
         def start():
-            with model_runner(runner), environ(STREAM_CALLS, stream_calls):
+            with model_runner(runner):
                 return VLLM(checkpoints(arch), taps=CAPTURES + [STEER], **engine_args())
 
-        return engines.get(tapped_name(arch, runner, stream_calls), start)
+        return engines.get(f"tapped {arch} {runner}", start)
 
     return get
 

@@ -9,10 +9,8 @@ import gc
 import numpy as np
 import pytest
 import torch
-from engine_toy import (HIDDEN, LAYERS, Req, Scheduler, ToyBuffers, ToyModel, ToyUploads, collect, hooks_for, run,
-                        toy_plan, toy_vllm, wire_for)
+from engine_toy import HIDDEN, LAYERS, Req, Scheduler, ToyModel, collect, hooks_for, run, toy_plan, toy_vllm, wire_for
 
-from tapc.engine.layout import Layout
 from tapc.engine.positions import select
 from tapc.engine.protocol import Ask, WireRequest
 from tapc.engine.requests import TapRequest
@@ -100,17 +98,14 @@ def run_and_check(runner, hooks, plan) -> list[Req]:
 
 
 @RUNNERS
-@pytest.mark.parametrize("compiled,graphs", [(False, False), (True, False), (False, True)],
-                         ids=["eager", "compiled", "upload graphs"])
-def test_captures_equal_reference_under_continuous_batching(compiled, graphs, runner_kind):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_captures_equal_reference_under_continuous_batching(compiled, runner_kind):
     """Chunked prefill (budget 16 < a 25-token prompt), late arrivals, decode, padding to 8,
     a preemption with recompute, and five position options; on V1, requests in the persistent
-    batch's slot order, which changes as requests leave. `graphs`: the upload as graphs of
-    power-of-two widths (`TAPC_STREAM_CALLS=driver`), the host table laid out at their width,
-    with padding to 3 so that steps are narrower than their graph."""
+    batch's slot order, which changes as requests leave."""
     plan = toy_plan(TAPS)
     model = ToyModel()
-    runner, hooks = hooks_for(plan, model, runner=runner_kind, upload_graphs=graphs, pad=3 if graphs else 8)
+    runner, hooks = hooks_for(plan, model, runner=runner_kind)
     if compiled:  # Dynamo must inline the patched forwards and keep the ops, without breaks
         runner.model = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
     reqs = make_requests(plan)
@@ -123,9 +118,6 @@ def test_captures_equal_reference_under_continuous_batching(compiled, graphs, ru
             assert out.error is None and sorted(out.taps) == sorted(r.wire.ask.capture)
             check(r, dict(out.taps), r.wire.ask.positions)
     assert not hooks.by_id and not hooks.records
-    if graphs:   # steps of 3k rows went up in graphs of 2^j columns, wider than them
-        launched = hooks.buffers._uploads.launched
-        assert set(launched) <= set(hooks.buffers._uploads.widths) and any(w % 3 for w in launched), launched
 
 
 def test_a_worker_on_another_node_sends_rows_not_places_and_frees_its_arena():
@@ -155,16 +147,14 @@ def test_a_worker_on_another_node_sends_rows_not_places_and_frees_its_arena():
 
 
 @RUNNERS
-@pytest.mark.parametrize("graphs", [False, True], ids=["upload copy", "upload graphs"])
-def test_steering_per_request_and_untouched_others(runner_kind, graphs):
+def test_steering_per_request_and_untouched_others(runner_kind):
     """Two requests with different vectors in one batch, one steered only while generating
-    (a second tap on the same layer), one unsteered: each equals its own reference; with the
-    upload as a copy, and as graphs of power-of-two widths."""
+    (a second tap on the same layer), one unsteered: each equals its own reference."""
     # Taps at one module run in plan order: the edits first, so layer 1's capture sees them.
     plan = toy_plan(["model.layers.1.resid | add(steer, alpha=2.0)",
                      "model.layers.1.resid | add(late, alpha=-1.5, at=generated)", "model.layers.*.resid"])
     model = ToyModel()
-    runner, hooks = hooks_for(plan, model, runner=runner_kind, upload_graphs=graphs)
+    runner, hooks = hooks_for(plan, model, runner=runner_kind)
     rng = np.random.default_rng(1)
     v1, v2, v3 = (rng.standard_normal(HIDDEN) for _ in range(3))
     asks = {"s1": {"steer": v1}, "s2": {"steer": v2}, "plain": {}, "gen": {"late": v3}}
@@ -267,14 +257,12 @@ def test_untapped_batches_own_no_rows_and_copy_nothing():
 
 
 @RUNNERS
-@pytest.mark.parametrize("graphs", [False, True], ids=["upload copy", "upload graphs"])
-def test_steps_that_own_no_row_upload_no_table_once_the_device_tables_own_none(runner_kind, graphs, monkeypatch):
+def test_steps_that_own_no_row_upload_no_table_once_the_device_tables_own_none(runner_kind, monkeypatch):
     """Untapped steps skip the table upload only while the device's tables already own no row
     among the step's rows: the first untapped step after a tapped one clears them, a wider
-    untapped step clears its wider rows, and a tapped request that joins later is served whole;
-    with the upload as a copy, and as graphs of power-of-two widths (8 and 32 are such widths)."""
+    untapped step clears its wider rows, and a tapped request that joins later is served whole."""
     plan = toy_plan(TAPS)
-    runner, hooks = hooks_for(plan, ToyModel(), runner=runner_kind, upload_graphs=graphs)
+    runner, hooks = hooks_for(plan, ToyModel(), runner=runner_kind)
     buffers = hooks.buffers
     uploads, seen = [], []
     upload, begin = buffers.upload, hooks.begin_step
@@ -519,34 +507,3 @@ def test_v1_dummy_runs_see_tables_that_own_no_rows():
     assert (hooks.buffers.table >= 0).any(), "the last step's rows are still in the table"
     runner._dummy_run(8)
     assert runner.dummy_runs == 1 and not (hooks.buffers.table >= 0).any()
-
-
-def test_upload_graphs_send_the_columns_past_a_step_as_owning_no_row():
-    """With the upload as graphs of power-of-two widths (`TAPC_STREAM_CALLS=driver`), a step
-    narrower than its graph sends the columns past its rows too: as -1, whatever an earlier,
-    wider step left in that pinned buffer. So an untapped step leaves the whole width owning no
-    row, and a later step within that width may skip its upload."""
-    layout = Layout(toy_plan(TAPS))
-    buffers = ToyBuffers(layout, 64, 8)
-    buffers._uploads = ToyUploads(buffers)
-    rng = np.random.default_rng(0)
-    for padded, owns in ((8, True), (1, True), (5, False)):   # buffers 0, 1, then 0 again
-        host = buffers.host_table(padded)
-        host[:] = rng.integers(0, 64, size=host.shape) if owns else -1
-        buffers.upload(padded, owns_rows=owns)
-    assert buffers._uploads.launched == [8, 1, 8]
-    assert (buffers.table[:, :8] == -1).all(), "the wider step's rows 5-7 went up again from the reused buffer"
-    assert buffers.clean(8) and not buffers.clean(9)
-
-
-def test_an_unknown_stream_calls_setting_is_refused_by_name(monkeypatch):
-    """`TAPC_STREAM_CALLS` with a value it does not know (a typo) stops the engine's setup with
-    the variable and the values it takes, rather than running the default silently."""
-    from tapc.engine.buffers import STREAM_CALLS, Buffers
-    from tapc.errors import EngineError
-
-    monkeypatch.setenv(STREAM_CALLS, "drivers")
-    with pytest.raises(EngineError, match="TAPC_STREAM_CALLS='drivers': it is 'torch' .* or 'driver'"):
-        Buffers(Layout(toy_plan(TAPS)), 64, 8, 2, torch.device("cpu"))
-    monkeypatch.setenv(STREAM_CALLS, "torch")
-    assert Buffers(Layout(toy_plan(TAPS)), 64, 8, 2, torch.device("cpu"))._ops is None

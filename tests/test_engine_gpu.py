@@ -11,7 +11,7 @@ The checkpoints and engines are the session's (tests/gpu_engines.py).
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL, engine_args, hf_forward, shares, tapped_name, write_checkpoint  # noqa: F401
+from gpu_engines import SMALL, engine_args, hf_forward, shares, write_checkpoint  # noqa: F401
 # (engine_args and write_checkpoint: GPU test modules of other branches import them from here)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -100,16 +100,12 @@ def rows_for(positions: str, prompt_len: int, n_gen: int) -> slice:
             "last": slice(prompt_len - 1, prompt_len)}[positions]
 
 
-@pytest.fixture(scope="module", params=[pytest.param((arch, runner, calls), id=f"{arch}-{runner}" + (f"-{calls}" if calls else ""),
-                                                     marks=shares(tapped_name(arch, runner, calls)))
-                                        for arch, runner, calls in [("llama", "v2", None), ("qwen3", "v2", None),
-                                                                    ("llama", "v1", None), ("llama", "v2", "driver")]])
+@pytest.fixture(scope="module", params=[pytest.param((arch, runner), id=f"{arch}-{runner}",
+                                                     marks=shares(f"tapped {arch} {runner}"))
+                                        for arch, runner in [("llama", "v2"), ("qwen3", "v2"), ("llama", "v1")]])
 def tapped(request, checkpoints, tapped_engine):
-    """Each engine as (label, checkpoint, engine); "llama v2 driver": with the hooks' stream work
-    by the driver's calls (`TAPC_STREAM_CALLS=driver`: the upload launched from graphs)."""
-    arch, runner, calls = request.param
-    label = f"{arch} {runner}" + (f" {calls}" if calls else "")
-    return label, checkpoints(arch), tapped_engine(arch, runner, calls)
+    arch, runner = request.param
+    return f"{arch} {runner}", checkpoints(arch), tapped_engine(arch, runner)
 
 
 def test_captures_equal_hf_under_continuous_batching(tapped):

@@ -3,9 +3,11 @@
 # default, each as a ratio to vanilla in the same call: vanilla's own step time differed by a
 # third between two calls of one day (docs/serving.md). Runs `bench.sh SCRIPT ...` (or a script
 # of this folder, e.g. serve.sh) twice, the second with NAME=VALUE exported, e.g.
-#     bash benchmarks/calls/ab.sh TAPC_STREAM_CALLS=driver serve.sh --rounds 2 --mix 0.4,0.2,0.25,0.15 \
+#     bash benchmarks/calls/ab.sh TAPC_SWITCH_GRAPHS=0 serve.sh --rounds 2 --mix 0.4,0.2,0.25,0.15 \
 #         --timers "$OUT/timers-{LOG}.md"
-#     bash benchmarks/calls/ab.sh TAPC_STREAM_CALLS=driver bench.sh bench_moe.py --phases moe --batches 1 --repeats 4
+#     bash benchmarks/calls/ab.sh TAPC_SWITCH_GRAPHS=0 bench.sh bench_moe.py --phases moe --batches 1 --repeats 4
+# (third session of 2026-12-02: TAPC_STREAM_CALLS=driver, since taken out, read 0.823x against
+# the default's 1.014x in one such call.)
 # The logs (and serve.sh's tables) are named default and setting under $OUT, as is `{LOG}` in a
 # flag (bench.sh); each run is cut at
 # LIMIT_A / LIMIT_B seconds (a cold serve.sh run takes about 290 s to the end of its second round).

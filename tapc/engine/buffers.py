@@ -27,19 +27,8 @@ Per step (all stream-ordered on the compute stream, so async scheduling is safe)
    it is four more eager ops a capture group on every capturing step.
    A step of at most `DIRECT_BYTES` (a decode step at a small batch) skips the snapshot: its
    rows go to host memory straight from the pools, on the compute stream.
-With `TAPC_STREAM_CALLS=driver` in the worker's environment, the copy-out's events, waits and
-snapshot copies are the CUDA driver's calls, and the upload's copy kernel is launched from a
-CUDA graph by the driver (streams.py): they keep the GIL. torch's calls let it go, and in a
-served engine core vLLM's output thread may then take it while the step's launches wait. It is
-not the default until a served measure shows it helps: the one served run with its copy-out
-part (the second session of 2026-12-02, beside the upload by the driver's 2-D copy) read worse
-than torch's calls in another call, with neither cause separated (docs/serving.md).
-The upload stays a copy kernel: as a DMA by the driver's 2-D copy (tried in c8b6c33 and in
-that run) it sits on a copy engine, where other copies can hold up the compute stream.
 """
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import torch
@@ -48,9 +37,6 @@ from tapc.edits import slot_row
 from tapc.engine.fill import Segment
 from tapc.engine.layout import Layout
 from tapc.engine.memcpy import BatchCopy, copy_segments
-from tapc.engine.cugraph import Driver
-from tapc.engine.streams import StreamOps, UploadGraphs
-from tapc.errors import EngineError
 from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 
 
@@ -58,17 +44,6 @@ from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 # stream (`Buffers._copy_direct`). Copies of 128 KiB or less are bound by latency, not bandwidth
 # (cudf chose the same bound for its batched copies).
 DIRECT_BYTES = 128 << 10
-
-# "driver": the hooks' stream work by the driver's calls, not torch's (read as the buffers are made)
-STREAM_CALLS = "TAPC_STREAM_CALLS"
-
-
-def stream_calls() -> str:
-    """Whose calls do the hooks' stream work: "torch" (the default) or "driver"."""
-    value = os.environ.get(STREAM_CALLS) or "torch"
-    if value not in ("torch", "driver"):
-        raise EngineError(f"{STREAM_CALLS}={value!r}: it is 'torch' (the default) or 'driver'")
-    return value
 
 
 class Buffers:
@@ -98,15 +73,10 @@ class Buffers:
         self._row_bytes = [p.shape[1] * p.element_size() for p in self.pools]
         self.direct_bytes = DIRECT_BYTES
         self._batch = BatchCopy.load() if device.type == "cuda" else None
-        # the copy-out's events, waits and snapshot copies by the driver, and the upload's copy
-        # kernel launched from a graph by it (streams.py; None: torch's calls)
-        self._ops = StreamOps.load() if stream_calls() == "driver" and device.type == "cuda" else None
-        driver = Driver.load() if self._ops is not None else None
-        self._uploads = UploadGraphs(self.table, [u.uva for u in self._uva], driver) if driver is not None else None
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self._nonfinite_host = torch.zeros((), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._counting = False
-        self.staging = Staging(device, self._ops)
+        self.staging = Staging(device)
         self.params = ParamTables(layout.edits, self.slots, device, layout.localize, self.staging)
         self.logit_params = ParamTables(layout.logit_edits, self.slots, device, staging=self.staging)
         self.logit_rows = torch.full((len(layout.logit_edits), seqs), -1, dtype=torch.int32, device=device)
@@ -120,14 +90,9 @@ class Buffers:
     # ---------------------------------------------------------------- per step
 
     def host_table(self, padded: int) -> np.ndarray:
-        """The next pinned buffer, as the host view `[num_tables, padded]` to fill (in rows of
-        its upload graph's width, the columns past `padded` -1, where the upload is a graph)."""
-        buf, k = self._uva[self._next], self.layout.num_tables
-        width = padded if self._uploads is None else self._uploads.width(padded)
-        view = buf.np[: k * width].reshape(k, width)
-        if width > padded:
-            view[:, padded:] = -1
-        return view[:, :padded]
+        """The next pinned buffer, as the host view `[num_tables, padded]` to fill."""
+        buf = self._uva[self._next]
+        return buf.np[: self.layout.num_tables * padded].reshape(self.layout.num_tables, padded)
 
     def clean(self, padded: int) -> bool:
         """Whether the device's tables already own no row among a step's first `padded`."""
@@ -135,13 +100,10 @@ class Buffers:
 
     def upload(self, padded: int, owns_rows: bool = True) -> None:
         """The host table just filled goes up; `owns_rows` False when it is all -1."""
-        source, buf = self._next, self._uva[self._next]
+        buf = self._uva[self._next]
         self._next = (self._next + 1) % len(self._uva)
-        if self._uploads is not None:
-            padded = self._uploads.launch(source, padded)   # the columns past the step's rows go up as -1
-        else:
-            k = self.layout.num_tables
-            self.table[:, :padded].copy_(buf.uva[: k * padded].view(k, padded), non_blocking=True)
+        k = self.layout.num_tables
+        self.table[:, :padded].copy_(buf.uva[: k * padded].view(k, padded), non_blocking=True)
         self._clean = 0 if owns_rows else max(self._clean, padded)
 
     def reset(self) -> None:
@@ -149,9 +111,9 @@ class Buffers:
         self.table.fill_(-1)
         self._clean = self.rows
 
-    def copy_out(self, segments: list[Segment], used: list[int]):
-        """Start the step's copies to host memory; the event (streams.Event, or torch's without a
-        driver) is recorded once they, and every earlier step's, are done."""
+    def copy_out(self, segments: list[Segment], used: list[int]) -> torch.cuda.Event:
+        """Start the step's copies to host memory; the event is recorded once they, and every
+        earlier step's, are done."""
         compute = torch.cuda.current_stream()
         if sum(n * b for n, b in zip(used, self._row_bytes)) <= self.direct_bytes:
             return self._copy_direct(segments, used, compute)
@@ -159,16 +121,14 @@ class Buffers:
         if other is not None and all(n <= len(t) for n, t in zip(used, other.tensors)):
             snap, other = other, snap
         if snap.freed is not None:
-            self._wait(compute, snap.freed)
-        for t, pool, n, row in zip(snap.tensors, self.pools, used, self._row_bytes):
-            if not n:
-                continue
-            if self._ops is not None:
-                self._ops.copy(t.data_ptr(), pool.data_ptr(), n * row, compute.cuda_stream)
-            else:
+            compute.wait_event(snap.freed)
+        for t, pool, n in zip(snap.tensors, self.pools, used):
+            if n:
                 t[:n].copy_(pool[:n])
         self._count(snap.tensors, used)
-        self._wait(snap.stream, self._event(compute))
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        snap.stream.wait_event(ready)
         copy_segments(segments, snap.tensors, self._batch, snap.stream)
         # The other snapshot's copies may still run (a prompt step's, under the decode steps
         # after it): then this step is done when both streams are, joined on a third.
@@ -205,35 +165,24 @@ class Buffers:
         if self._counting and not pending:
             with torch.cuda.stream(stream):
                 self._nonfinite_host.copy_(self._nonfinite, non_blocking=True)
-        return self._event(stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
     def _joined(self, done: torch.cuda.Event, pending: list["_Snapshot"]) -> torch.cuda.Event:
         """`done`, or where snapshots' copies are still pending, an event recorded once they and
         `done` are: a collect waits for a request's last step only."""
         if not pending:
             return done
-        self._wait(self._join, done)
-        for snap in pending:
-            self._wait(self._join, snap.freed)
-        if self._counting:   # the live total, read once every stream's copies are done
-            with torch.cuda.stream(self._join):
+        with torch.cuda.stream(self._join):
+            self._join.wait_event(done)
+            for snap in pending:
+                self._join.wait_event(snap.freed)
+            if self._counting:   # the live total, read once every stream's copies are done
                 self._nonfinite_host.copy_(self._nonfinite, non_blocking=True)
-        return self._event(self._join)
-
-    def _event(self, stream):
-        """An event recorded on `stream` now (a driver event, or torch's where there is no driver)."""
-        if self._ops is not None:
-            return self._ops.event(stream.cuda_stream)
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
-
-    def _wait(self, stream, event) -> None:
-        """`stream`'s later work waits for `event` (one of `_event`'s)."""
-        if self._ops is not None:
-            self._ops.wait(stream.cuda_stream, event)
-        else:
-            stream.wait_event(event)
+            joined = torch.cuda.Event()
+            joined.record(self._join)
+        return joined
 
     def count_nonfinite(self, on: bool) -> None:
         """Count from now on (from 0), or stop counting."""
@@ -373,48 +322,35 @@ class Staging:
     a half again it waits for the event recorded when it left that half, after the copies that
     read it: long done, since a half holds hundreds of rows. A row larger than a half (a logits
     vector of a large vocabulary is 0.5 MiB) is pinned on its own. On a CPU device (tests) the
-    copy is direct. With `ops` (streams.StreamOps) the copies and events are the driver's calls,
-    which keep the GIL."""
+    copy is direct."""
 
     HALF = 4 << 20
     ALIGN = 64      # every row starts aligned for any dtype's view
 
-    def __init__(self, device: torch.device, ops: StreamOps | None = None):
+    def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.ops = ops
-        # the index the driver's calls find the current stream by ("cuda" alone: the current device)
-        self.device = device.index if device.index is not None or not self.cuda else torch.cuda.current_device()
         self.buf = torch.empty(2 * self.HALF if self.cuda else 0, dtype=torch.uint8, pin_memory=self.cuda)
-        self.base = self.buf.data_ptr()
         self.np = self.buf.numpy()
         self.side = 0
         self.used = 0
         self.left: list[torch.cuda.Event | None] = [None, None]
 
     def put(self, dst: torch.Tensor, src: np.ndarray) -> None:
-        """`dst` <- `src` (of its shape and dtype), without blocking, in stream order; `dst` is
-        contiguous (a parameter table's row, a whole row table)."""
+        """`dst` <- `src` (of its shape and dtype), without blocking, in stream order."""
         src = src if src.flags.c_contiguous else src.copy()   # (ascontiguousarray makes a scalar 1-d)
         n = src.nbytes
         if not self.cuda or n > self.HALF:
             t = torch.from_numpy(src)
             dst.copy_(t.pin_memory() if self.cuda else t, non_blocking=True)
             return
-        stream = torch._C._cuda_getCurrentRawStream(self.device) if self.ops is not None else None
         if self.used + n > self.HALF:
-            if self.ops is not None:
-                left = self.ops.event(stream)
-            else:
-                left = torch.cuda.Event()
-                left.record()
+            left = torch.cuda.Event()
+            left.record()
             self.left[self.side] = left
             self.side, self.used = 1 - self.side, 0
             if self.left[self.side] is not None:
                 self.left[self.side].synchronize()
         at = self.side * self.HALF + self.used
         self.np[at: at + n] = src.reshape(-1).view(np.uint8)
-        if self.ops is not None:
-            self.ops.copy_up(dst.data_ptr(), self.base + at, n, stream)
-        else:
-            dst.copy_(self.buf[at: at + n].view(dst.dtype).view(dst.shape), non_blocking=True)
+        dst.copy_(self.buf[at: at + n].view(dst.dtype).view(dst.shape), non_blocking=True)
         self.used += -(-n // self.ALIGN) * self.ALIGN
