@@ -110,9 +110,10 @@ class Stream:
     cuda_stream = 1
 
 
-def time_step(layout, records, batch: StepBatch, repeats: int = 200, repeating: bool = False) -> float:
+def time_step(layout, records, batch: StepBatch, repeats: int = 200, repeating: bool = False, fill=None) -> float:
     """Median host ms of one step's fill and copy-out bookkeeping. `repeating`: decode steps
-    that each repeat the last (the runner's `Repeat`: no fill), one position on each time."""
+    that each repeat the last (the runner's `Repeat`: no fill), one position on each time.
+    `fill`: the compiled fill (fill_jit.CompiledFill, TAPC_FILL=compiled) in place of numpy's."""
     table = np.empty((layout.num_tables, ROWS), dtype=np.int32)
     pools = [torch.empty(len(g.caps) * ROWS, g.width, dtype=getattr(torch, g.dtype), device="meta")
              for g in layout.groups]
@@ -129,7 +130,12 @@ def time_step(layout, records, batch: StepBatch, repeats: int = 200, repeating: 
                 rec.next_pos = 0
         step = replace(batch, num_computed=batch.num_computed + k + 1) if repeating else batch
         t0 = time.perf_counter()
-        got = repeat.same(step) if repeating else fill_step(layout, table[:, :batch.padded], tapped_of(records, batch), batch)
+        if repeating:
+            got = repeat.same(step)
+        elif fill is not None:
+            got = fill(table[:, :batch.padded], tapped_of(records, batch), batch)
+        else:
+            got = fill_step(layout, table[:, :batch.padded], tapped_of(records, batch), batch)
         copy_segments(got[0], pools, issued, Stream())
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
@@ -268,15 +274,20 @@ def main():
         ("prefill 64x128 = 8192 tokens, capture 32 layers + steer",
          TapRequest(capture="model.layers.*.resid", params=steer), 64, 128, False),
     ]
-    print("| step | host ms (median) | repeating the last step |\n|---|---:|---:|")
+    from tapc.engine.fill_jit import CompiledFill
+
+    compiled = CompiledFill(layout)
+    print("| step | host ms (median) | the fill compiled (TAPC_FILL=compiled) | repeating the last step |\n"
+          "|---|---:|---:|---:|")
     for name, ask, n, plen, decode in cases:
         records, batch = scenario(plan, layout, ask, n, plen, decode)
         fresh = time_step(layout, records, batch)
+        fast = time_step(layout, records, batch, fill=compiled)
         again = f"{time_step(layout, *scenario(plan, layout, ask, n, plen, decode), repeating=True):.3f}" if decode else ""
-        print(f"| {name} | {fresh:.3f} | {again} |")
+        print(f"| {name} | {fresh:.3f} | {fast:.3f} | {again} |")
     records, batch = served_scenario(plan, layout, steer)
     print(f"| served: 64 requests of bench_serve's mix, 2 of them prefilling 230 tokens | "
-          f"{time_step(layout, records, batch):.3f} |  |")
+          f"{time_step(layout, records, batch):.3f} | {time_step(layout, records, batch, fill=compiled):.3f} |  |")
 
 
 if __name__ == "__main__":

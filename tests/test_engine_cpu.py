@@ -98,11 +98,14 @@ def run_and_check(runner, hooks, plan) -> list[Req]:
 
 
 @RUNNERS
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_captures_equal_reference_under_continuous_batching(compiled, runner_kind):
+@pytest.mark.parametrize("compiled,fill", [(False, "numpy"), (True, "numpy"), (False, "compiled")],
+                         ids=["eager", "compiled", "compiled fill"])
+def test_captures_equal_reference_under_continuous_batching(compiled, fill, runner_kind, monkeypatch):
     """Chunked prefill (budget 16 < a 25-token prompt), late arrivals, decode, padding to 8,
     a preemption with recompute, and five position options; on V1, requests in the persistent
-    batch's slot order, which changes as requests leave."""
+    batch's slot order, which changes as requests leave. `fill`: the step fill by numpy, or as
+    one compiled call (TAPC_FILL=compiled, fill_jit.py; the list of positions keeps numpy's)."""
+    monkeypatch.setenv("TAPC_FILL", fill)
     plan = toy_plan(TAPS)
     model = ToyModel()
     runner, hooks = hooks_for(plan, model, runner=runner_kind)
@@ -147,9 +150,12 @@ def test_a_worker_on_another_node_sends_rows_not_places_and_frees_its_arena():
 
 
 @RUNNERS
-def test_steering_per_request_and_untouched_others(runner_kind):
+@pytest.mark.parametrize("fill", ["numpy", "compiled"])
+def test_steering_per_request_and_untouched_others(runner_kind, fill, monkeypatch):
     """Two requests with different vectors in one batch, one steered only while generating
-    (a second tap on the same layer), one unsteered: each equals its own reference."""
+    (a second tap on the same layer), one unsteered: each equals its own reference; the step
+    fill by numpy, or as one compiled call (TAPC_FILL=compiled)."""
+    monkeypatch.setenv("TAPC_FILL", fill)
     # Taps at one module run in plan order: the edits first, so layer 1's capture sees them.
     plan = toy_plan(["model.layers.1.resid | add(steer, alpha=2.0)",
                      "model.layers.1.resid | add(late, alpha=-1.5, at=generated)", "model.layers.*.resid"])
@@ -507,3 +513,17 @@ def test_v1_dummy_runs_see_tables_that_own_no_rows():
     assert (hooks.buffers.table >= 0).any(), "the last step's rows are still in the table"
     runner._dummy_run(8)
     assert runner.dummy_runs == 1 and not (hooks.buffers.table >= 0).any()
+
+
+def test_an_unknown_fill_setting_is_refused_by_name(monkeypatch):
+    """`TAPC_FILL` with a value it does not know (a typo) stops the hooks' setup with the
+    variable and the values it takes, rather than running the default silently."""
+    from tapc.engine.fill import compiled_fill
+    from tapc.engine.layout import Layout
+    from tapc.errors import EngineError
+
+    monkeypatch.setenv("TAPC_FILL", "compile")
+    with pytest.raises(EngineError, match="TAPC_FILL='compile': it is 'numpy' .* or 'compiled'"):
+        compiled_fill(Layout(toy_plan(TAPS)))
+    monkeypatch.setenv("TAPC_FILL", "numpy")
+    assert compiled_fill(Layout(toy_plan(TAPS))) is None

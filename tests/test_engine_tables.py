@@ -80,7 +80,7 @@ def device_step(layout: Layout, table: np.ndarray, padded: int, pools: list[torc
         pools[int(layout.cap_group[c])][torch.from_numpy(table[c, rows].astype(np.int64))] = acts[c][rows]
 
 
-@pytest.mark.parametrize("few", [0, 8], ids=["whole-batch", "per-request"])
+@pytest.mark.parametrize("few", [0, 8, "compiled"], ids=["whole-batch", "per-request", "compiled"])
 @pytest.mark.parametrize("seed", range(4))
 def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_the_rows_at_covers(seed, few,
                                                                                                    monkeypatch):
@@ -88,11 +88,23 @@ def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_t
     random steps (chunked prefill, decode, batch order shuffled, padding): each request's host
     storage ends with the activations of its selected positions, in order, each once; and in
     every step an edit's table names the request's slot on exactly the rows its `at` covers,
-    for the requests that bind it (every request for a literal edit), and nothing else. Both
-    of the fill's paths (`fill.FEW`: whole-batch arrays, or request by request)."""
+    for the requests that bind it (every request for a literal edit), and nothing else. Each
+    of the fill's paths (`fill.FEW`: whole-batch arrays, or request by request; the compiled
+    fill, fill_jit.py, as the runner calls it, fill.py's taking the steps it returns None for:
+    those with a list of positions)."""
     from tapc.engine import fill
+    from tapc.engine.fill_jit import CompiledFill
 
-    monkeypatch.setattr(fill, "FEW", few)
+    if few == "compiled":
+        compiled, ran = CompiledFill(Layout(toy_plan(PLAN_TAPS, rows=256))), []
+
+        def fill_step(layout, table, tapped, batch):
+            got = compiled(table, tapped, batch)
+            ran.append(got is not None)
+            return got or fill.fill_step(layout, table, tapped, batch)
+    else:
+        monkeypatch.setattr(fill, "FEW", few)
+        fill_step = fill.fill_step
     rng = np.random.default_rng(seed)
     plan = toy_plan(PLAN_TAPS, rows=256)
     layout = Layout(plan)
@@ -165,6 +177,8 @@ def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_t
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"{r['rid']} group {st.group}: {m}")
             checked += got.shape[0]
     assert checked, "the scenario captured something"
+    if few == "compiled":
+        assert any(ran), "the compiled fill took some steps"
 
 
 @pytest.mark.parametrize("seed", range(3))

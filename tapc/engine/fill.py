@@ -9,6 +9,7 @@ uploads the table and runs the copies.
 from __future__ import annotations
 
 import functools
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -18,6 +19,9 @@ from tapc.engine.positions import NO_END, interval, select
 from tapc.engine.records import Record
 from tapc.engine.step import StepBatch
 from tapc.engine.storage import Store
+from tapc.errors import EngineError
+
+FILL = "TAPC_FILL"   # "compiled": fill_jit.py's fill where it serves (read as the worker's hooks are made)
 
 
 class Segment(NamedTuple):
@@ -27,6 +31,18 @@ class Segment(NamedTuple):
     store: Store
     start: int
     rows: int
+
+
+def compiled_fill(layout: Layout):
+    """fill_jit.py's `CompiledFill` where `TAPC_FILL=compiled` asks for it, else None (this
+    module's fill; numba is imported only then)."""
+    value = os.environ.get(FILL) or "numpy"
+    if value not in ("numpy", "compiled"):
+        raise EngineError(f"{FILL}={value!r}: it is 'numpy' (the default) or 'compiled'")
+    if value == "numpy":
+        return None
+    from tapc.engine.fill_jit import CompiledFill
+    return CompiledFill(layout)
 
 
 def tapped_of(records: dict[str, Record], batch: StepBatch) -> list[tuple[int, Record]]:

@@ -49,6 +49,10 @@ class Record:
         for st in self.stores:
             self.store_of[st.group] = st
         self.n_caps = [0 if st is None else st.caps.size for st in self.store_of]   # captures in each group
+        # each capture's place among its group's captures here (-1: not asked), for fill_jit
+        self.cap_j = np.full(len(layout.captures), -1, dtype=np.int64)
+        for st in self.stores:
+            self.cap_j[st.caps] = np.arange(st.caps.size)
         self.slot = -1
         # Positions below this were captured already: a request preempted and resumed recomputes
         # its tokens from 0, and each position is kept once, the first time it went through.

@@ -23,7 +23,7 @@ import torch
 
 from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
-from tapc.engine.fill import Repeat, fill_step, tapped_of
+from tapc.engine.fill import Repeat, compiled_fill, fill_step, tapped_of
 from tapc.engine.layout import Layout
 from tapc.engine.points import EnginePoints
 from tapc.engine.prefixrows import PrefixRows
@@ -75,6 +75,7 @@ class RunnerHooks:
         self.unadmitted: set[str] = set()
         self._step = None
         self._repeat = Repeat()                   # a decode step like the last one needs no fill
+        self._compiled = compiled_fill(layout)    # TAPC_FILL=compiled: the fill as one compiled call
         self.host_s = dict.fromkeys(TIMED, 0.0)   # seconds in each hook since the worker started
         self.steps = 0                            # forwards the hooks filled tables for (begin_step)
 
@@ -113,7 +114,9 @@ class RunnerHooks:
             # the device's tables are this step's already when it repeats the last decode step
             self._step = self._repeat.same(batch)
             if self._step is None:
-                self._step = fill_step(self.layout, self.buffers.host_table(batch.padded), tapped, batch)
+                table = self.buffers.host_table(batch.padded)
+                self._step = (self._compiled is not None and self._compiled(table, tapped, batch)) or \
+                    fill_step(self.layout, table, tapped, batch)
                 self.buffers.upload(batch.padded, owns_rows=owns)
                 self._repeat.keep(batch, tapped, self._step)
                 self._taps = self._asked(tapped) if owns else 0
