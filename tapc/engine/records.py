@@ -49,10 +49,12 @@ class Record:
         for st in self.stores:
             self.store_of[st.group] = st
         self.n_caps = [0 if st is None else st.caps.size for st in self.store_of]   # captures in each group
-        # each capture's place among its group's captures here (-1: not asked), for fill_jit
-        self.cap_j = np.full(len(layout.captures), -1, dtype=np.int64)
+        # What the compiled fill (fill_jit.py) reads of it, as one row: cap_lo, cap_hi, n_caps,
+        # each capture's place among its group's captures here (-1: not asked), edit_mask.
+        cap_j = np.full(len(layout.captures), -1, dtype=np.int64)
         for st in self.stores:
-            self.cap_j[st.caps] = np.arange(st.caps.size)
+            cap_j[st.caps] = np.arange(st.caps.size)
+        self.fill_row = np.concatenate([[self.cap_lo, self.cap_hi, *self.n_caps], cap_j, self.edit_mask]).astype(np.int64)
         self.slot = -1
         # Positions below this were captured already: a request preempted and resumed recomputes
         # its tokens from 0, and each position is kept once, the first time it went through.
