@@ -20,12 +20,13 @@ request's tapc id in the response's `x-tapc-id` header (`with_raw_response`).
 """
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import math
 import mmap
 from collections.abc import Iterator, Sequence
+
+import pybase64
 
 from tapc.errors import RequestError, TapcError
 
@@ -122,7 +123,7 @@ class TapcClient:
             raise RequestError(got["error"])
         if "fetch" in got:
             return self.results(got["id"])
-        return _load(base64.b64decode(got["safetensors"]))
+        return _load(pybase64.b64decode(got["safetensors"]))
 
     def _json(self, method: str, path: str, body=None) -> dict:
         r = self._http.request(method, f"{self._base}{path}", json=body, headers=self._auth)

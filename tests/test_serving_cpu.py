@@ -457,6 +457,8 @@ def test_the_wire_as_text_round_trips_and_refuses_blocks():
         WireRequest.from_wire("{nope")
     with pytest.raises(ProtocolError, match=r"a vector parameter is not \{'base64': ...\}"):
         WireRequest.from_wire(json.dumps({**json.loads(wire.to_text()), "params": {"steer": {"hex": "00"}}}))
+    with pytest.raises(ProtocolError, match=r"a vector parameter is not \{'base64': ...\}"):   # not base64's digits
+        WireRequest.from_wire(json.dumps({**json.loads(wire.to_text()), "params": {"steer": {"base64": "AAA!"}}}))
     with_blocks = WireRequest("id2", check(toy_plan(["model.layers.0.resid -> probe"]),
                                            TapRequest(blocks={"probe": lambda ctx, x: None}), "r"))
     with pytest.raises(ProtocolError, match="per-request blocks do not travel as text"):

@@ -26,12 +26,12 @@ seen by all.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import uuid
 from types import SimpleNamespace as NS
 
 import numpy as np
+import pybase64
 
 from tapc.async_engine import Collector
 from tapc.engine.protocol import WireRequest
@@ -149,7 +149,7 @@ class TapcServer:
         finally:
             stored.drop_tensors()
             self.collector.flush()
-        return {"id": tid, "safetensors": base64.b64encode(data).decode()}
+        return {"id": tid, "safetensors": pybase64.b64encode(data).decode()}
 
     async def _save(self, tid: str, usage: dict | None, tokens: tuple[list, list] | None, n: int) -> None:
         stored = await self._result(tid, usage)
