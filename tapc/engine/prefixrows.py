@@ -111,11 +111,13 @@ class PrefixRows:
         below that, from the kept ones, into its storage, as the step fill would have put them
         (their place taken now, written on the filler thread). A request that captures every
         prompt row is looked at by `keep` from now on."""
-        if rec.positions in ("all", "prompt") and rec.stores:
+        if not rec.stores:   # it captures nothing (a steered request): no rows to write
+            return
+        if rec.positions in ("all", "prompt"):
             self._pending.setdefault(rec.rid, rec)
         pos = np.arange(rec.next_pos, computed)
         pos = pos[select(rec.positions, pos, rec.prompt_len)]
-        if not pos.size or not rec.stores:
+        if not pos.size:
             return
         hashes = self.hashes.get(rec.rid, [])
         # The blocks of its rows (`pos` ascends: each block's first row starts a run), and each
