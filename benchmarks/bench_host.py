@@ -190,12 +190,13 @@ def device_main():
     """`--device`: the same steps on the path the worker runs on a GPU, each part timed on the
     host: the fill, the table's upload (`Buffers.upload`) and the copy-out (`Buffers.copy_out`:
     the snapshot, its events and the batched copy into pinned arena storage). The GPU has no
-    forward to run between steps, so each part's time is its host work alone. With `--contend`,
-    each case again beside a `Contender` (torch's calls that reach the GPU let the GIL go); with
-    `--busy`, again behind a long kernel, where a call that waits for the GPU takes the kernel's
-    milliseconds."""
+    forward to run between steps, so each part's time is its host work alone. Each case with
+    numpy's fill and with the compiled one (TAPC_FILL=compiled); with `--contend`, again beside
+    a `Contender` (torch's calls that reach the GPU let the GIL go); with `--busy`, again behind
+    a long kernel, where a call that waits for the GPU takes the kernel's milliseconds."""
     from tapc.engine.arena import Arena
     from tapc.engine.buffers import Buffers
+    from tapc.engine.fill_jit import CompiledFill
     from tapc.engine.worker import _register
 
     dev = torch.device("cuda")
@@ -213,17 +214,17 @@ def device_main():
         cases = [("served: 64 of bench_serve's mix, 2 prefilling 230 tokens", served_scenario(plan, layout, steer, make=make)),
                  ("decode 64, capture every layer", scenario(plan, layout, TapRequest(capture="model.layers.*.resid"),
                                                              64, 100, True, make=make))]
-        # (label, a GIL-holding thread beside, a kernel of ~5 ms queued before each step)
-        modes = [("", False, False)]
+        # (label, a GIL-holding thread beside, a kernel of ~5 ms queued before each step, the fill)
+        modes = [("", False, False, None), (", compiled fill", False, False, CompiledFill(layout))]
         if "--contend" in sys.argv[1:]:
-            modes.append((", beside a GIL-holding thread", True, False))
+            modes.append((", beside a GIL-holding thread", True, False, None))
         if "--busy" in sys.argv[1:]:   # a call that waits for the GPU takes the kernel's time
-            modes.append((", the GPU busy", False, True))
+            modes.append((", the GPU busy", False, True, None))
         buffers = Buffers(layout, ROWS, SEQS, 2, dev)
         for name, (records, batch) in cases:
-            for how, contend, busy in modes:
+            for how, contend, busy, fill in modes:
                 with Contender() if contend else contextlib.nullcontext():
-                    parts, segs = time_device_step(layout, buffers, records, batch, busy=busy)
+                    parts, segs = time_device_step(layout, buffers, records, batch, busy=busy, fill=fill)
                 cells = [f"{statistics.median(p[k] for p in parts) * 1e6:.0f} ({statistics.fmean(p[k] for p in parts) * 1e6:.0f})"
                          for k in range(3)]
                 print(f"| {layers} layers, {name}{how} | {' | '.join(cells)} | {segs} |", flush=True)
@@ -231,10 +232,10 @@ def device_main():
         torch.cuda.synchronize()
 
 
-def time_device_step(layout, buffers, records, batch: StepBatch, repeats: int = 200, busy: bool = False):
+def time_device_step(layout, buffers, records, batch: StepBatch, repeats: int = 200, busy: bool = False, fill=None):
     """Each of `repeats` steps' (fill, upload, copy-out) host seconds, and the step's segments;
     `busy`: each step behind a kernel of about 5 ms, as a served step's calls are behind the
-    forwards queued before them."""
+    forwards queued before them; `fill`: the compiled fill in place of numpy's."""
     parts, segs = [], 0
     for _ in range(repeats):
         for rec in records.values():
@@ -245,7 +246,8 @@ def time_device_step(layout, buffers, records, batch: StepBatch, repeats: int = 
         if busy:
             torch.cuda._sleep(10_000_000)   # clock cycles: about 5 ms at the H200's 1.98 GHz
         t0 = time.perf_counter()
-        step = fill_step(layout, buffers.host_table(batch.padded), tapped_of(records, batch), batch)
+        table, tapped = buffers.host_table(batch.padded), tapped_of(records, batch)
+        step = fill(table, tapped, batch) if fill is not None else fill_step(layout, table, tapped, batch)
         t1 = time.perf_counter()
         buffers.upload(batch.padded)
         t2 = time.perf_counter()
