@@ -378,3 +378,59 @@ def test_another_runner_is_refused_by_the_worker():
     with pytest.raises(EngineError, match=r"V2 \(vllm/v1/worker/gpu/\) and V1 .* but this engine runs engine_toy.ToyRunner"):
         runner_adapter(ToyRunner(None))
 
+
+
+@pytest.mark.parametrize("taps", [["model.layers.*.resid", "model.layers.1.mlp.up_proj.output"],
+                                  ["model.layers.2.resid | add(steer, alpha=a, at=prompt)",
+                                   "model.layers.0.resid | set([1, 2], 1.5)"]],
+                         ids=["captures only", "edits only"])
+def test_the_compiled_fill_writes_what_numpys_writes_on_plans_of_one_kind(taps):
+    """The compiled fill (TAPC_FILL=compiled) on a plan without edits and on one without
+    captures: the same tables, segments, pool rows used and next positions as numpy's fill,
+    step after step (chunked prefill, decode, shuffled batches, untapped requests)."""
+    from tapc.engine.fill_jit import CompiledFill
+
+    plan = toy_plan(taps, rows=256)
+    layout = Layout(plan)
+    keys = [t.key for t in layout.captures]
+    rng = np.random.default_rng(7)
+
+    def requests():
+        out = {}
+        for i in range(7):
+            plen, gen = int(rng.integers(1, 20)), int(rng.integers(1, 6))
+            ask = TapRequest(capture=keys[: int(rng.integers(1, len(keys) + 1))] if keys else [],
+                             positions=["all", "prompt", "generated", "last"][i % 4],
+                             params={"steer": rng.standard_normal(HIDDEN), "a": 0.5} if i % 3 and layout.edits else {})
+            rec = Record(layout, f"r{i}", WireRequest(f"t{i}", check(plan, ask, f"r{i}")), plen, gen, cpu_alloc)
+            rec.slot = i if rec.edits else -1
+            out[f"r{i}"] = (rec, plen, plen + gen - 1)
+        return out
+
+    state = rng.bit_generator.state
+    mine, theirs = requests(), None
+    rng.bit_generator.state = state
+    theirs = requests()
+    compiled, done, steps = CompiledFill(layout), dict.fromkeys(mine, 0), 0
+    while any(done[r] < mine[r][2] for r in mine):
+        live = [r for r in mine if done[r] < mine[r][2]]
+        live = [live[k] for k in rng.permutation(len(live))]
+        counts = [min(int(rng.integers(1, 8)), mine[r][2] - done[r]) for r in live]
+        qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        batch = StepBatch(live, qsl, np.array([done[r] for r in live], dtype=np.int32),
+                          np.array([mine[r][1] for r in live], dtype=np.int32), int(qsl[-1]) + 3)
+        got_table, want_table = np.full((layout.num_tables, 256), 7, np.int32), np.full((layout.num_tables, 256), 7, np.int32)
+        got = compiled(got_table, tapped_of({r: v[0] for r, v in mine.items() if r != "r6"}, batch), batch)
+        want = fill_step(layout, want_table, tapped_of({r: v[0] for r, v in theirs.items() if r != "r6"}, batch), batch)
+        assert got is not None
+        assert (got_table[:, :batch.padded] == want_table[:, :batch.padded]).all(), steps
+        assert got[1] == want[1]
+        # (in any order: numpy's few-request path lists them request by request, its other path and
+        # the compiled one group by group)
+        assert sorted((s.store.group, s.start, s.rows, s.store.caps_key) for s in got[0]) == \
+            sorted((s.store.group, s.start, s.rows, s.store.caps_key) for s in want[0])
+        assert [mine[r][0].next_pos for r in live] == [theirs[r][0].next_pos for r in live]
+        for r, n in zip(live, counts):
+            done[r] += n
+        steps += 1
+    assert steps > 3
