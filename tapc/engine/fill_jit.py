@@ -4,7 +4,7 @@ requests all take a word of positions (`TAPC_FILL=compiled`; lists of positions 
 fill.py's numpy fill makes about 40 numpy calls a step on arrays of tens to hundreds of entries,
 each mostly call overhead: about 0.1 ms for bench_host's served batch on a 2-core Xeon, 0.30 ms
 on the H200 machine's host (third session of 2026-12-02), on the engine's one thread every step.
-Here each record's values are one row made at admission (`Record.fill_row`), a step gathers them
+Here each record's values are one row, made once (`Record.fill_row`), a step gathers them
 with a few calls, and one compiled loop writes the same tables, pool rows and segments (the
 fill's reference tests run both: tests/test_engine_tables.py, test_engine_cpu.py).
 """
@@ -103,7 +103,6 @@ class CompiledFill:
     a word of positions (None for another: fill.py's fill takes it)."""
 
     def __init__(self, layout: Layout):
-        self.layout = layout
         self.groups = len(layout.groups)
         self.width = 2 + self.groups + len(layout.captures) + len(layout.edits)   # of a Record.fill_row
         self.cap_group = layout.cap_group.astype(np.int64)
@@ -129,9 +128,8 @@ class CompiledFill:
         used = np.zeros(self.groups, dtype=np.int64)
         first, counts = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
         base = np.empty((n, self.groups), dtype=np.int64)
-        as64 = np.int64
-        _fill(table, batch.padded, batch.query_start_loc.astype(as64), batch.num_computed.astype(as64),
-              batch.prompt_lens.astype(as64), idx, next_pos, slot, rows, self.groups, self.cap_group, self.at_codes,
+        _fill(table, batch.padded, batch.query_start_loc.astype(np.int64), batch.num_computed.astype(np.int64),
+              batch.prompt_lens.astype(np.int64), idx, next_pos, slot, rows, self.groups, self.cap_group, self.at_codes,
               self.always, used, first, counts, base)
         hit = np.flatnonzero(counts)
         for k, p in zip(hit.tolist(), (first[hit] + counts[hit]).tolist()):

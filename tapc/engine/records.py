@@ -1,6 +1,8 @@
 """What the worker keeps about one tapped request, from its first step until it is collected."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -49,17 +51,22 @@ class Record:
         for st in self.stores:
             self.store_of[st.group] = st
         self.n_caps = [0 if st is None else st.caps.size for st in self.store_of]   # captures in each group
-        # What the compiled fill (fill_jit.py) reads of it, as one row: cap_lo, cap_hi, n_caps,
-        # each capture's place among its group's captures here (-1: not asked), edit_mask.
-        cap_j = np.full(len(layout.captures), -1, dtype=np.int64)
-        for st in self.stores:
-            cap_j[st.caps] = np.arange(st.caps.size)
-        self.fill_row = np.concatenate([[self.cap_lo, self.cap_hi, *self.n_caps], cap_j, self.edit_mask]).astype(np.int64)
+        self.num_caps = len(layout.captures)
         self.slot = -1
         # Positions below this were captured already: a request preempted and resumed recomputes
         # its tokens from 0, and each position is kept once, the first time it went through.
         self.next_pos = 0
         self.finished = False
+
+    @functools.cached_property
+    def fill_row(self) -> np.ndarray:
+        """What the compiled fill (fill_jit.py) reads of it, as one row, made at its first step
+        there: cap_lo, cap_hi, n_caps, each capture's place among its group's captures here (-1:
+        not asked), edit_mask."""
+        cap_j = np.full(self.num_caps, -1, dtype=np.int64)
+        for st in self.stores:
+            cap_j[st.caps] = np.arange(st.caps.size)
+        return np.concatenate([[self.cap_lo, self.cap_hi, *self.n_caps], cap_j, self.edit_mask]).astype(np.int64)
 
     @property
     def values(self) -> tuple:
