@@ -114,6 +114,7 @@ def time_step(layout, records, batch: StepBatch, repeats: int = 200, repeating: 
     """Median host ms of one step's fill and copy-out bookkeeping. `repeating`: decode steps
     that each repeat the last (the runner's `Repeat`: no fill), one position on each time.
     `fill`: the compiled fill (fill_jit.CompiledFill, TAPC_FILL=compiled) in place of numpy's."""
+    fill = fill or functools.partial(fill_step, layout)
     table = np.empty((layout.num_tables, ROWS), dtype=np.int32)
     pools = [torch.empty(len(g.caps) * ROWS, g.width, dtype=getattr(torch, g.dtype), device="meta")
              for g in layout.groups]
@@ -130,12 +131,7 @@ def time_step(layout, records, batch: StepBatch, repeats: int = 200, repeating: 
                 rec.next_pos = 0
         step = replace(batch, num_computed=batch.num_computed + k + 1) if repeating else batch
         t0 = time.perf_counter()
-        if repeating:
-            got = repeat.same(step)
-        elif fill is not None:
-            got = fill(table[:, :batch.padded], tapped_of(records, batch), batch)
-        else:
-            got = fill_step(layout, table[:, :batch.padded], tapped_of(records, batch), batch)
+        got = repeat.same(step) if repeating else fill(table[:, :batch.padded], tapped_of(records, batch), batch)
         copy_segments(got[0], pools, issued, Stream())
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
@@ -236,6 +232,7 @@ def time_device_step(layout, buffers, records, batch: StepBatch, repeats: int = 
     """Each of `repeats` steps' (fill, upload, copy-out) host seconds, and the step's segments;
     `busy`: each step behind a kernel of about 5 ms, as a served step's calls are behind the
     forwards queued before them; `fill`: the compiled fill in place of numpy's."""
+    fill = fill or functools.partial(fill_step, layout)
     parts, segs = [], 0
     for _ in range(repeats):
         for rec in records.values():
@@ -246,8 +243,7 @@ def time_device_step(layout, buffers, records, batch: StepBatch, repeats: int = 
         if busy:
             torch.cuda._sleep(10_000_000)   # clock cycles: about 5 ms at the H200's 1.98 GHz
         t0 = time.perf_counter()
-        table, tapped = buffers.host_table(batch.padded), tapped_of(records, batch)
-        step = fill(table, tapped, batch) if fill is not None else fill_step(layout, table, tapped, batch)
+        step = fill(buffers.host_table(batch.padded), tapped_of(records, batch), batch)
         t1 = time.perf_counter()
         buffers.upload(batch.padded)
         t2 = time.perf_counter()

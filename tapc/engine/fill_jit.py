@@ -35,14 +35,14 @@ def _interval(code, plen):
 
 
 @njit(cache=True)
-def _fill(table, padded, qsl, computed, plens, idx, next_pos, slot, rows, groups, cap_group, at_codes, always,
+def _fill(table, padded, qsl, computed, plens, idx, next_pos, slot, rows, cap_group, at_codes, always,
           used, first, counts, base):
     """table[:, :padded] for one step; per tapped request i (its `Record.fill_row` in `rows`, its
     next position and slot): its first captured position (`first`), its rows captured
     (`counts`) and its first pool row in each group (`base`); `used` (rows of each group's pool)
     moves on."""
     table[:, :padded] = -1
-    num_caps = cap_group.shape[0]
+    num_caps, groups = cap_group.shape[0], used.shape[0]
     caps_at = 2 + groups                 # a fill_row: cap_lo, cap_hi, n_caps[G], cap_j[C], bound[E]
     for i in range(idx.shape[0]):
         b = idx[i]
@@ -113,7 +113,7 @@ class CompiledFill:
         # not on the first tapped step (about a second; numba's cache makes it once a machine)
         one, none = np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
         _fill(np.zeros((layout.num_tables, 1), dtype=np.int32), 1, np.zeros(2, dtype=np.int64), one, one, none,
-              none, none, np.zeros((0, self.width), dtype=np.int64), self.groups, self.cap_group, self.at_codes,
+              none, none, np.zeros((0, self.width), dtype=np.int64), self.cap_group, self.at_codes,
               self.always, np.zeros(self.groups, dtype=np.int64), none, none, np.zeros((0, self.groups), dtype=np.int64))
 
     def __call__(self, table: np.ndarray, tapped: list[tuple[int, Record]], batch: StepBatch):
@@ -129,14 +129,15 @@ class CompiledFill:
         first, counts = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
         base = np.empty((n, self.groups), dtype=np.int64)
         _fill(table, batch.padded, batch.query_start_loc.astype(np.int64), batch.num_computed.astype(np.int64),
-              batch.prompt_lens.astype(np.int64), idx, next_pos, slot, rows, self.groups, self.cap_group, self.at_codes,
+              batch.prompt_lens.astype(np.int64), idx, next_pos, slot, rows, self.cap_group, self.at_codes,
               self.always, used, first, counts, base)
         hit = np.flatnonzero(counts)
         for k, p in zip(hit.tolist(), (first[hit] + counts[hit]).tolist()):
             recs[k].next_pos = p
         segments: list[Segment] = []
+        sizes = counts.tolist()
         for g in range(self.groups):
-            starts, sizes = base[:, g].tolist(), counts.tolist()
+            starts = base[:, g].tolist()
             segments += [Segment(recs[k].store_of[g], starts[k], sizes[k])
                          for k in np.flatnonzero(counts * rows[:, 2 + g]).tolist()]
         return segments, used.tolist()
