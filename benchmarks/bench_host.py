@@ -113,7 +113,7 @@ class Stream:
 def time_step(layout, records, batch: StepBatch, repeats: int = 200, repeating: bool = False, fill=None) -> float:
     """Median host ms of one step's fill and copy-out bookkeeping. `repeating`: decode steps
     that each repeat the last (the runner's `Repeat`: no fill), one position on each time.
-    `fill`: the compiled fill (fill_jit.CompiledFill, TAPC_FILL=compiled) in place of numpy's."""
+    `fill`: the compiled fill (fill_jit.CompiledFill, the engine's default) in place of numpy's."""
     fill = fill or functools.partial(fill_step, layout)
     table = np.empty((layout.num_tables, ROWS), dtype=np.int32)
     pools = [torch.empty(len(g.caps) * ROWS, g.width, dtype=getattr(torch, g.dtype), device="meta")
@@ -187,7 +187,7 @@ def device_main():
     host: the fill, the table's upload (`Buffers.upload`) and the copy-out (`Buffers.copy_out`:
     the snapshot, its events and the batched copy into pinned arena storage). The GPU has no
     forward to run between steps, so each part's time is its host work alone. Each case with
-    numpy's fill and with the compiled one (TAPC_FILL=compiled); with `--contend`, again beside
+    numpy's fill (TAPC_FILL=numpy) and with the compiled one (the default); with `--contend`, again beside
     a `Contender` (torch's calls that reach the GPU let the GIL go); with `--busy`, again behind
     a long kernel, where a call that waits for the GPU takes the kernel's milliseconds."""
     from tapc.engine.arena import Arena
@@ -275,7 +275,7 @@ def main():
     from tapc.engine.fill_jit import CompiledFill
 
     compiled = CompiledFill(layout)
-    print("| step | host ms (median) | the fill compiled (TAPC_FILL=compiled) | repeating the last step |\n"
+    print("| step | host ms (median), numpy's fill (TAPC_FILL=numpy) | the fill compiled (the default) | repeating the last step |\n"
           "|---|---:|---:|---:|")
     for name, ask, n, plen, decode in cases:
         records, batch = scenario(plan, layout, ask, n, plen, decode)

@@ -98,13 +98,13 @@ def run_and_check(runner, hooks, plan) -> list[Req]:
 
 
 @RUNNERS
-@pytest.mark.parametrize("compiled,fill", [(False, "numpy"), (True, "numpy"), (False, "compiled")],
-                         ids=["eager", "compiled", "compiled fill"])
+@pytest.mark.parametrize("compiled,fill", [(False, "numpy"), (False, "compiled"), (True, "compiled")],
+                         ids=["eager, numpy fill", "eager", "compiled"])
 def test_captures_equal_reference_under_continuous_batching(compiled, fill, runner_kind, monkeypatch):
     """Chunked prefill (budget 16 < a 25-token prompt), late arrivals, decode, padding to 8,
     a preemption with recompute, and five position options; on V1, requests in the persistent
     batch's slot order, which changes as requests leave. `fill`: the step fill by numpy, or as
-    one compiled call (TAPC_FILL=compiled, fill_jit.py; the list of positions keeps numpy's)."""
+    one compiled call (fill_jit.py, the default; the list of positions keeps numpy's)."""
     monkeypatch.setenv("TAPC_FILL", fill)
     plan = toy_plan(TAPS)
     model = ToyModel()
@@ -154,7 +154,7 @@ def test_a_worker_on_another_node_sends_rows_not_places_and_frees_its_arena():
 def test_steering_per_request_and_untouched_others(runner_kind, fill, monkeypatch):
     """Two requests with different vectors in one batch, one steered only while generating
     (a second tap on the same layer), one unsteered: each equals its own reference; the step
-    fill by numpy, or as one compiled call (TAPC_FILL=compiled)."""
+    fill by numpy (TAPC_FILL=numpy), or as one compiled call (the default)."""
     monkeypatch.setenv("TAPC_FILL", fill)
     # Taps at one module run in plan order: the edits first, so layer 1's capture sees them.
     plan = toy_plan(["model.layers.1.resid | add(steer, alpha=2.0)",
@@ -523,7 +523,9 @@ def test_an_unknown_fill_setting_is_refused_by_name(monkeypatch):
     from tapc.errors import EngineError
 
     monkeypatch.setenv("TAPC_FILL", "compile")
-    with pytest.raises(EngineError, match="TAPC_FILL='compile': it is 'numpy' .* or 'compiled'"):
+    with pytest.raises(EngineError, match="TAPC_FILL='compile': it is 'compiled' .* or 'numpy'"):
         compiled_fill(Layout(toy_plan(TAPS)))
     monkeypatch.setenv("TAPC_FILL", "numpy")
     assert compiled_fill(Layout(toy_plan(TAPS))) is None
+    monkeypatch.delenv("TAPC_FILL")
+    assert compiled_fill(Layout(toy_plan(TAPS))) is not None   # the default

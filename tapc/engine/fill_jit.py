@@ -1,5 +1,6 @@
 """The step fill as one compiled call (numba, which vLLM 0.26 requires), for steps whose tapped
-requests all take a word of positions (`TAPC_FILL=compiled`; lists of positions keep fill.py's).
+requests all take a word of positions (the default; lists of positions keep fill.py's, and
+`TAPC_FILL=numpy` asks for it on every step).
 
 fill.py's numpy fill makes about 40 numpy calls a step on arrays of tens to hundreds of entries,
 each mostly call overhead: about 0.1 ms for bench_host's served batch on a 2-core Xeon, 0.30 ms

@@ -75,7 +75,7 @@ class RunnerHooks:
         self.unadmitted: set[str] = set()
         self._step = None
         self._repeat = Repeat()                   # a decode step like the last one needs no fill
-        self._compiled = compiled_fill(layout)    # TAPC_FILL=compiled: the fill as one compiled call
+        self._compiled = compiled_fill(layout)    # the fill as one compiled call (TAPC_FILL=numpy: None)
         self.host_s = dict.fromkeys(TIMED, 0.0)   # seconds in each hook since the worker started
         self.steps = 0                            # forwards the hooks filled tables for (begin_step)
 
