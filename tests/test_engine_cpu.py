@@ -529,3 +529,24 @@ def test_an_unknown_fill_setting_is_refused_by_name(monkeypatch):
     assert compiled_fill(Layout(toy_plan(TAPS))) is None
     monkeypatch.delenv("TAPC_FILL")
     assert compiled_fill(Layout(toy_plan(TAPS))) is not None   # the default
+
+
+def test_the_direct_copy_bound_is_read_from_the_environment_and_a_bad_one_refused(monkeypatch):
+    """`TAPC_DIRECT_KIB` (the copy-out's bound for skipping the snapshot, an A/B's setting) in
+    KiB; unset or empty, the default; anything but a whole number stops the setup with the
+    variable's name."""
+    from tapc.engine.buffers import DIRECT_BYTES, direct_bytes
+    from tapc.errors import EngineError
+
+    monkeypatch.delenv("TAPC_DIRECT_KIB", raising=False)
+    assert direct_bytes() == DIRECT_BYTES
+    monkeypatch.setenv("TAPC_DIRECT_KIB", "512")
+    assert direct_bytes() == 512 * 1024
+    monkeypatch.setenv("TAPC_DIRECT_KIB", "0")
+    assert direct_bytes() == 0
+    monkeypatch.setenv("TAPC_DIRECT_KIB", "")
+    assert direct_bytes() == DIRECT_BYTES
+    for bad in ("1M", "-1", "0.5"):
+        monkeypatch.setenv("TAPC_DIRECT_KIB", bad)
+        with pytest.raises(EngineError, match=f"TAPC_DIRECT_KIB={bad!r}: a whole number of KiB"):
+            direct_bytes()

@@ -30,6 +30,8 @@ Per step (all stream-ordered on the compute stream, so async scheduling is safe)
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
@@ -37,6 +39,7 @@ from tapc.edits import slot_row
 from tapc.engine.fill import Segment
 from tapc.engine.layout import Layout
 from tapc.engine.memcpy import BatchCopy, copy_segments
+from tapc.errors import EngineError
 from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 
 
@@ -44,6 +47,18 @@ from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 # stream (`Buffers._copy_direct`). Copies of 128 KiB or less are bound by latency, not bandwidth
 # (cudf chose the same bound for its batched copies).
 DIRECT_BYTES = 128 << 10
+DIRECT = "TAPC_DIRECT_KIB"   # the bound in KiB, from the engine's environment (an A/B's setting)
+
+
+def direct_bytes() -> int:
+    """`DIRECT_BYTES`, or `TAPC_DIRECT_KIB` KiB where the engine's environment sets it (0: every
+    step through a snapshot)."""
+    value = os.environ.get(DIRECT)
+    if not value:
+        return DIRECT_BYTES
+    if not value.isdigit():
+        raise EngineError(f"{DIRECT}={value!r}: a whole number of KiB, 0 or more (the default is {DIRECT_BYTES >> 10})")
+    return int(value) << 10
 
 
 class Buffers:
@@ -71,7 +86,7 @@ class Buffers:
             if small and self.pools else None
         self._join = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._row_bytes = [p.shape[1] * p.element_size() for p in self.pools]
-        self.direct_bytes = DIRECT_BYTES
+        self.direct_bytes = direct_bytes()
         self._batch = BatchCopy.load() if device.type == "cuda" else None
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self._nonfinite_host = torch.zeros((), dtype=torch.int64, pin_memory=device.type == "cuda")
