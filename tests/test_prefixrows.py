@@ -43,6 +43,24 @@ def test_a_capture_behind_kept_rows_reads_the_cache_and_has_every_row(positions)
     assert not hooks.held()["running"]
 
 
+def test_blocks_an_untapped_request_had_are_kept_from_the_first_capture():
+    """A system prompt the untapped traffic shares: the first request that captures it computes
+    it, its rows are kept (another request had those blocks), and the second reads the cache.
+    A capturing request's own blocks, which no other request had, are not kept."""
+    llm, hooks = toy_vllm(TAPS, block=BLOCK, prefix_rows=1 << 20)
+    p, own = prompt(10), prompt(11)
+    llm.generate([p], params())
+    out = llm.generate([p], params(), taps=TapRequest(capture=EVERY))[0]
+    assert llm.llm.cached == [0] and out.error is None, "no rows kept yet: computed in full"
+    check_rows(as_req(out), dict(out.taps), "all")
+    assert len(hooks.prefix_rows.rows) == 3, "the three full blocks the untapped request had"
+    out = llm.generate([p], params(), taps=TapRequest(capture=EVERY, positions="prompt"))[0]
+    assert llm.llm.cached == [12] and out.error is None
+    check_rows(as_req(out), dict(out.taps), "prompt")
+    llm.generate([own], params(), taps=TapRequest(capture=EVERY))
+    assert len(hooks.prefix_rows.rows) == 3, "a prompt no other request had: none of its rows kept"
+
+
 def test_a_request_asking_for_a_capture_not_kept_computes_its_prompt():
     llm, hooks = toy_vllm(TAPS, block=BLOCK, prefix_rows=1 << 20)
     p = prompt(2)

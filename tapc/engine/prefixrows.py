@@ -13,8 +13,8 @@ request's storage before its first step, as if it had computed them.
 - The scheduler (`limit`, through a wrapper of vLLM's `KVCacheManager.get_computed_blocks`,
   patches.py): a request that captures prompt rows may hit the cache over its leading blocks
   whose rows are kept for every capture it asks for, and no further. Its block hashes are kept
-  for the worker, and counted: a block's rows are kept once a second request has it (a shared
-  prefix), not for every request's own prompt.
+  for the worker, and every request's are counted: a block's rows are kept once a second
+  request, tapped or not, has it (a shared prefix), not for every request's own prompt.
 - The worker (runner.py): `admitted` writes the kept rows of a request that starts past 0 into
   its storage (or fails its captures, loudly, if they are gone): it takes their place in the
   storage at once, and the copy (megabytes: 16 MB for a 256-token prefix of 8 captures 4096
@@ -69,15 +69,18 @@ class PrefixRows:
     def limit(self, rid: str, hashes: list, extra_args: dict | None) -> int | None:
         """The leading blocks whose cached KV request `rid` may read: None where it captures no
         prompt row (no limit), else as far as every capture it asks for has kept rows."""
-        caps = self._asks(rid, extra_args)
-        if caps is None:
-            return None
         if rid not in self.hashes:
+            # Every request's blocks are counted, untapped and steered ones too: the first request
+            # that captures a system prompt the traffic shares then has its rows kept, and the
+            # second reads them (counting capturing requests only, both computed it).
             self.hashes[rid] = hashes
             for h in hashes:
                 self._counts[h] = self._counts.pop(h, 0) + 1
             while len(self._counts) > COUNTED:
                 self._counts.popitem(last=False)
+        caps = self._asks(rid, extra_args)
+        if caps is None:
+            return None
         n = 0
         while n < len(hashes) and _covers(self.rows.get(hashes[n]), caps):
             n += 1
