@@ -5,7 +5,7 @@ streams captured, one steering edit).
     python3 benchmarks/bench_host.py
     python3 benchmarks/bench_host.py --moe     # bench_moe.py's plan (vLLM's tree of its shape, on meta)
     python3 benchmarks/bench_host.py --device  # on a GPU: fill, upload and copy-out as the worker runs them
-    python3 benchmarks/bench_host.py --device --contend   # the same beside a thread that wants the GIL
+    python3 benchmarks/bench_host.py --device --contend   # the same beside a thread that wants the GIL (torch's and the driver's events)
     python3 benchmarks/bench_host.py --device --busy      # the same behind a long kernel (a call that waits shows)
 
 The pools and host storage live on the meta device and the copies are built as the GPU path
@@ -17,6 +17,7 @@ batch 64 for an 8B model, 4.6 ms at batch 1), beside vLLM's own host work.
 """
 import contextlib
 import functools
+import os
 import statistics
 import sys
 import time
@@ -209,18 +210,26 @@ def device_main():
         steer = {"steer": np.random.default_rng(0).standard_normal(HIDDEN).astype(np.float32)}
         cases = [("served: 64 of bench_serve's mix, 2 prefilling 230 tokens", served_scenario(plan, layout, steer, make=make)),
                  ("decode 64, capture every layer", scenario(plan, layout, TapRequest(capture="model.layers.*.resid"),
-                                                             64, 100, True, make=make))]
-        # (label, a GIL-holding thread beside, a kernel of ~5 ms queued before each step, the fill)
-        modes = [("", False, False, None), (", compiled fill", False, False, CompiledFill(layout))]
+                                                             64, 100, True, make=make)),
+                 # 64 KiB a step (8 layers: straight from the pools) or 256 KiB (32: through a snapshot)
+                 ("decode 1, capture every layer", scenario(plan, layout, TapRequest(capture="model.layers.*.resid"),
+                                                            1, 100, True, make=make))]
+        # (label, a GIL-holding thread beside, a kernel of ~5 ms queued before each step, the
+        # fill, TAPC_STEP_EVENTS)
+        modes = [("", False, False, None, "torch"), (", compiled fill", False, False, CompiledFill(layout), "torch")]
         if "--contend" in sys.argv[1:]:
-            modes.append((", beside a GIL-holding thread", True, False, None))
+            modes.append((", beside a GIL-holding thread", True, False, None, "torch"))
+            modes.append((", beside a GIL-holding thread, the driver's events", True, False, None, "driver"))
         if "--busy" in sys.argv[1:]:   # a call that waits for the GPU takes the kernel's time
-            modes.append((", the GPU busy", False, True, None))
-        buffers = Buffers(layout, ROWS, SEQS, 2, dev)
+            modes.append((", the GPU busy", False, True, None, "torch"))
+        buffers = {}
+        for events in {m[-1] for m in modes}:
+            os.environ["TAPC_STEP_EVENTS"] = events   # read as Buffers are made
+            buffers[events] = Buffers(layout, ROWS, SEQS, 2, dev)
         for name, (records, batch) in cases:
-            for how, contend, busy, fill in modes:
+            for how, contend, busy, fill, events in modes:
                 with Contender() if contend else contextlib.nullcontext():
-                    parts, segs = time_device_step(layout, buffers, records, batch, busy=busy, fill=fill)
+                    parts, segs = time_device_step(layout, buffers[events], records, batch, busy=busy, fill=fill)
                 cells = [f"{statistics.median(p[k] for p in parts) * 1e6:.0f} ({statistics.fmean(p[k] for p in parts) * 1e6:.0f})"
                          for k in range(3)]
                 print(f"| {layers} layers, {name}{how} | {' | '.join(cells)} | {segs} |", flush=True)

@@ -10,6 +10,7 @@ from engine_toy import HIDDEN, LAYERS, toy_plan
 from tapc.engine.buffers import DIRECT_BYTES, Buffers
 from tapc.engine.fill import Segment
 from tapc.engine.layout import Layout
+from tapc.engine.memcpy import DriverEvent
 from tapc.engine.storage import Store
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -70,8 +71,11 @@ def test_decode_steps_copy_out_while_a_prompt_steps_copies_run_and_every_row_lan
     assert buffers.nonfinite() == nans
 
 
-@PATHS
-def test_every_step_copies_through_one_snapshot_when_the_pools_are_decode_sized(direct):
+@pytest.mark.parametrize("direct,events", [(0, "torch"), (DIRECT_BYTES, "torch"), (DIRECT_BYTES, "driver")],
+                         ids=["snapshots", "direct", "direct, driver events"])
+def test_every_step_copies_through_one_snapshot_when_the_pools_are_decode_sized(direct, events, monkeypatch):
+    """`events`: TAPC_STEP_EVENTS, whose driver events a direct step's collect waits on."""
+    monkeypatch.setenv("TAPC_STEP_EVENTS", events)
     plan = toy_plan(["model.layers.*.resid"], rows=SEQS, slots=SEQS)
     buffers = Buffers(Layout(plan), SEQS, SEQS, 2, torch.device("cuda"))
     buffers.direct_bytes = direct
@@ -84,7 +88,9 @@ def test_every_step_copies_through_one_snapshot_when_the_pools_are_decode_sized(
         want.append(pool[: SEQS * LAYERS].view(SEQS, LAYERS, HIDDEN).cpu())
         event = buffers.copy_out([Segment(store, 0, SEQS)], [SEQS * LAYERS])
         pool.fill_(-7.0)
+    assert isinstance(event, DriverEvent) == (bool(direct) and events == "driver")
     event.synchronize()
+    assert event.query()
     assert (buffers._big.freed is None) == bool(direct), "the steps took the other path"
     torch.testing.assert_close(store.chunks[0][: store.rows].view(-1, LAYERS, HIDDEN), torch.cat(want), rtol=0, atol=0)
 

@@ -531,6 +531,22 @@ def test_an_unknown_fill_setting_is_refused_by_name(monkeypatch):
     assert compiled_fill(Layout(toy_plan(TAPS))) is not None   # the default
 
 
+def test_the_step_events_setting_is_read_from_the_environment_and_a_bad_one_refused(monkeypatch):
+    """`TAPC_STEP_EVENTS` (whose events a direct step's copy-out records, an A/B's setting):
+    torch's unless it says `driver`; anything else stops the setup with the variable's name."""
+    from tapc.engine.buffers import driver_events
+    from tapc.errors import EngineError
+
+    for value in ("", "torch"):
+        monkeypatch.setenv("TAPC_STEP_EVENTS", value)
+        assert driver_events() is None
+    monkeypatch.delenv("TAPC_STEP_EVENTS")
+    assert driver_events() is None
+    monkeypatch.setenv("TAPC_STEP_EVENTS", "cuda")
+    with pytest.raises(EngineError, match="TAPC_STEP_EVENTS='cuda': 'torch' \\(the default\\) or 'driver'"):
+        driver_events()
+
+
 def test_the_direct_copy_bound_is_read_from_the_environment_and_a_bad_one_refused(monkeypatch):
     """`TAPC_DIRECT_KIB` (the copy-out's bound for skipping the snapshot, an A/B's setting) in
     KiB; unset or empty, the default; anything but a whole number stops the setup with the

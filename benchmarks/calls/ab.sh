@@ -10,8 +10,10 @@
 # the default's 1.014x in one such call.)
 # The logs (and serve.sh's tables) are named default and setting under $OUT, as is `{LOG}` in a
 # flag (bench.sh); each run is cut at
-# LIMIT_A / LIMIT_B seconds (a cold serve.sh run takes about 290 s to the end of its second round).
+# LIMIT_A / LIMIT_B seconds. The first run starts the machine's first engines: a serve.sh run
+# took 264 s to its servers' start on a fresh machine (fifth session of 2026-12-02, where 290 s
+# held one round) and about 185 s on the same machine after; two rounds take 40-50 s more.
 setting=$1 call=$2; shift 2
 here=$(dirname "$0")
-LIMIT=${LIMIT_A:-290} LOG=default bash "$here/$call" "$@"
-env "$setting" LIMIT="${LIMIT_B:-270}" LOG=setting bash "$here/$call" "$@"
+LIMIT=${LIMIT_A:-325} LOG=default bash "$here/$call" "$@"
+env "$setting" LIMIT="${LIMIT_B:-250}" LOG=setting bash "$here/$call" "$@"

@@ -38,7 +38,7 @@ import torch
 from tapc.edits import slot_row
 from tapc.engine.fill import Segment
 from tapc.engine.layout import Layout
-from tapc.engine.memcpy import BatchCopy, copy_segments
+from tapc.engine.memcpy import BatchCopy, DriverEvents, copy_segments
 from tapc.errors import EngineError
 from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 
@@ -48,6 +48,18 @@ from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 # (cudf chose the same bound for its batched copies).
 DIRECT_BYTES = 128 << 10
 DIRECT = "TAPC_DIRECT_KIB"   # the bound in KiB, from the engine's environment (an A/B's setting)
+
+
+EVENTS = "TAPC_STEP_EVENTS"   # "driver": a direct step's event by the driver (memcpy.DriverEvents), for an A/B
+
+
+def driver_events() -> "DriverEvents | None":
+    """The driver's events for direct steps where `TAPC_STEP_EVENTS=driver` (and the driver has
+    them); None for torch's (the default, also `torch` or empty)."""
+    value = os.environ.get(EVENTS, "")
+    if value not in ("", "torch", "driver"):
+        raise EngineError(f"{EVENTS}={value!r}: 'torch' (the default) or 'driver'")
+    return DriverEvents.load() if value == "driver" else None
 
 
 def direct_bytes() -> int:
@@ -88,6 +100,7 @@ class Buffers:
         self._row_bytes = [p.shape[1] * p.element_size() for p in self.pools]
         self.direct_bytes = direct_bytes()
         self._batch = BatchCopy.load() if device.type == "cuda" else None
+        self._events = driver_events() if device.type == "cuda" else None
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self._nonfinite_host = torch.zeros((), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._counting = False
@@ -163,6 +176,8 @@ class Buffers:
         self._count(self.pools, used)
         copy_segments(segments, self.pools, self._batch, compute)
         pending = [s for s in (self._big, self._small) if s is not None and _pending(s)]
+        if self._events is not None and not pending and not self._counting:
+            return self._events.record(compute.cuda_stream)
         return self._joined(self._recorded(compute, pending), pending)
 
     def _count(self, tensors: list[torch.Tensor], used: list[int]) -> None:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from tapc.engine.cugraph import _check, _fn
+
 if TYPE_CHECKING:
     from tapc.engine.fill import Segment
 
@@ -82,6 +84,61 @@ class BatchCopy:
             log.warning("tapc: cuMemcpyBatchAsync_v2 failed (CUresult %d); captures are copied one by one", err)
             return False
         return True
+
+
+_EVENT_DISABLE_TIMING = 0x2   # CU_EVENT_DISABLE_TIMING
+_NOT_READY = 600              # CUDA_ERROR_NOT_READY
+
+
+class DriverEvents:
+    """Events after a step's copies, made and recorded by the driver through `ctypes.PyDLL`,
+    which keeps the GIL: torch's `Event.record` lets it go (THCPEvent_record), and under a
+    served load another thread of the engine's process (vLLM's output thread) may take it then
+    and hold the step until its burst ends. Opt-in (`TAPC_STEP_EVENTS=driver`, buffers.py) until
+    a served A/B; the copies and their order are the same either way."""
+
+    def __init__(self, keep, free):
+        vp = ctypes.c_void_p
+        self._create = _fn(keep.cuEventCreate, [ctypes.POINTER(vp), ctypes.c_uint])
+        self._record = _fn(keep.cuEventRecord, [vp, vp])
+        self._query = _fn(keep.cuEventQuery, [vp])
+        self._destroy = _fn(keep.cuEventDestroy_v2, [vp])
+        self._sync = _fn(free.cuEventSynchronize, [vp])   # a wait: the GIL goes meanwhile
+
+    @classmethod
+    def load(cls) -> "DriverEvents | None":
+        try:
+            return cls(ctypes.PyDLL("libcuda.so.1"), ctypes.CDLL("libcuda.so.1"))
+        except (OSError, AttributeError):
+            return None
+
+    def record(self, stream: int) -> "DriverEvent":
+        """An event recorded on `stream` (a `cuda_stream` handle) after the work queued there."""
+        event = ctypes.c_void_p()
+        _check(self._create(ctypes.byref(event), _EVENT_DISABLE_TIMING), "cuEventCreate")
+        done = DriverEvent(self, event)
+        _check(self._record(event, ctypes.c_void_p(stream)), "cuEventRecord")
+        return done
+
+
+class DriverEvent:
+    """One event of `DriverEvents`, read as a torch event is (`query`, `synchronize`)."""
+
+    def __init__(self, events: DriverEvents, handle: ctypes.c_void_p):
+        self._events, self._handle = events, handle
+
+    def query(self) -> bool:
+        err = self._events._query(self._handle)
+        if err == _NOT_READY:
+            return False
+        _check(err, "cuEventQuery")
+        return True
+
+    def synchronize(self) -> None:
+        _check(self._events._sync(self._handle), "cuEventSynchronize")
+
+    def __del__(self):
+        self._events._destroy(self._handle)
 
 
 def _c_array(ctype, values: list[int]):
