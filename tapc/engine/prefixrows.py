@@ -44,8 +44,11 @@ from tapc.engine.protocol import WireRequest
 from tapc.errors import ProtocolError
 from tapc.prefix import ALWAYS_COMPUTED
 
-# Block hashes counted (how many requests had each): the most recent this many.
-COUNTED = 1 << 20
+# Block hashes counted (how many requests had each): the most recent this many, a block seen
+# again moving to the end. Every request's blocks are counted, so the bound is reached under
+# any steady traffic: 256K entries (4M tokens of 16-token blocks) hold about 40 MB of the
+# engine's host memory, hashes included.
+COUNTED = 1 << 18
 
 
 class PrefixRows:
