@@ -24,32 +24,32 @@ class Driver:
     def __init__(self, lib):
         vp, p = ctypes.c_void_p, ctypes.POINTER
         self._v3 = hasattr(lib, "cuStreamGetCaptureInfo_v3")
-        self._info = _fn(lib.cuStreamGetCaptureInfo_v3 if self._v3 else lib.cuStreamGetCaptureInfo_v2,
+        self._info = bind(lib.cuStreamGetCaptureInfo_v3 if self._v3 else lib.cuStreamGetCaptureInfo_v2,
                          [vp, p(ctypes.c_int), p(ctypes.c_uint64), p(vp), p(p(vp))] + ([p(vp)] if self._v3 else [])
                          + [p(ctypes.c_size_t)])
-        self._type = _fn(lib.cuGraphNodeGetType, [vp, p(ctypes.c_int)])
+        self._type = bind(lib.cuGraphNodeGetType, [vp, p(ctypes.c_int)])
         params = getattr(lib, "cuGraphKernelNodeGetParams_v2", None) or lib.cuGraphKernelNodeGetParams
-        self._params = _fn(params, [vp, vp])
-        self._name = _fn(lib.cuFuncGetName, [p(ctypes.c_char_p), vp])
-        self._set = _fn(lib.cuGraphNodeSetEnabled, [vp, vp, ctypes.c_uint])
-        self._get = _fn(lib.cuGraphNodeGetEnabled, [vp, vp, p(ctypes.c_uint)])
+        self._params = bind(params, [vp, vp])
+        self._name = bind(lib.cuFuncGetName, [p(ctypes.c_char_p), vp])
+        self._set = bind(lib.cuGraphNodeSetEnabled, [vp, vp, ctypes.c_uint])
+        self._get = bind(lib.cuGraphNodeGetEnabled, [vp, vp, p(ctypes.c_uint)])
         self._names: dict[int, str | None] = {}   # function handle -> its name
         # a graph without some of its nodes (`without`): the _v2 calls take edge data (None)
-        self._clone = _fn(lib.cuGraphClone, [p(vp), vp])
-        self._find = _fn(lib.cuGraphNodeFindInClone, [p(vp), vp, vp])
+        self._clone = bind(lib.cuGraphClone, [p(vp), vp])
+        self._find = bind(lib.cuGraphNodeFindInClone, [p(vp), vp, vp])
         edges = hasattr(lib, "cuGraphNodeGetDependencies_v2")
         self._edges = edges
-        self._deps = _fn(lib.cuGraphNodeGetDependencies_v2 if edges else lib.cuGraphNodeGetDependencies,
+        self._deps = bind(lib.cuGraphNodeGetDependencies_v2 if edges else lib.cuGraphNodeGetDependencies,
                          [vp, p(vp)] + ([vp] if edges else []) + [p(ctypes.c_size_t)])
-        self._dependents = _fn(lib.cuGraphNodeGetDependentNodes_v2 if edges else lib.cuGraphNodeGetDependentNodes,
+        self._dependents = bind(lib.cuGraphNodeGetDependentNodes_v2 if edges else lib.cuGraphNodeGetDependentNodes,
                                [vp, p(vp)] + ([vp] if edges else []) + [p(ctypes.c_size_t)])
-        self._add = _fn(lib.cuGraphAddDependencies_v2 if edges else lib.cuGraphAddDependencies,
+        self._add = bind(lib.cuGraphAddDependencies_v2 if edges else lib.cuGraphAddDependencies,
                         [vp, p(vp), p(vp)] + ([vp] if edges else []) + [ctypes.c_size_t])
-        self._destroy_node = _fn(lib.cuGraphDestroyNode, [vp])
-        self._destroy_graph = _fn(lib.cuGraphDestroy, [vp])
-        self._instantiate = _fn(lib.cuGraphInstantiateWithFlags, [p(vp), vp, ctypes.c_ulonglong])
-        self._launch = _fn(lib.cuGraphLaunch, [vp, vp])
-        self._destroy_exec = _fn(lib.cuGraphExecDestroy, [vp])
+        self._destroy_node = bind(lib.cuGraphDestroyNode, [vp])
+        self._destroy_graph = bind(lib.cuGraphDestroy, [vp])
+        self._instantiate = bind(lib.cuGraphInstantiateWithFlags, [p(vp), vp, ctypes.c_ulonglong])
+        self._launch = bind(lib.cuGraphLaunch, [vp, vp])
+        self._destroy_exec = bind(lib.cuGraphExecDestroy, [vp])
 
     @classmethod
     def load(cls) -> "Driver | None":
@@ -89,13 +89,13 @@ class Driver:
         """An instantiated copy of `graph` without `nodes`, each one's predecessors joined to its
         successors, so that the rest keeps its order. EngineError where the driver refuses."""
         clone = ctypes.c_void_p()
-        _check(self._clone(ctypes.byref(clone), ctypes.c_void_p(graph)), "cuGraphClone")
+        check(self._clone(ctypes.byref(clone), ctypes.c_void_p(graph)), "cuGraphClone")
         try:
             for node in nodes:
                 mine = ctypes.c_void_p()
-                _check(self._find(ctypes.byref(mine), ctypes.c_void_p(node), clone), "cuGraphNodeFindInClone")
+                check(self._find(ctypes.byref(mine), ctypes.c_void_p(node), clone), "cuGraphNodeFindInClone")
                 before, after = self._neighbours(self._deps, mine), self._neighbours(self._dependents, mine)
-                _check(self._destroy_node(mine), "cuGraphDestroyNode")
+                check(self._destroy_node(mine), "cuGraphDestroyNode")
                 pairs = []
                 for b in before:
                     has = set(self._neighbours(self._dependents, b))   # an edge it has already is not added
@@ -104,10 +104,10 @@ class Driver:
                     frm = (ctypes.c_void_p * len(pairs))(*(b for b, _ in pairs))
                     to = (ctypes.c_void_p * len(pairs))(*(a for _, a in pairs))
                     edge = [None] if self._edges else []
-                    _check(self._add(clone, frm, to, *edge, len(pairs)), "cuGraphAddDependencies")
+                    check(self._add(clone, frm, to, *edge, len(pairs)), "cuGraphAddDependencies")
             out = ctypes.c_void_p()
             # as torch instantiates its graphs (CUDAGraph::instantiate)
-            _check(self._instantiate(ctypes.byref(out), clone, _AUTO_FREE_ON_LAUNCH), "cuGraphInstantiateWithFlags")
+            check(self._instantiate(ctypes.byref(out), clone, _AUTO_FREE_ON_LAUNCH), "cuGraphInstantiateWithFlags")
             return out.value
         finally:
             self._destroy_graph(clone)   # an instantiated graph does not need its graph
@@ -115,15 +115,15 @@ class Driver:
     def _neighbours(self, fn, node) -> list[int]:
         n = ctypes.c_size_t()
         edge = [None] if self._edges else []
-        _check(fn(node, None, *edge, ctypes.byref(n)), "cuGraphNodeGet(Dependencies|DependentNodes)")
+        check(fn(node, None, *edge, ctypes.byref(n)), "cuGraphNodeGet(Dependencies|DependentNodes)")
         if not n.value:
             return []
         out = (ctypes.c_void_p * n.value)()
-        _check(fn(node, out, *edge, ctypes.byref(n)), "cuGraphNodeGet(Dependencies|DependentNodes)")
+        check(fn(node, out, *edge, ctypes.byref(n)), "cuGraphNodeGet(Dependencies|DependentNodes)")
         return list(out[: n.value])
 
     def launch(self, graph_exec: int, stream: int) -> None:
-        _check(self._launch(ctypes.c_void_p(graph_exec), ctypes.c_void_p(stream)), "cuGraphLaunch")
+        check(self._launch(ctypes.c_void_p(graph_exec), ctypes.c_void_p(stream)), "cuGraphLaunch")
 
     def destroy(self, graph_exec: int) -> None:
         self._destroy_exec(ctypes.c_void_p(graph_exec))
@@ -133,15 +133,15 @@ class Driver:
 
     def enabled(self, graph_exec: int, node: int) -> bool:
         out = ctypes.c_uint()
-        _check(self._get(ctypes.c_void_p(graph_exec), ctypes.c_void_p(node), ctypes.byref(out)), "cuGraphNodeGetEnabled")
+        check(self._get(ctypes.c_void_p(graph_exec), ctypes.c_void_p(node), ctypes.byref(out)), "cuGraphNodeGetEnabled")
         return bool(out.value)
 
 
-def _fn(fn, argtypes):
+def bind(fn, argtypes):
     fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return fn
 
 
-def _check(err: int, call: str) -> None:
+def check(err: int, call: str) -> None:
     if err != 0:
         raise EngineError(f"{call} failed (CUresult {err})")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from tapc.engine.cugraph import _check, _fn
+from tapc.engine.cugraph import bind, check
 
 if TYPE_CHECKING:
     from tapc.engine.fill import Segment
@@ -99,11 +99,11 @@ class DriverEvents:
 
     def __init__(self, keep, free):
         vp = ctypes.c_void_p
-        self._create = _fn(keep.cuEventCreate, [ctypes.POINTER(vp), ctypes.c_uint])
-        self._record = _fn(keep.cuEventRecord, [vp, vp])
-        self._query = _fn(keep.cuEventQuery, [vp])
-        self._destroy = _fn(keep.cuEventDestroy_v2, [vp])
-        self._sync = _fn(free.cuEventSynchronize, [vp])   # a wait: the GIL goes meanwhile
+        self._create = bind(keep.cuEventCreate, [ctypes.POINTER(vp), ctypes.c_uint])
+        self._record = bind(keep.cuEventRecord, [vp, vp])
+        self._query = bind(keep.cuEventQuery, [vp])
+        self._destroy = bind(keep.cuEventDestroy_v2, [vp])
+        self._sync = bind(free.cuEventSynchronize, [vp])   # a wait: the GIL goes meanwhile
 
     @classmethod
     def load(cls) -> "DriverEvents | None":
@@ -115,9 +115,9 @@ class DriverEvents:
     def record(self, stream: int) -> "DriverEvent":
         """An event recorded on `stream` (a `cuda_stream` handle) after the work queued there."""
         event = ctypes.c_void_p()
-        _check(self._create(ctypes.byref(event), _EVENT_DISABLE_TIMING), "cuEventCreate")
+        check(self._create(ctypes.byref(event), _EVENT_DISABLE_TIMING), "cuEventCreate")
         done = DriverEvent(self, event)
-        _check(self._record(event, ctypes.c_void_p(stream)), "cuEventRecord")
+        check(self._record(event, ctypes.c_void_p(stream)), "cuEventRecord")
         return done
 
 
@@ -131,11 +131,11 @@ class DriverEvent:
         err = self._events._query(self._handle)
         if err == _NOT_READY:
             return False
-        _check(err, "cuEventQuery")
+        check(err, "cuEventQuery")
         return True
 
     def synchronize(self) -> None:
-        _check(self._events._sync(self._handle), "cuEventSynchronize")
+        check(self._events._sync(self._handle), "cuEventSynchronize")
 
     def __del__(self):
         self._events._destroy(self._handle)
