@@ -42,15 +42,34 @@ from devicetime import DeviceTimer, totals
 from stacks import Sampler, report_thread
 
 def timed(spent: list, fn):
-    """`fn`, counting its calls and seconds into `spent` ([calls, seconds])."""
+    """`fn`, counting its calls and seconds into `spent` ([calls, seconds]). Where `spent` has a
+    third item, a list, each call's (wall, thread CPU) seconds are appended to it: a call whose
+    wall time is well over its CPU time waited (for the GIL, a blocking driver call, the OS)."""
+    samples = spent[2] if len(spent) > 2 else None
+
     def call(*args, **kwargs):
         t0 = time.perf_counter()
+        c0 = time.thread_time() if samples is not None else 0.0
         try:
             return fn(*args, **kwargs)
         finally:
+            dt = time.perf_counter() - t0
             spent[0] += 1
-            spent[1] += time.perf_counter() - t0
+            spent[1] += dt
+            if samples is not None:
+                samples.append((dt, time.thread_time() - c0))
     return call
+
+
+def spread(samples: list[tuple[float, float]]) -> dict:
+    """Per-call us: mean, median and 90th percentile of the wall time, mean thread CPU time, and
+    the share of calls that waited more than 20 us (wall over CPU)."""
+    if not samples:
+        return {"p50": 0.0, "p90": 0.0, "cpu": 0.0, "waited": 0.0}
+    wall = sorted(w for w, _ in samples)
+    return {"p50": wall[len(wall) // 2] * 1e6, "p90": wall[int(len(wall) * 0.9)] * 1e6,
+            "cpu": sum(c for _, c in samples) / len(samples) * 1e6,
+            "waited": sum(w - c > 20e-6 for w, c in samples) / len(samples)}
 
 
 class HookTimer:
@@ -58,8 +77,10 @@ class HookTimer:
     wrapping the bound methods the runner adapter calls, and of `end_step`'s parts: the copy-out
     (buffers.py `copy_out`), its direct path (`_copy_direct`, small steps), the segments' copies
     (memcpy.py `copy_segments`: the host's address lists and the driver call) and the batched
-    driver copy itself (memcpy.py `BatchCopy`); what copy-out spends outside them is its CUDA
-    stream and event calls. `stop` puts them back."""
+    driver copy itself (memcpy.py `BatchCopy`), the step's event (`_recorded`, or the driver's,
+    `DriverEvents.record`) and the table's upload (`upload`); what copy-out spends outside them is
+    its stream calls. Each call's wall and CPU time are kept (`spread`): a part whose wall time is
+    well over its CPU time waits, for the GIL or in the driver. `stop` puts them back."""
 
     HOOKS = ("schedule", "begin_step", "end_step")
 
@@ -67,14 +88,17 @@ class HookTimer:
         self.hooks, self.spent = hooks, {}
         import tapc.engine.buffers as buffers_module
 
-        wrapped = [(hooks, name) for name in self.HOOKS] + [(hooks.buffers, "copy_out"), (hooks.buffers, "_copy_direct"),
-                                                            (buffers_module, "copy_segments")]
-        if getattr(hooks.buffers, "_batch", None) is not None:
-            wrapped.append((hooks.buffers, "_batch"))
+        buffers = hooks.buffers
+        wrapped = [(hooks, name) for name in self.HOOKS] + [(buffers, "copy_out"), (buffers, "_copy_direct"),
+                                                            (buffers_module, "copy_segments"), (buffers, "_recorded"),
+                                                            (buffers, "upload")]
+        for part in ("_batch", "_events"):
+            if getattr(buffers, part, None) is not None:
+                wrapped.append((buffers, part) if part == "_batch" else (buffers._events, "record"))
         # what each object held under the name itself (None: the name was its class's method)
         self.own = [(obj, name, obj.__dict__.get(name)) for obj, name in wrapped]
         for obj, name in wrapped:
-            self.spent[name] = [0, 0.0]
+            self.spent[name] = [0, 0.0, []]
             setattr(obj, name, timed(self.spent[name], getattr(obj, name)))
         # steps that repeated the last decode step (fill.Repeat: no fill, no upload)
         self.repeated, repeat = 0, hooks._repeat
@@ -108,13 +132,15 @@ class HookTimer:
                 setattr(obj, name, own)
         del self.hooks._repeat.__dict__["same"]
         gc.callbacks.remove(self._gc_seen)
-        out = {name: {"calls": n, "us_per_call": s / n * 1e6 if n else 0.0} for name, (n, s) in self.spent.items()}
+        out = {name: {"calls": n, "us_per_call": s / n * 1e6 if n else 0.0, **spread(samples)}
+               for name, (n, s, samples) in self.spent.items()}
         out["begin_step"]["repeated"] = self.repeated
-        if "_batch" in out:
-            out["end_step: driver batch copy"] = out.pop("_batch")
-        out["end_step: copy_out"] = out.pop("copy_out")
-        out["end_step: copy_out, direct path"] = out.pop("_copy_direct")
-        out["end_step: copy_segments"] = out.pop("copy_segments")
+        for name, label in (("upload", "begin_step: upload"), ("_batch", "end_step: driver batch copy"),
+                            ("copy_out", "end_step: copy_out"), ("_copy_direct", "end_step: copy_out, direct path"),
+                            ("copy_segments", "end_step: copy_segments"), ("_recorded", "end_step: torch's event"),
+                            ("record", "end_step: the driver's event")):
+            if name in out:
+                out[label] = out.pop(name)
         for g, (n, spent) in self.gc.items():
             out[f"worker process: gc of generation {g}"] = {"calls": n, "us_per_call": spent / n * 1e6 if n else 0.0}
         return out
@@ -249,9 +275,11 @@ def main():
         print(f"{name}: {tok_s:.1f} tok/s", flush=True)
         details += [f"## {name}", ""]
         if hooks[0]:
-            details += ["| tapc hook (worker, unwatched run) | GPU | calls | us per call | steps that repeated the last |",
-                        "|---|---:|---:|---:|---:|",
-                        *[f"| `{h}` | {rank} | {v['calls']} | {v['us_per_call']:.1f} | {v.get('repeated', '')} |"
+            details += ["| tapc hook (worker, unwatched run) | GPU | calls | us per call | p50 us | p90 us | CPU us per call "
+                        "| calls that waited > 20 us | steps that repeated the last |",
+                        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+                        *[f"| `{h}` | {rank} | {v['calls']} | {v['us_per_call']:.1f} | {v.get('p50', 0):.1f} | "
+                          f"{v.get('p90', 0):.1f} | {v.get('cpu', 0):.1f} | {v.get('waited', 0):.0%} | {v.get('repeated', '')} |"
                           for rank, r in enumerate(hooks) for h, v in r.items()], ""]
         worker = "engine-core process" if args.tp == 1 else "GPU 0's worker process"
         for where, threads in ((worker, core), ("caller's process", api)):
