@@ -104,10 +104,8 @@ def setup(kernel: str, tokens: int, width: int):
     if kernel == "scale_ (x+b)":
         factor = torch.ones(SLOTS, device=DEVICE)
         return (lambda: ops.scale_(x, b, slot, factor)), 3 * act
-    if kernel.startswith("project_out_ (x+b)"):
+    if kernel == "project_out_ (x+b)":
         dirs = F.normalize(torch.randn(SLOTS, width, device=DEVICE), dim=1)
-        if kernel.endswith("one direction"):   # every row's request ablates the same one (slot 0)
-            return (lambda: ops.project_out_(x, b, torch.zeros_like(slot), dirs)), 3 * act + width * 4
         return (lambda: ops.project_out_(x, b, slot, dirs)), 3 * act + per_slot
     if kernel == "set_cols_ (x+b)":
         cols = torch.stack([torch.randperm(width, device=DEVICE)[:NUM_COLS] for _ in range(SLOTS)])
@@ -120,7 +118,7 @@ def setup(kernel: str, tokens: int, width: int):
 
 BANDWIDTH_KERNELS = [
     "capture", "capture bf16->fp32", "capture column slice", "capture_sum", "add_",
-    "scale_ (x+b)", "project_out_ (x+b)", "project_out_ (x+b), one direction",
+    "scale_ (x+b)", "project_out_ (x+b)",
 ]
 LAUNCH_KERNELS = BANDWIDTH_KERNELS + ["set_cols_ (x+b)"]
 

@@ -90,34 +90,16 @@ def _set_cols_kernel(
 def _project_out_kernel(
     x_ptr, b_ptr, slot_ptr, dirs_ptr, width, num_slots,
     stride_x, stride_xc, stride_b, stride_bc, stride_dirs,
-    HAS_B: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, SPECULATE: tl.constexpr,
+    HAS_B: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
     # One program per row: the dot product needs the whole row before any column is written.
     row = tl.program_id(0)
+    s = tl.load(slot_ptr + row)
+    if (s < 0) | (s >= num_slots):
+        return
     r = row.to(tl.int64)
     x_row = x_ptr + r * stride_x
     b_row = b_ptr + r * stride_b
-    s = tl.load(slot_ptr + row)
-    if SPECULATE:
-        # Few rows: the time is a chain of dependent loads (slot, then direction, then the dot),
-        # not bandwidth. x, b and slot 0's direction (the one a single direction for all
-        # requests holds: slots are taken lowest first) are loaded beside the slot, so when the
-        # slot is 0 no load waits for another; any other slot loads its own direction after.
-        cols = tl.arange(0, BLOCK)
-        mask = cols < width
-        edited = (s >= 0) & (s < num_slots)
-        x = tl.load(x_row + cols * stride_xc, mask=mask, other=0.0).to(tl.float32)
-        total = x
-        if HAS_B:
-            total += tl.load(b_row + cols * stride_bc, mask=mask, other=0.0).to(tl.float32)
-        d = tl.load(dirs_ptr + cols, mask=mask & (num_slots > 0), other=0.0).to(tl.float32)
-        other = tl.load(dirs_ptr + s.to(tl.int64) * stride_dirs + cols, mask=mask & edited & (s != 0), other=0.0)
-        d = tl.where(s == 0, d, other.to(tl.float32))
-        dot = tl.sum(total * d, axis=0)
-        tl.store(x_row + cols * stride_xc, (x - dot * d).to(x_ptr.dtype.element_ty), mask=mask & edited)
-        return
-    if (s < 0) | (s >= num_slots):
-        return
     d_row = dirs_ptr + s.to(tl.int64) * stride_dirs
     if ONE_PASS:
         # The row fits in registers (BLOCK >= width): x is read once, then written.
@@ -233,12 +215,12 @@ def project_out_(x: torch.Tensor, b: torch.Tensor | None, slot: torch.Tensor,
     num_tokens, width = x.shape
     if num_tokens == 0:
         return
-    block, one_pass, warps, speculate = project_out_config(num_tokens, width)
+    block, one_pass, warps = project_out_config(num_tokens, width)
     other, stride_b, stride_bc = _b_args(x, b)
     _project_out_kernel[(num_tokens,)](
         x, other, slot, dirs, width, slots, x.stride(0), x.stride(1), stride_b, stride_bc,
         dirs.stride(0),
-        HAS_B=b is not None, BLOCK=block, ONE_PASS=one_pass, SPECULATE=speculate, num_warps=warps,
+        HAS_B=b is not None, BLOCK=block, ONE_PASS=one_pass, num_warps=warps,
     )
 
 
@@ -247,20 +229,18 @@ def project_out_(x: torch.Tensor, b: torch.Tensor | None, slot: torch.Tensor,
 FEW_ROWS = 512
 
 
-def project_out_config(num_tokens: int, width: int) -> tuple[int, bool, int, bool]:
-    """(column block, whole row in registers, warps, loads ahead of the slot) for
-    `project_out_`, as timed on an H200.
+def project_out_config(num_tokens: int, width: int) -> tuple[int, bool, int]:
+    """(column block, whole row in registers, warps) for `project_out_`, as timed on an H200.
 
     Few rows: twice the warps (more loads in flight for each row), rows up to 16384 wide in
-    registers, read before the slot is known (rows no request edits are read for nothing: at
-    most FEW_ROWS of them). Many rows: rows up to 8192 wide in registers, read only when
-    edited. Wider rows loop twice over blocks of 4096 columns (dot, then write).
+    registers. Many rows: rows up to 8192 wide in registers. Wider rows loop twice over blocks
+    of 4096 columns (dot, then write).
     """
     few = num_tokens < FEW_ROWS
     if width > (MAX_ROW_BLOCK if few else MAX_ROW_BLOCK // 2):
-        return MAX_LOOP_BLOCK, False, 8, False
+        return MAX_LOOP_BLOCK, False, 8
     block = triton.next_power_of_2(width)
-    return block, True, max(4, min(16, block // (512 if few else 1024))), few
+    return block, True, max(4, min(16, block // (512 if few else 1024)))
 
 
 def _edited_rows(x: torch.Tensor, slot: torch.Tensor, slots: int) -> tuple:

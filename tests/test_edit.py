@@ -14,7 +14,7 @@ from tapc.kernels.edit import (
 )
 
 # Odd widths; 2560 spans two column blocks; 4100 and 8200 fill most of a register block of
-# project_out (8192, 16384). Its other paths: test_project_out_every_kernel_path.
+# project_out (8192, 16384). Its two-pass path: test_project_out_both_kernel_paths.
 SHAPES = [(1, 5), (7, 123), (37, 896), (5, 2560), (2, 4100), (3, 8200)]
 NUM_COLS = 5  # set_cols entries per slot: not a power of two
 
@@ -84,19 +84,16 @@ def test_project_out_leaves_no_component_along_the_direction():
 
 
 @pytest.mark.parametrize("with_b", [False, True], ids=["x", "x+b"])
-@pytest.mark.parametrize("path", ["ahead of the slot", "in registers", "two passes"])
+@pytest.mark.parametrize("one_pass", [True, False], ids=["in registers", "two passes"])
 @pytest.mark.parametrize("num_tokens", [1, 7])
-def test_project_out_every_kernel_path(num_tokens, path, with_b, monkeypatch):
-    # Whatever project_out_config picks for a size: the whole row in registers, read before
-    # the slot is known or after, or two passes over blocks narrower than the row (123
-    # columns: four blocks of 32, the last partial).
+def test_project_out_both_kernel_paths(num_tokens, one_pass, with_b, monkeypatch):
+    # Whatever project_out_config picks for a size: the whole row in registers, or two passes
+    # over blocks narrower than the row (123 columns: four blocks of 32, the last partial).
     asked = []
 
     def config(num_tokens, width):
         asked.append(width)
-        block = triton.next_power_of_2(width)
-        return {"ahead of the slot": (block, True, 4, True), "in registers": (block, True, 4, False),
-                "two passes": (32, False, 4, False)}[path]
+        return (triton.next_power_of_2(width), True, 4) if one_pass else (32, False, 4)
 
     monkeypatch.setattr(edit, "project_out_config", config)
     check_edit("project_out", num_tokens, 123, torch.float32, with_b)
