@@ -10,7 +10,7 @@ from engine_toy import HIDDEN, LAYERS, toy_plan
 from tapc.engine.buffers import DIRECT_BYTES, Buffers
 from tapc.engine.fill import Segment
 from tapc.engine.layout import Layout
-from tapc.engine.memcpy import DriverEvent
+from tapc.engine.memcpy import FEW_COPIES, DriverEvent
 from tapc.engine.storage import Store
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -26,13 +26,17 @@ def pinned(rows, caps, width, dtype):   # a Store's chunk allocator
 PATHS = pytest.mark.parametrize("direct", [0, DIRECT_BYTES], ids=["snapshots", "direct"])
 
 
+@pytest.mark.parametrize("few", [FEW_COPIES, 0], ids=["a driver call a copy", "one batched call"])
 @PATHS
-def test_decode_steps_copy_out_while_a_prompt_steps_copies_run_and_every_row_lands(direct):
+def test_decode_steps_copy_out_while_a_prompt_steps_copies_run_and_every_row_lands(direct, few):
+    """`few`: up to how many copies a step makes one driver call each (SEQS here), not one batch."""
     plan = toy_plan(["model.layers.*.resid"], rows=ROWS, slots=SEQS)
     layout = Layout(plan)
     dev = torch.device("cuda")
     buffers = Buffers(layout, ROWS, SEQS, 2, dev)
     buffers.direct_bytes = direct
+    assert buffers._batch is not None, "the driver has no batched copy: the test would not test it"
+    buffers._batch.few = few
     (pool,) = buffers.pools
     caps = np.arange(LAYERS)
     gen = torch.Generator(device=dev).manual_seed(0)

@@ -533,18 +533,21 @@ def test_an_unknown_fill_setting_is_refused_by_name(monkeypatch):
 
 def test_the_step_events_setting_is_read_from_the_environment_and_a_bad_one_refused(monkeypatch):
     """`TAPC_STEP_EVENTS` (whose events a direct step's copy-out records, an A/B's setting):
-    torch's unless it says `driver`; anything else stops the setup with the variable's name."""
-    from tapc.engine.buffers import driver_events
+    the driver's unless it says `torch`; anything else stops the setup with the variable's name."""
+    from tapc.engine import buffers
     from tapc.errors import EngineError
 
-    for value in ("", "torch"):
+    monkeypatch.setattr(buffers.DriverEvents, "load", classmethod(lambda cls: "the driver's"))
+    monkeypatch.delenv("TAPC_STEP_EVENTS", raising=False)
+    assert buffers.driver_events() == "the driver's"
+    for value in ("", "driver"):
         monkeypatch.setenv("TAPC_STEP_EVENTS", value)
-        assert driver_events() is None
-    monkeypatch.delenv("TAPC_STEP_EVENTS")
-    assert driver_events() is None
+        assert buffers.driver_events() == "the driver's"
+    monkeypatch.setenv("TAPC_STEP_EVENTS", "torch")
+    assert buffers.driver_events() is None
     monkeypatch.setenv("TAPC_STEP_EVENTS", "cuda")
-    with pytest.raises(EngineError, match="TAPC_STEP_EVENTS='cuda': 'torch' \\(the default\\) or 'driver'"):
-        driver_events()
+    with pytest.raises(EngineError, match="TAPC_STEP_EVENTS='cuda': 'driver' \\(the default\\) or 'torch'"):
+        buffers.driver_events()
 
 
 def test_the_direct_copy_bound_is_read_from_the_environment_and_a_bad_one_refused(monkeypatch):

@@ -5,7 +5,10 @@ A step at batch 64 that captures every layer copies one block per request from t
 that request's host storage: 64 `copy_` calls, a few microseconds of host time each, on the
 host's critical path (vLLM's own host loop nearly fills the GPU's decode step at that batch).
 `cuMemcpyBatchAsync_v2` (the CUDA driver's batched copy, CUDA 13) issues them all at once, in
-stream order, on the copy engines, flagged to overlap with compute.
+stream order, on the copy engines, flagged to overlap with compute. A step of a few copies
+(decode at batch 1) makes one `cuMemcpyDtoHAsync_v2` a copy instead: in a running engine the
+batched call took 45-60 us of the engine thread's CPU time for one to three copies
+(profile_step on the Qwen3-30B-A3B shape, docs/engine.md).
 
 Loaded through ctypes from libcuda; where the driver lacks it, or a call fails, the caller
 falls back to one `copy_` per block (`copy_segments`), and a failure is logged once.
@@ -34,6 +37,7 @@ _SRC_ACCESS_ORDER_STREAM = 0x1      # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: read th
 # for them, the same order as on the legacy stream itself, with no event or stream call added.
 _LEGACY_STREAM, _PER_THREAD_STREAM = 0x0, 0x2
 _FLAG_PREFER_OVERLAP_WITH_COMPUTE = 0x1
+FEW_COPIES = 8   # up to this many, one driver call a copy (BatchCopy.few)
 
 
 class _Location(ctypes.Structure):   # CUmemLocation: a hint, ignored for non-managed memory
@@ -46,14 +50,18 @@ class _Attributes(ctypes.Structure):  # CUmemcpyAttributes_v1, fields in the hea
 
 
 class BatchCopy:
-    def __init__(self, fn):
+    """Device-to-host copies by address: up to `few` one driver call each, more in one batch."""
+
+    def __init__(self, fn, one):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
                        ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.POINTER(_Attributes),
                        ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.c_void_p]
         self._fn = fn
+        self._one = bind(one, [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p])
         self._attrs = _Attributes(_SRC_ACCESS_ORDER_STREAM, _Location(), _Location(), _FLAG_PREFER_OVERLAP_WITH_COMPUTE)
         self._first = (ctypes.c_size_t * 1)(0)   # the one attribute set applies from copy 0 on
+        self.few = FEW_COPIES
         self.failed = False
 
     @classmethod
@@ -62,28 +70,40 @@ class BatchCopy:
         try:
             # PyDLL keeps the GIL over the call (a few microseconds in the driver): a release would
             # let vLLM's output thread take it, and the engine's step wait for it back
-            return cls(ctypes.PyDLL("libcuda.so.1").cuMemcpyBatchAsync_v2)
+            lib = ctypes.PyDLL("libcuda.so.1")
+            return cls(lib.cuMemcpyBatchAsync_v2, lib.cuMemcpyDtoHAsync_v2)
         except (OSError, AttributeError):
             return None
 
     def __call__(self, dsts: list[int], srcs: list[int], sizes: list[int], stream: int) -> bool:
-        """Copy sizes[i] bytes from address srcs[i] to dsts[i] for all i, on `stream` (a
-        `cuda_stream` handle; the legacy default stream, 0, is stood in for by the per-thread one).
-        False when the batch was not issued: the caller copies them one by one."""
+        """Copy sizes[i] bytes from device address srcs[i] to host address dsts[i] for all i, on
+        `stream` (a `cuda_stream` handle; for the batch, the legacy default stream, 0, is stood in
+        for by the per-thread one). False when they were not all issued: the caller copies them
+        one by one (a copy issued twice writes the same bytes)."""
         if self.failed:
             return False
-        if stream == _LEGACY_STREAM:
-            stream = _PER_THREAD_STREAM
         n = len(dsts)
         if n == 0:
             return True
+        if n <= self.few:
+            handle = ctypes.c_void_p(stream)
+            for i in range(n):
+                err = self._one(dsts[i], srcs[i], sizes[i], handle)
+                if err != 0:
+                    return self._fail("cuMemcpyDtoHAsync_v2", err)
+            return True
+        if stream == _LEGACY_STREAM:
+            stream = _PER_THREAD_STREAM
         err = self._fn(_c_array(ctypes.c_uint64, dsts), _c_array(ctypes.c_uint64, srcs), _c_array(ctypes.c_size_t, sizes),
                        n, ctypes.byref(self._attrs), self._first, 1, ctypes.c_void_p(stream))
         if err != 0:
-            self.failed = True
-            log.warning("tapc: cuMemcpyBatchAsync_v2 failed (CUresult %d); captures are copied one by one", err)
-            return False
+            return self._fail("cuMemcpyBatchAsync_v2", err)
         return True
+
+    def _fail(self, call: str, err: int) -> bool:
+        self.failed = True
+        log.warning("tapc: %s failed (CUresult %d); captures are copied by torch from now on", call, err)
+        return False
 
 
 _EVENT_DISABLE_TIMING = 0x2   # CU_EVENT_DISABLE_TIMING
