@@ -56,11 +56,19 @@ def test_an_issued_batch_is_the_only_copy():
     check(other, a, b)
 
 
-def test_without_a_stream_the_batch_is_not_asked():
-    """The driver needs a stream's handle; with none named the copies go one by one on the
-    current stream."""
+def test_without_a_stream_the_batch_goes_on_the_current_one(monkeypatch):
+    """With no stream named (a direct step, on the compute stream) the batch gets the current
+    stream's handle for the pools' device, and a declined batch still lands every block."""
     segments, pool, a, b = segments_and_pool()
-    copy_segments(segments, [pool], lambda *args: pytest.fail("the batch was asked"))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: ("current on", device))
+    asked = []
+
+    def batch(dsts, srcs, sizes, stream):
+        asked.append(stream)
+        return False
+
+    copy_segments(segments, [pool], batch)
+    assert asked == [("current on", pool.get_device())]
     check(pool, a, b)
 
 
@@ -85,10 +93,11 @@ def test_blocks_that_straddle_chunks_go_to_both_by_address():
 
 
 def test_the_batch_hands_the_driver_every_address_size_and_the_stream():
-    """`BatchCopy` as the driver sees it (a stand-in for cuMemcpyBatchAsync_v2 that copies with
-    memmove): the arrays of destinations, sources and sizes, their count, one attribute set
-    from copy 0, and the stream named; a driver error turns the batch off for good."""
-    seen = []
+    """`BatchCopy` as the driver sees it (stand-ins for cuMemcpyBatchAsync_v2 and
+    cuMemcpyDtoHAsync_v2 that copy with memmove): past `few` copies, the arrays of destinations,
+    sources and sizes, their count, one attribute set from copy 0, and the stream named; up to
+    `few`, one call a copy on the stream named; a driver error turns both off for good."""
+    seen, each = [], []
 
     def driver(dsts, srcs, sizes, n, attrs, first, count, stream):
         seen.append((n, [first[i] for i in range(count)], count, stream.value))
@@ -96,27 +105,56 @@ def test_the_batch_hands_the_driver_every_address_size_and_the_stream():
             ctypes.memmove(dsts[i], srcs[i], sizes[i])
         return 0
 
+    def one(dst, src, size, stream):
+        each.append((size, stream.value))
+        ctypes.memmove(dst, src, size)
+        return 0
+
     segments, pool, a, b = segments_and_pool()
-    copy_segments(segments, [pool], BatchCopy(driver), STREAM)
+    batch = BatchCopy(driver, one)
+    batch.few = 0
+    copy_segments(segments, [pool], batch, STREAM)
     check(pool, a, b)
-    assert seen == [(2, [0], 1, 1234)]
-    # the legacy default stream (0), which the driver refuses, goes as the per-thread one (0x2)
-    assert BatchCopy(driver)([pool.data_ptr()], [pool.data_ptr()], [4], 0)
+    assert seen == [(2, [0], 1, 1234)] and each == []
+    # the legacy default stream (0), which the batch refuses, goes as the per-thread one (0x2)
+    assert batch([pool.data_ptr()], [pool.data_ptr()], [4], 0)
     assert seen[1] == (1, [0], 1, 0x2)
+
+    segments, pool, a, b = segments_and_pool()
+    copy_segments(segments, [pool], BatchCopy(driver, one), STREAM)   # two copies: one call each
+    check(pool, a, b)
+    assert len(seen) == 2 and each == [(6 * 5 * 4, 1234), (5 * 4, 1234)]
+    assert BatchCopy(driver, one)([pool.data_ptr()], [pool.data_ptr()], [4], 0)
+    assert each[2] == (4, None), "one copy goes on the legacy stream itself (ctypes reads handle 0 as None)"
 
     def failing(*args):
         return 1   # CUDA_ERROR_INVALID_VALUE
 
-    segments, pool, a, b = segments_and_pool()
-    batch = BatchCopy(failing)
-    copy_segments(segments, [pool], batch, STREAM)
-    assert batch.failed
-    check(pool, a, b)   # copied one by one instead
+    for few in (0, 8):
+        segments, pool, a, b = segments_and_pool()
+        batch = BatchCopy(failing, failing)
+        batch.few = few
+        copy_segments(segments, [pool], batch, STREAM)
+        assert batch.failed
+        check(pool, a, b)   # copied one by one instead
+
+
+def counted(batch: BatchCopy, few: int) -> list:
+    """The driver calls `batch` makes from now on: the batch's copy counts, or 1 a copy."""
+    issued, many, one = [], batch._fn, batch._one
+    batch.few = few
+    batch._fn = lambda *args: issued.append(args[3]) or many(*args)
+    batch._one = lambda *args: issued.append(1) or one(*args)
+    return issued
+
+
+CALLS = pytest.mark.parametrize("few,calls", [(0, [2]), (8, [1, 1])], ids=["one batched call", "a call a copy"])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_driver_batch_copies_device_blocks_into_registered_host_memory():
+@CALLS
+def test_driver_copies_device_blocks_into_registered_host_memory(few, calls):
     batch = BatchCopy.load()
     assert batch is not None, "the driver has no cuMemcpyBatchAsync_v2 (CUDA 13 driver API)"
 
@@ -127,29 +165,29 @@ def test_driver_batch_copies_device_blocks_into_registered_host_memory():
 
     segments, pool, a, b = segments_and_pool("cuda", registered)
     stream = torch.cuda.Stream()
-    issued, driver = [], batch._fn
-    batch._fn = lambda *args: issued.append(args[3]) or driver(*args)
+    issued = counted(batch, few)
     stream.wait_stream(torch.cuda.current_stream())
     copy_segments(segments, [pool], batch, stream)
     stream.synchronize()
-    assert issued == [2], "both blocks in one driver call"
+    assert issued == calls
     assert not batch.failed
     check(pool, a, b)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_the_legacy_default_stream_the_batch_keeps_its_order():
+@CALLS
+def test_on_the_legacy_default_stream_the_copies_keep_their_order(few, calls):
     """torch's default stream (the V1 runner's compute stream) is the legacy one, which the driver's
     batch refuses; the batch goes on the per-thread default stream instead, which the driver orders
-    with it both ways. A forward still running when the copies are issued (a sleep, then the pool
-    written) lands whole, and the next forward's overwrite, issued right after, waits for them."""
+    with it both ways (one call a copy goes on the legacy stream itself). A forward still running
+    when the copies are issued (a sleep, then the pool written) lands whole, and the next
+    forward's overwrite, issued right after, waits for them."""
     batch = BatchCopy.load()
     assert batch is not None, "the driver has no cuMemcpyBatchAsync_v2 (CUDA 13 driver API)"
     legacy = torch.cuda.default_stream()
     assert legacy.cuda_stream == 0
-    issued, driver = [], batch._fn
-    batch._fn = lambda *args: issued.append(args[3]) or driver(*args)
+    issued = counted(batch, few)
     with torch.cuda.stream(legacy):
         segments, pool, a, b = segments_and_pool("cuda", lambda rows, caps, width, dtype: torch.zeros(
             rows, caps, width, dtype=dtype, pin_memory=True))
@@ -163,5 +201,5 @@ def test_on_the_legacy_default_stream_the_batch_keeps_its_order():
         done = torch.cuda.Event()
         done.record(legacy)
     done.synchronize()
-    assert issued == [2] and not batch.failed, "the batch was issued, not declined"
+    assert issued == calls and not batch.failed, "the copies were issued, not declined"
     check(want, a, b)

@@ -31,6 +31,7 @@ Per step (all stream-ordered on the compute stream, so async scheduling is safe)
 from __future__ import annotations
 
 import os
+from operator import mul
 
 import numpy as np
 import torch
@@ -38,7 +39,7 @@ import torch
 from tapc.edits import slot_row
 from tapc.engine.fill import Segment
 from tapc.engine.layout import Layout
-from tapc.engine.memcpy import BatchCopy, DriverEvents, copy_segments
+from tapc.engine.memcpy import BatchCopy, DriverEvent, DriverEvents, copy_segments
 from tapc.errors import EngineError
 from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 
@@ -101,6 +102,7 @@ class Buffers:
         self._row_bytes = [p.shape[1] * p.element_size() for p in self.pools]
         self.direct_bytes = direct_bytes()
         self._batch = BatchCopy.load() if device.type == "cuda" else None
+        self._device = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
         self._events = driver_events() if device.type == "cuda" else None
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self._nonfinite_host = torch.zeros((), dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -140,12 +142,12 @@ class Buffers:
         self.table.fill_(-1)
         self._clean = self.rows
 
-    def copy_out(self, segments: list[Segment], used: list[int]) -> torch.cuda.Event:
+    def copy_out(self, segments: list[Segment], used: list[int]) -> "torch.cuda.Event | DriverEvent":
         """Start the step's copies to host memory; the event is recorded once they, and every
         earlier step's, are done."""
+        if sum(map(mul, used, self._row_bytes)) <= self.direct_bytes:
+            return self._copy_direct(segments, used)
         compute = torch.cuda.current_stream()
-        if sum(n * b for n, b in zip(used, self._row_bytes)) <= self.direct_bytes:
-            return self._copy_direct(segments, used, compute)
         snap, other = self._big, self._small
         if other is not None and all(n <= len(t) for n, t in zip(used, other.tensors)):
             snap, other = other, snap
@@ -165,7 +167,7 @@ class Buffers:
         snap.freed = self._recorded(snap.stream, pending)
         return self._joined(snap.freed, pending)
 
-    def _copy_direct(self, segments: list[Segment], used: list[int], compute) -> torch.cuda.Event:
+    def _copy_direct(self, segments: list[Segment], used: list[int]) -> "torch.cuda.Event | DriverEvent":
         """A step of few bytes (a decode step at a small batch) copies straight from the pools on
         the compute stream (on the V1 runner's, the legacy default stream, through the per-thread
         one that the driver orders with it: memcpy.py): the next forward, queued behind the copies,
@@ -173,13 +175,15 @@ class Buffers:
         streams and no stream switch.
         At batch 1 the host's time shows in the step (the V1 runner on the Qwen3-30B-A3B shape: a
         2.1 ms step with 2.0 ms of GPU work), and copy-out through a snapshot took 229 us a step
-        there; these copies are a few microseconds of DMA on the GPU instead."""
+        there; these copies are a few microseconds of DMA on the GPU instead.
+        The compute stream is named by its handle, not a `torch.cuda.Stream`: making one took
+        about 30 us of a running engine's thread (profile_step, docs/engine.md)."""
         self._count(self.pools, used)
-        copy_segments(segments, self.pools, self._batch, compute)
+        copy_segments(segments, self.pools, self._batch)
         pending = [s for s in (self._big, self._small) if s is not None and _pending(s)]
         if self._events is not None and not pending and not self._counting:
-            return self._events.record(compute.cuda_stream)
-        return self._joined(self._recorded(compute, pending), pending)
+            return self._events.record(torch._C._cuda_getCurrentRawStream(self._device))
+        return self._joined(self._recorded(torch.cuda.current_stream(), pending), pending)
 
     def _count(self, tensors: list[torch.Tensor], used: list[int]) -> None:
         """While counting, add the non-finite values of each tensor's first `used` rows (on the

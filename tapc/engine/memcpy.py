@@ -173,14 +173,16 @@ def copy_segments(segments: "list[Segment]", pools: list[torch.Tensor],
                   stream: "torch.cuda.Stream | None" = None) -> None:
     """Copy each segment's rows from its group's pool (or a snapshot of it) into its request's
     storage. Non-blocking: on the device, they go on `stream` (None: the current one), and the
-    caller waits for it. `batch` (memcpy.BatchCopy), given a stream, issues all the copies in
-    one call, by address (a step at batch 64 would otherwise make two tensor views a block, 5 us
+    caller waits for it. `batch` (memcpy.BatchCopy) issues all the copies by address, in one
+    call or one a copy (a step at batch 64 would otherwise make two tensor views a block, 5 us
     of host time each); where it is None or declines, each is one `copy_`. The stream is named, not
     made current: entering `torch.cuda.stream` costs about 10 us of host time (H200 host), paid
     only by the one-by-one copies. Pools are contiguous `[rows, width]`, storage chunks
     contiguous `[rows, captures, width]`."""
     taken = [(seg, first) for seg in segments if (first := seg.store.take(seg.rows)) is not None]
-    if batch is not None and stream is not None:
+    if not taken:
+        return
+    if batch is not None:
         # each pool's address and bytes a row, once: torch's accessors cost a microsecond a call
         bases = [(pool.data_ptr(), pool.shape[1] * pool.element_size()) for pool in pools]
         dsts, srcs, sizes = [], [], []
@@ -199,7 +201,8 @@ def copy_segments(segments: "list[Segment]", pools: list[torch.Tensor],
                 srcs.append(src)
                 sizes.append(size)
                 src += size
-        if batch(dsts, srcs, sizes, stream.cuda_stream):
+        handle = stream.cuda_stream if stream is not None else torch._C._cuda_getCurrentRawStream(pools[0].get_device())
+        if batch(dsts, srcs, sizes, handle):
             return
     if stream is not None:
         with torch.cuda.stream(stream):
