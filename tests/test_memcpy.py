@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tapc.engine.fill import Segment
-from tapc.engine.memcpy import BatchCopy, copy_segments
+from tapc.engine.memcpy import BatchCopy, DriverEvents, copy_segments
 from tapc.engine.storage import Store
 
 
@@ -137,6 +137,30 @@ def test_the_batch_hands_the_driver_every_address_size_and_the_stream():
         copy_segments(segments, [pool], batch, STREAM)
         assert batch.failed
         check(pool, a, b)   # copied one by one instead
+
+
+def test_the_driver_events_no_one_reads_are_recorded_again():
+    """`DriverEvents` with stand-ins for the driver's event calls: an event is made only when
+    every one made before is still read (held by a store, a collect); once none holds it, a
+    later step records it again, on that step's stream."""
+    made, recorded = [], []
+
+    def create(ptr, flags):
+        ptr._obj.value = 100 + len(made)
+        made.append(ptr._obj.value)
+        return 0
+
+    lib = NS(cuEventCreate=create, cuEventRecord=lambda ev, stream: recorded.append((ev.value, stream.value)) or 0,
+             cuEventQuery=lambda ev: 0, cuEventSynchronize=lambda ev: 0)
+    events = DriverEvents(lib, lib)
+    held = [events.record(7) for _ in range(3)]
+    assert made == [100, 101, 102] and recorded == [(100, 7), (101, 7), (102, 7)]
+    keep = held[1]
+    del held   # two of them read by no one any more
+    again = [events.record(8), events.record(8), events.record(8)]
+    assert made == [100, 101, 102, 103], "one made: the other two steps recorded the freed events"
+    assert sorted(recorded[3:]) == [(100, 8), (102, 8), (103, 8)]
+    assert keep.query() and all(e.query() for e in again)
 
 
 def counted(batch: BatchCopy, few: int) -> list:

@@ -123,8 +123,11 @@ class DriverEvents:
         self._create = bind(keep.cuEventCreate, [ctypes.POINTER(vp), ctypes.c_uint])
         self._record = bind(keep.cuEventRecord, [vp, vp])
         self._query = bind(keep.cuEventQuery, [vp])
-        self._destroy = bind(keep.cuEventDestroy_v2, [vp])
         self._sync = bind(free.cuEventSynchronize, [vp])   # a wait: the GIL goes meanwhile
+        # Events no one reads any more (`DriverEvent.__del__`), recorded again by a later step:
+        # a step costs one driver call, not three (create, record, destroy). As many as were
+        # ever read at once; they last as long as the engine.
+        self._free: list[ctypes.c_void_p] = []
 
     @classmethod
     def load(cls) -> "DriverEvents | None":
@@ -135,8 +138,11 @@ class DriverEvents:
 
     def record(self, stream: int) -> "DriverEvent":
         """An event recorded on `stream` (a `cuda_stream` handle) after the work queued there."""
-        event = ctypes.c_void_p()
-        check(self._create(ctypes.byref(event), _EVENT_DISABLE_TIMING), "cuEventCreate")
+        if self._free:
+            event = self._free.pop()
+        else:
+            event = ctypes.c_void_p()
+            check(self._create(ctypes.byref(event), _EVENT_DISABLE_TIMING), "cuEventCreate")
         done = DriverEvent(self, event)
         check(self._record(event, ctypes.c_void_p(stream)), "cuEventRecord")
         return done
@@ -159,7 +165,7 @@ class DriverEvent:
         check(self._events._sync(self._handle), "cuEventSynchronize")
 
     def __del__(self):
-        self._events._destroy(self._handle)
+        self._events._free.append(self._handle)
 
 
 def _c_array(ctype, values: list[int]):
