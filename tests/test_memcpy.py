@@ -182,9 +182,12 @@ def test_driver_copies_device_blocks_into_registered_host_memory(few, calls):
     batch = BatchCopy.load()
     assert batch is not None, "the driver has no cuMemcpyBatchAsync_v2 (CUDA 13 driver API)"
 
+    pinned = []
+
     def registered(rows, caps, width, dtype):
         t = torch.zeros(rows, caps, width, dtype=dtype)
         assert int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) == 0
+        pinned.append(t)
         return t
 
     segments, pool, a, b = segments_and_pool("cuda", registered)
@@ -193,9 +196,13 @@ def test_driver_copies_device_blocks_into_registered_host_memory(few, calls):
     stream.wait_stream(torch.cuda.current_stream())
     copy_segments(segments, [pool], batch, stream)
     stream.synchronize()
-    assert issued == calls
-    assert not batch.failed
-    check(pool, a, b)
+    try:
+        assert issued == calls
+        assert not batch.failed
+        check(pool, a, b)
+    finally:   # the next case's host memory may lie at the same addresses
+        for t in pinned:
+            assert int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr())) == 0
 
 
 @pytest.mark.gpu
