@@ -5,7 +5,7 @@ streams captured, one steering edit).
     python3 benchmarks/bench_host.py
     python3 benchmarks/bench_host.py --moe     # bench_moe.py's plan (vLLM's tree of its shape, on meta)
     python3 benchmarks/bench_host.py --device  # on a GPU: fill, upload and copy-out as the worker runs them
-    python3 benchmarks/bench_host.py --device --contend   # the same beside a thread that wants the GIL (torch's and the driver's events)
+    python3 benchmarks/bench_host.py --device --contend   # the same beside a thread that wants the GIL (the driver's and torch's events)
     python3 benchmarks/bench_host.py --device --busy      # the same behind a long kernel (a call that waits shows)
 
 The pools and host storage live on the meta device and the copies are built as the GPU path
@@ -188,7 +188,9 @@ def device_main():
     host: the fill, the table's upload (`Buffers.upload`) and the copy-out (`Buffers.copy_out`:
     the snapshot, its events and the batched copy into pinned arena storage). The GPU has no
     forward to run between steps, so each part's time is its host work alone. Each case with
-    numpy's fill (TAPC_FILL=numpy) and with the compiled one (the default); with `--contend`, again beside
+    numpy's fill (TAPC_FILL=numpy) and with the compiled one (the default), and once with torch's
+    events for direct steps (TAPC_STEP_EVENTS=torch) where the others have the driver's (the
+    default); with `--contend`, again beside
     a `Contender` (torch's calls that reach the GPU let the GIL go); with `--busy`, again behind
     a long kernel, where a call that waits for the GPU takes the kernel's milliseconds."""
     from tapc.engine.arena import Arena
@@ -215,13 +217,14 @@ def device_main():
                  ("decode 1, capture every layer", scenario(plan, layout, TapRequest(capture="model.layers.*.resid"),
                                                             1, 100, True, make=make))]
         # (label, a GIL-holding thread beside, a kernel of ~5 ms queued before each step, the
-        # fill, TAPC_STEP_EVENTS)
-        modes = [("", False, False, None, "torch"), (", compiled fill", False, False, CompiledFill(layout), "torch")]
+        # fill, TAPC_STEP_EVENTS: the driver's, the engine's default, unless the label says torch's)
+        modes = [("", False, False, None, "driver"), (", compiled fill", False, False, CompiledFill(layout), "driver"),
+                 (", torch's events", False, False, None, "torch")]
         if "--contend" in sys.argv[1:]:
-            modes.append((", beside a GIL-holding thread", True, False, None, "torch"))
-            modes.append((", beside a GIL-holding thread, the driver's events", True, False, None, "driver"))
+            modes.append((", beside a GIL-holding thread", True, False, None, "driver"))
+            modes.append((", beside a GIL-holding thread, torch's events", True, False, None, "torch"))
         if "--busy" in sys.argv[1:]:   # a call that waits for the GPU takes the kernel's time
-            modes.append((", the GPU busy", False, True, None, "torch"))
+            modes.append((", the GPU busy", False, True, None, "driver"))
         buffers = {}
         for events in {m[-1] for m in modes}:
             os.environ["TAPC_STEP_EVENTS"] = events   # read as Buffers are made
