@@ -102,7 +102,7 @@ class Buffers:
         self._row_bytes = [p.shape[1] * p.element_size() for p in self.pools]
         self.direct_bytes = direct_bytes()
         self._batch = BatchCopy.load() if device.type == "cuda" else None
-        self._device = device.index if device.index is not None or device.type != "cuda" else torch.cuda.current_device()
+        self._device = self.table.get_device()   # its index, for the compute stream's handle
         self._events = driver_events() if device.type == "cuda" else None
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
         self._nonfinite_host = torch.zeros((), dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -169,8 +169,8 @@ class Buffers:
 
     def _copy_direct(self, segments: list[Segment], used: list[int]) -> "torch.cuda.Event | DriverEvent":
         """A step of few bytes (a decode step at a small batch) copies straight from the pools on
-        the compute stream (on the V1 runner's, the legacy default stream, through the per-thread
-        one that the driver orders with it: memcpy.py): the next forward, queued behind the copies,
+        the compute stream (on the V1 runner's, the legacy default stream: memcpy.py says how each
+        of its driver calls goes there): the next forward, queued behind the copies,
         cannot rewrite the pools early, and the step costs no snapshot copy, no event between
         streams and no stream switch.
         At batch 1 the host's time shows in the step (the V1 runner on the Qwen3-30B-A3B shape: a

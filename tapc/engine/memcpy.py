@@ -53,11 +53,9 @@ class BatchCopy:
     """Device-to-host copies by address: up to `few` one driver call each, more in one batch."""
 
     def __init__(self, fn, one):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
-                       ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.POINTER(_Attributes),
-                       ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.c_void_p]
-        self._fn = fn
+        self._fn = bind(fn, [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                             ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.POINTER(_Attributes),
+                             ctypes.POINTER(ctypes.c_size_t), ctypes.c_size_t, ctypes.c_void_p])
         self._one = bind(one, [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p])
         self._attrs = _Attributes(_SRC_ACCESS_ORDER_STREAM, _Location(), _Location(), _FLAG_PREFER_OVERLAP_WITH_COMPUTE)
         self._first = (ctypes.c_size_t * 1)(0)   # the one attribute set applies from copy 0 on
