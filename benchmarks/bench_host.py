@@ -116,7 +116,7 @@ def time_step(layout, records, batch: StepBatch, repeats: int = 200, repeating: 
     that each repeat the last (the runner's `Repeat`: no fill), one position on each time.
     `fill`: the compiled fill (fill_jit.CompiledFill, the engine's default) in place of numpy's."""
     fill = fill or functools.partial(fill_step, layout)
-    table = np.empty((layout.num_tables, ROWS), dtype=np.int32)
+    table = np.empty((layout.table_rows, ROWS), dtype=np.int32)
     pools = [torch.empty(len(g.caps) * ROWS, g.width, dtype=getattr(torch, g.dtype), device="meta")
              for g in layout.groups]
     repeat = Repeat()

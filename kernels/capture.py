@@ -11,24 +11,41 @@ ids, captured together at every layer: one graph node where there were two); `ca
 pass, adding in fp32; a column slice is a strided view of x (strides are respected); the store
 converts to out's dtype. `capture` takes integer rows too (an MoE router's expert ids, into
 their int32 pool): no cast kernel before it.
+
+A *ring* (`ring`, `pos`, `stride`; tapc/engine/fill.py `Repeat`) lets a steady decode write
+`PHASES` steps' rows before the host copies them out, with no table upload between: where
+`ring[i] >= 0`, row i goes `((pos[i] - ring[i]) % PHASES) * stride` pool rows past `dst[i]`,
+`pos` being the model's positions (one more each decode step, on the device) and `ring[i]` the
+position the ring started at. The host then issues one copy and one event every `PHASES`
+steps, not one a step.
 """
 import torch
 import triton
 import triton.language as tl
 
 from .common import (
-    check_activation, check_buffer, check_partner, check_row_table, col_block, warps_for,
+    check_activation, check_buffer, check_partner, check_ring, check_row_table, col_block, warps_for,
 )
+
+# Steps a ring holds (a power of two: the kernel takes the phase with a mask).
+PHASES = 8
 
 
 @triton.jit
 def _capture_block(
     x_ptr, y_ptr, dst_ptr, out_ptr, row, block, width, out_rows,
     stride_x, stride_xc, stride_y, stride_yc, stride_out, stride_outc,
-    HAS_Y: tl.constexpr, BLOCK: tl.constexpr,
+    ring_ptr, pos_ptr, ring_stride,
+    HAS_Y: tl.constexpr, RING: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Columns [block * BLOCK, +BLOCK) of row `row` (of x, or x + y) to out[dst[row]]."""
-    d = tl.load(dst_ptr + row)
+    """Columns [block * BLOCK, +BLOCK) of row `row` (of x, or x + y) to out[dst[row]] (plus the
+    ring's phase, where the row is in one)."""
+    d = tl.load(dst_ptr + row).to(tl.int64)
+    if RING:
+        # loaded beside dst, not after it: one round trip to memory, not two
+        start = tl.load(ring_ptr + row).to(tl.int64)
+        p = tl.load(pos_ptr + row).to(tl.int64)
+        d = tl.where((d >= 0) & (start >= 0), d + ((p - start) & (PHASES - 1)) * ring_stride, d)
     if (d >= 0) & (d < out_rows):
         cols = block * BLOCK + tl.arange(0, BLOCK)
         mask = cols < width
@@ -38,7 +55,7 @@ def _capture_block(
         if HAS_Y:
             y = tl.load(y_ptr + src * stride_y + cols * stride_yc, mask=mask)
             v = v.to(tl.float32) + y.to(tl.float32)
-        tl.store(out_ptr + d.to(tl.int64) * stride_out + cols * stride_outc, v.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + d * stride_out + cols * stride_outc, v.to(out_ptr.dtype.element_ty),
                  mask=mask)
 
 
@@ -46,33 +63,38 @@ def _capture_block(
 def _capture_kernel(
     x_ptr, y_ptr, dst_ptr, out_ptr, width, out_rows,
     stride_x, stride_xc, stride_y, stride_yc, stride_out, stride_outc,
-    HAS_Y: tl.constexpr, BLOCK: tl.constexpr,
+    ring_ptr, pos_ptr, ring_stride,
+    HAS_Y: tl.constexpr, RING: tl.constexpr, BLOCK: tl.constexpr,
 ):
     _capture_block(x_ptr, y_ptr, dst_ptr, out_ptr, tl.program_id(0), tl.program_id(1), width, out_rows,
-                   stride_x, stride_xc, stride_y, stride_yc, stride_out, stride_outc, HAS_Y, BLOCK)
+                   stride_x, stride_xc, stride_y, stride_yc, stride_out, stride_outc,
+                   ring_ptr, pos_ptr, ring_stride, HAS_Y, RING, BLOCK)
 
 
 @triton.jit
 def _capture_pair_kernel(
-    x0_ptr, dst0_ptr, out0_ptr, width0, rows0, stride_x0, stride_xc0, stride_out0, stride_outc0,
-    x1_ptr, dst1_ptr, out1_ptr, width1, rows1, stride_x1, stride_xc1, stride_out1, stride_outc1,
-    BLOCKS0: tl.constexpr, BLOCK: tl.constexpr,
+    x0_ptr, dst0_ptr, out0_ptr, width0, rows0, stride_x0, stride_xc0, stride_out0, stride_outc0, ring_stride0,
+    x1_ptr, dst1_ptr, out1_ptr, width1, rows1, stride_x1, stride_xc1, stride_out1, stride_outc1, ring_stride1,
+    ring_ptr, pos_ptr, RING: tl.constexpr, BLOCKS0: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Column blocks [0, BLOCKS0) of the grid's second axis are the first capture's, the rest the second's.
     row = tl.program_id(0)
     j = tl.program_id(1)
     if j < BLOCKS0:
         _capture_block(x0_ptr, x0_ptr, dst0_ptr, out0_ptr, row, j, width0, rows0, stride_x0, stride_xc0,
-                       stride_x0, stride_xc0, stride_out0, stride_outc0, False, BLOCK)
+                       stride_x0, stride_xc0, stride_out0, stride_outc0, ring_ptr, pos_ptr, ring_stride0,
+                       False, RING, BLOCK)
     else:
         _capture_block(x1_ptr, x1_ptr, dst1_ptr, out1_ptr, row, j - BLOCKS0, width1, rows1, stride_x1, stride_xc1,
-                       stride_x1, stride_xc1, stride_out1, stride_outc1, False, BLOCK)
+                       stride_x1, stride_xc1, stride_out1, stride_outc1, ring_ptr, pos_ptr, ring_stride1,
+                       False, RING, BLOCK)
 
 
 def capture_pair(x0: torch.Tensor, x1: torch.Tensor, dst0: torch.Tensor, dst1: torch.Tensor,
-                 out0: torch.Tensor, out1: torch.Tensor) -> None:
+                 out0: torch.Tensor, out1: torch.Tensor, ring: torch.Tensor | None = None,
+                 pos: torch.Tensor | None = None, stride0: int = 0, stride1: int = 0) -> None:
     """`capture(x0, dst0, out0)` and `capture(x1, dst1, out1)` in one launch (Triton); x0 and x1
-    have the same rows."""
+    have the same rows. With a ring, each capture steps by its own stride."""
     for x, dst, out in ((x0, dst0, out0), (x1, dst1, out1)):
         check_activation(x, integers=True)
         check_row_table(dst, x, "dst")
@@ -82,24 +104,28 @@ def capture_pair(x0: torch.Tensor, x1: torch.Tensor, dst0: torch.Tensor, dst1: t
     if out0.untyped_storage().data_ptr() == out1.untyped_storage().data_ptr():
         # a compiled graph writes each mutated argument back whole: one buffer twice loses a capture
         raise ValueError("out0 and out1 are one buffer: capture_pair needs two (call capture twice)")
+    check_ring(ring, pos, x0)
     num_tokens = x0.shape[0]
     if num_tokens == 0:
         return
     block = col_block(max(x0.shape[1], x1.shape[1]))
     blocks0 = triton.cdiv(x0.shape[1], block)
     _capture_pair_kernel[(num_tokens, blocks0 + triton.cdiv(x1.shape[1], block))](
-        x0, dst0, out0, x0.shape[1], out0.shape[0], x0.stride(0), x0.stride(1), out0.stride(0), out0.stride(1),
-        x1, dst1, out1, x1.shape[1], out1.shape[0], x1.stride(0), x1.stride(1), out1.stride(0), out1.stride(1),
-        BLOCKS0=blocks0, BLOCK=block, num_warps=warps_for(block),
+        x0, dst0, out0, x0.shape[1], out0.shape[0], x0.stride(0), x0.stride(1), out0.stride(0), out0.stride(1), stride0,
+        x1, dst1, out1, x1.shape[1], out1.shape[0], x1.stride(0), x1.stride(1), out1.stride(0), out1.stride(1), stride1,
+        dst0 if ring is None else ring, dst0 if pos is None else pos,
+        RING=ring is not None, BLOCKS0=blocks0, BLOCK=block, num_warps=warps_for(block),
     )
 
 
-def _launch(x: torch.Tensor, y: torch.Tensor | None, dst: torch.Tensor, out: torch.Tensor) -> None:
+def _launch(x: torch.Tensor, y: torch.Tensor | None, dst: torch.Tensor, out: torch.Tensor,
+            ring: torch.Tensor | None, pos: torch.Tensor | None, stride: int) -> None:
     check_activation(x, integers=y is None)
     if y is not None:
         check_partner(x, y)
     check_row_table(dst, x, "dst")
     check_buffer(out, x)
+    check_ring(ring, pos, x)
     num_tokens, width = x.shape
     if num_tokens == 0:
         return
@@ -108,38 +134,50 @@ def _launch(x: torch.Tensor, y: torch.Tensor | None, dst: torch.Tensor, out: tor
     _capture_kernel[(num_tokens, triton.cdiv(width, block))](
         x, other, dst, out, width, out.shape[0],
         x.stride(0), x.stride(1), other.stride(0), other.stride(1), out.stride(0), out.stride(1),
-        HAS_Y=y is not None, BLOCK=block, num_warps=warps_for(block),
+        dst if ring is None else ring, dst if pos is None else pos, stride,   # (unread without a ring)
+        HAS_Y=y is not None, RING=ring is not None, BLOCK=block, num_warps=warps_for(block),
     )
 
 
-def capture(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
-    """out[dst[i]] = x[i].to(out.dtype) for every row i < x.shape[0] with dst[i] >= 0 (Triton)."""
-    _launch(x, None, dst, out)
+def capture(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor, ring: torch.Tensor | None = None,
+            pos: torch.Tensor | None = None, stride: int = 0) -> None:
+    """out[dst[i]] = x[i].to(out.dtype) for every row i < x.shape[0] with dst[i] >= 0 (Triton);
+    with a ring, dst[i] plus the row's phase times `stride`."""
+    _launch(x, None, dst, out, ring, pos, stride)
 
 
-def capture_sum(a: torch.Tensor, b: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
+def capture_sum(a: torch.Tensor, b: torch.Tensor, dst: torch.Tensor, out: torch.Tensor,
+                ring: torch.Tensor | None = None, pos: torch.Tensor | None = None, stride: int = 0) -> None:
     """out[dst[i]] = (a[i] + b[i]) added in fp32, stored in out.dtype (Triton)."""
-    _launch(a, b, dst, out)
+    _launch(a, b, dst, out, ring, pos, stride)
 
 
-def _kept_rows(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    d = dst[: x.shape[0]]
-    return ((d >= 0) & (d < out.shape[0])).nonzero().squeeze(1)
+def _places(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor, ring: torch.Tensor | None,
+            pos: torch.Tensor | None, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of x the kernel writes and the pool rows it writes them to."""
+    d = dst[: x.shape[0]].long()
+    if ring is not None:
+        start, p = ring[: x.shape[0]].long(), pos[: x.shape[0]].long()
+        d = torch.where((d >= 0) & (start >= 0), d + ((p - start) & (PHASES - 1)) * stride, d)
+    rows = ((d >= 0) & (d < out.shape[0])).nonzero().squeeze(1)
+    return rows, d[rows]
 
 
-def capture_ref(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
+def capture_ref(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor, ring: torch.Tensor | None = None,
+                pos: torch.Tensor | None = None, stride: int = 0) -> None:
     """Plain-torch reference of `capture`."""
-    rows = _kept_rows(x, dst, out)
-    out[dst[rows].long()] = x[rows].to(out.dtype)
+    rows, to = _places(x, dst, out, ring, pos, stride)
+    out[to] = x[rows].to(out.dtype)
 
 
-def capture_pair_ref(x0, x1, dst0, dst1, out0, out1) -> None:
+def capture_pair_ref(x0, x1, dst0, dst1, out0, out1, ring=None, pos=None, stride0=0, stride1=0) -> None:
     """Plain-torch reference of `capture_pair`."""
-    capture_ref(x0, dst0, out0)
-    capture_ref(x1, dst1, out1)
+    capture_ref(x0, dst0, out0, ring, pos, stride0)
+    capture_ref(x1, dst1, out1, ring, pos, stride1)
 
 
-def capture_sum_ref(a: torch.Tensor, b: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
+def capture_sum_ref(a: torch.Tensor, b: torch.Tensor, dst: torch.Tensor, out: torch.Tensor,
+                    ring: torch.Tensor | None = None, pos: torch.Tensor | None = None, stride: int = 0) -> None:
     """Plain-torch reference of `capture_sum`."""
-    rows = _kept_rows(a, dst, out)
-    out[dst[rows].long()] = (a[rows].float() + b[rows].float()).to(out.dtype)
+    rows, to = _places(a, dst, out, ring, pos, stride)
+    out[to] = (a[rows].float() + b[rows].float()).to(out.dtype)

@@ -65,6 +65,22 @@ def check_row_table(table: torch.Tensor, x: torch.Tensor, name: str) -> None:
     check_unit_stride(table, name)
 
 
+def check_ring(ring: torch.Tensor | None, pos: torch.Tensor | None, x: torch.Tensor) -> None:
+    """A capture's ring (capture.py): its int32 start positions and the model's positions, one
+    entry per row of x at least, or neither."""
+    if ring is None and pos is None:
+        return
+    if ring is None or pos is None:
+        raise ValueError("a ring needs both its start positions (ring) and the model's positions (pos)")
+    check_row_table(ring, x, "ring")
+    if pos.dtype not in (torch.int32, torch.int64) or pos.dim() != 1 or pos.shape[0] < x.shape[0]:
+        raise ValueError(f"pos must be 1-D int32 or int64 with an entry per row ({x.shape[0]}), got "
+                         f"{pos.dtype} of shape {tuple(pos.shape)}")
+    if pos.device != x.device:
+        raise ValueError(f"pos is on {pos.device}, x on {x.device}")
+    check_unit_stride(pos, "pos")
+
+
 def check_unit_stride(table: torch.Tensor, name: str) -> None:
     # The kernels index tables by position along their last dimension.
     if table.numel() > 1 and table.stride(-1) != 1:

@@ -67,20 +67,25 @@ def _register(schema: str, impl: Callable) -> None:
     torch.library.register_fake(f"tapc::{name}", lambda *args, **kwargs: None, lib=_LIB)
 
 
-def capture(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
-    """out[dst[i]] = x[i].to(out.dtype) for rows i < x.shape[0] with dst[i] >= 0."""
-    _run((dst,), _capture.capture, _capture.capture_ref, x, dst, out)
+def capture(x: torch.Tensor, dst: torch.Tensor, out: torch.Tensor, ring: Optional[torch.Tensor] = None,
+            pos: Optional[torch.Tensor] = None, stride: int = 0) -> None:
+    """out[dst[i]] = x[i].to(out.dtype) for rows i < x.shape[0] with dst[i] >= 0; with a ring
+    (capture.py), dst[i] plus the row's phase times `stride`."""
+    _run((dst,), _capture.capture, _capture.capture_ref, x, dst, out, ring, pos, stride)
 
 
 def capture_pair(x0: torch.Tensor, x1: torch.Tensor, dst0: torch.Tensor, dst1: torch.Tensor,
-                 out0: torch.Tensor, out1: torch.Tensor) -> None:
+                 out0: torch.Tensor, out1: torch.Tensor, ring: Optional[torch.Tensor] = None,
+                 pos: Optional[torch.Tensor] = None, stride0: int = 0, stride1: int = 0) -> None:
     """Two captures (x0 -> out0 by dst0, x1 -> out1 by dst1) in one launch."""
-    _run((dst0, dst1), _capture.capture_pair, _capture.capture_pair_ref, x0, x1, dst0, dst1, out0, out1)
+    _run((dst0, dst1), _capture.capture_pair, _capture.capture_pair_ref, x0, x1, dst0, dst1, out0, out1,
+         ring, pos, stride0, stride1)
 
 
-def capture_sum(a: torch.Tensor, b: torch.Tensor, dst: torch.Tensor, out: torch.Tensor) -> None:
+def capture_sum(a: torch.Tensor, b: torch.Tensor, dst: torch.Tensor, out: torch.Tensor,
+                ring: Optional[torch.Tensor] = None, pos: Optional[torch.Tensor] = None, stride: int = 0) -> None:
     """out[dst[i]] = a[i] + b[i] (fp32 add, stored in out.dtype) for rows with dst[i] >= 0."""
-    _run((dst,), _capture.capture_sum, _capture.capture_sum_ref, a, b, dst, out)
+    _run((dst,), _capture.capture_sum, _capture.capture_sum_ref, a, b, dst, out, ring, pos, stride)
 
 
 def add_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor, vec: torch.Tensor,
@@ -132,10 +137,11 @@ def boundary(x: torch.Tensor, b: Optional[torch.Tensor], point: int) -> None:
     _boundary_handler(point, x, b)
 
 
-_register("capture(Tensor x, Tensor dst, Tensor(a!) out) -> ()", capture)
-_register("capture_pair(Tensor x0, Tensor x1, Tensor dst0, Tensor dst1, Tensor(a!) out0, Tensor(b!) out1) -> ()",
-          capture_pair)
-_register("capture_sum(Tensor a, Tensor b, Tensor dst, Tensor(a!) out) -> ()", capture_sum)
+_RING = "Tensor? ring=None, Tensor? pos=None"
+_register(f"capture(Tensor x, Tensor dst, Tensor(a!) out, {_RING}, int stride=0) -> ()", capture)
+_register("capture_pair(Tensor x0, Tensor x1, Tensor dst0, Tensor dst1, Tensor(a!) out0, Tensor(b!) out1, "
+          f"{_RING}, int stride0=0, int stride1=0) -> ()", capture_pair)
+_register(f"capture_sum(Tensor a, Tensor b, Tensor dst, Tensor(a!) out, {_RING}, int stride=0) -> ()", capture_sum)
 _register("add_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor vec, Tensor alpha) -> ()", add_)
 _register("scale_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor factor) -> ()", scale_)
 _register("set_cols_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor cols, Tensor vals) -> ()",

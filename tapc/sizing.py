@@ -5,7 +5,8 @@ The worker allocates, once, before vLLM's first forward (engine/buffers.py):
   much again for the pool's snapshot (copy-out reads the snapshot while the next step writes
   the pool), and `max_num_seqs` rows more for decode steps' own snapshot where that is fewer
   than `rows` (`small_snapshot_rows`);
-- per capture and per in-graph edit tap: an int32 row table of `rows` entries;
+- per capture and per in-graph edit tap: an int32 row table of `rows` entries, and one more
+  for a plan with captures (the rings' starts, engine/layout.py), counted with its first;
 - per edit: its parameter tables, `[slots, ...]` each (tapc/edits.py `tables`), with
   `slots = SLOTS_PER_SEQ * max_num_seqs`; a named vector or scalar table is one table for every
   edit that uses the name (counted at the first);
@@ -72,10 +73,12 @@ def tap_bytes(taps, rows: int, max_num_seqs: int) -> list[int]:
     """Device bytes the engine allocates for each tap of a plan (`taps` in plan order)."""
     slots = param_slots(max_num_seqs)
     out = [0] * len(taps)
+    first = next((i for i, tap in enumerate(taps) if tap.kind == READ), None)
     for i, tap in enumerate(taps):
         if tap.kind == READ:
             snapshots = rows + small_snapshot_rows(rows, max_num_seqs)
-            out[i] = (rows + snapshots) * tap.width * ITEMSIZE[tap.dtype] + rows * ROW_ENTRY
+            tables = 2 if i == first else 1
+            out[i] = (rows + snapshots) * tap.width * ITEMSIZE[tap.dtype] + tables * rows * ROW_ENTRY
     for kind, per_row in ((EDIT, rows), (ENGINE, max_num_seqs)):
         index = [i for i, t in enumerate(taps) if t.kind == kind and t.action in EDITS]
         for i, own in zip(index, edit_tables([taps[i] for i in index])):

@@ -34,6 +34,7 @@ from tapc.tree import ModuleTree, Node, SourceOp
 
 HIDDEN, INTER, LAYERS, VOCAB = 16, 24, 3, 50
 HALF = 10
+MAX_ROWS = 1024   # the toy runners' positions buffers (a step runs at most this many rows)
 # MLP.forward's calls as the plan names them (tapc.tree.forward_calls), with their widths.
 MLP_SOURCE = (SourceOp("self_up_proj_0", "self.up_proj(x)", 0, (INTER,), HIDDEN, linear=True),
               SourceOp("h_split_0", "h.split(...)", 0, (HALF, INTER - HALF), INTER),
@@ -135,9 +136,9 @@ class ToyBuffers(Buffers):
         self.layout = layout
         self.rows = rows
         self.slots = slots
-        self.table = torch.full((layout.num_tables, rows), -1, dtype=torch.int32)
+        self.table = torch.full((layout.table_rows, rows), -1, dtype=torch.int32)
         self._clean = rows
-        self._uva = [_UvaTable(layout.num_tables * rows, torch.device("cpu")) for _ in range(2)]
+        self._uva = [_UvaTable(layout.table_rows * rows, torch.device("cpu")) for _ in range(2)]
         self._next = 0
         self.pools = [torch.zeros(len(g.caps) * rows, g.width, dtype=getattr(torch, g.dtype)) for g in layout.groups]
         self.staging = Staging(torch.device("cpu"))
@@ -148,8 +149,9 @@ class ToyBuffers(Buffers):
         self.counting = False
         self.copies = 0                 # steps that copied captures out
         self.waited: list[int] = []     # the steps (their copy number) a collect waited for
+        self.positions = None           # the runner's, set as the worker sets them
 
-    def copy_out(self, segments, used):
+    def copy_out(self, segments, used, direct=False):
         if self.counting:
             for pool, n in zip(self.pools, used):
                 self.nonfinite_values += int(torch.isfinite(pool[:n]).logical_not_().sum())
@@ -188,6 +190,8 @@ class ToyRunner:
         self.req_states = NS(prompt_len=NS(np=np.zeros(64, dtype=np.int32)))
         self.sampler = None   # tests/test_points_cpu.py samples on its own
         self.last = None
+        self.model_config = NS(uses_mrope=False, uses_xdrope_dim=0)
+        self.input_buffers = NS(positions=torch.zeros(MAX_ROWS, dtype=torch.long))   # written each step, as vLLM's
 
     def get_model(self):
         return self.model
@@ -203,7 +207,7 @@ class ToyRunner:
         batch = self.prepare_inputs(so, None)
         padded = batch.num_tokens_after_padding
         ids = torch.zeros(padded, dtype=torch.long)
-        pos = torch.zeros(padded, dtype=torch.long)
+        pos = self.input_buffers.positions[:padded].zero_()
         for i, rid in enumerate(batch.req_ids):
             a, b = batch.query_start_loc_np[i], batch.query_start_loc_np[i + 1]
             c = batch.num_computed_tokens_np[i]
@@ -242,6 +246,8 @@ class ToyRunnerV1:
         self.sampler = None
         self.last = None
         self.dummy_runs = 0
+        self.model_config = NS(uses_mrope=False, uses_xdrope_dim=0)
+        self.positions = torch.zeros(MAX_ROWS, dtype=torch.long)   # written each step, as vLLM's
 
     def get_model(self):
         return self.model
@@ -275,7 +281,7 @@ class ToyRunnerV1:
         total = int(qsl[batch.num_reqs])
         padded = -(-total // self.pad) * self.pad
         ids = torch.zeros(padded, dtype=torch.long)
-        pos = torch.zeros(padded, dtype=torch.long)
+        pos = self.positions[:padded].zero_()
         for i, rid in enumerate(batch.req_ids):
             a, b = qsl[i], qsl[i + 1]
             c = batch.num_computed_tokens_cpu[i]
@@ -428,9 +434,10 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank
 
     layout = Layout(plan, tp_rank, stage)   # on several GPUs: this one's part of the plan
     buffers = ToyBuffers(layout, rows, slots)
-    install(model, layout, buffers)
     toy, adapter = {"v2": (ToyRunner, V2Adapter), "v1": (ToyRunnerV1, V1Adapter)}[runner]
     runner = toy(model, pad)
+    buffers.positions = adapter.positions(runner)
+    install(model, layout, buffers)
     # as the worker does
     points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
     # Small arena segments, so a run spans several files and reuses freed space.

@@ -7,7 +7,7 @@ from kernel_cases import (
 )
 
 from tapc.kernels.capture import (
-    capture, capture_pair, capture_pair_ref, capture_ref, capture_sum, capture_sum_ref,
+    PHASES, capture, capture_pair, capture_pair_ref, capture_ref, capture_sum, capture_sum_ref,
 )
 
 # Odd widths, one past a column block (2560 = 2048 + 512), one and many rows.
@@ -192,3 +192,59 @@ def test_capture_full_size(num_tokens, width, dtype):
     capture_sum_ref(a, b, dst, expected)
     assert_close(out, expected, torch.float32, "capture_sum into fp32")
     check_untouched(out, dst, num_tokens, "capture_sum")
+
+
+def ring_case(rows: int, width: int, stride: int):
+    """Rows in a ring (start >= 0) and not (-1), each a block of a ring's pool rows (its phase
+    0 at dst; some -1), the model's positions up to two rings past the start."""
+    x = randn(rows, width, torch.bfloat16)
+    dst = torch.arange(rows, dtype=torch.int32, device=DEVICE) * (PHASES * stride + 1)
+    dst[::5] = -1
+    ring = torch.randint(0, 50, (rows,), dtype=torch.int32, device=DEVICE)
+    ring[1::3] = -1
+    pos = ring.long().clamp(min=0) + torch.randint(0, 2 * PHASES, (rows,), device=DEVICE)
+    return x, dst, ring, pos
+
+
+@pytest.mark.parametrize("kind", ["capture", "capture_sum", "capture_pair"])
+def test_a_ring_writes_each_row_its_phase_on(kind):
+    """A row in a ring lands `stride` pool rows further for each step past its ring's start (mod
+    PHASES); a row in none, and a skipped row, as without a ring. Checked row by row against
+    the rule itself, and the rest of the pool untouched."""
+    seed("ring", kind)
+    rows, width, stride = 23, 40, 3
+    x, dst, ring, pos = ring_case(rows, width, stride + 1)
+    y = randn(rows, width, torch.bfloat16)
+    out_rows = rows * (PHASES * (stride + 1) + 1)
+    out, other = poisoned(out_rows, width, torch.bfloat16), poisoned(out_rows, width, torch.bfloat16)
+    if kind == "capture":
+        capture(x, dst, out, ring, pos, stride)
+    elif kind == "capture_sum":
+        capture_sum(x, y, dst, out, ring, pos, stride)
+    else:
+        capture_pair(x, y, dst, dst, out, other, ring, pos, stride, stride + 1)
+    written = torch.zeros(out_rows, dtype=torch.bool)
+    for i in range(rows):
+        if dst[i] < 0:
+            continue
+        to = int(dst[i]) + (int(pos[i] - ring[i]) % PHASES * stride if ring[i] >= 0 else 0)
+        what = f"row {i} (start {int(ring[i])}, position {int(pos[i])}) at pool row {to}"
+        if kind == "capture_sum":   # added in fp32: rounded once to bf16, as the reference's tolerance allows
+            assert_close(out[to], (x[i].float() + y[i].float()).to(torch.bfloat16), torch.bfloat16, what)
+        else:
+            assert torch.equal(out[to], x[i]), what
+        if kind == "capture_pair":
+            to1 = int(dst[i]) + (int(pos[i] - ring[i]) % PHASES * (stride + 1) if ring[i] >= 0 else 0)
+            assert torch.equal(other[to1], y[i]), f"pair's second capture, row {i}"
+        written[to] = True
+    assert written.sum() == int((dst[:rows] >= 0).sum()), "two rows landed on one pool row"
+    assert out[~written.to(out.device)].isnan().all(), "a pool row no row goes to was written"
+
+
+def test_a_ring_needs_both_tables():
+    x, dst, ring, pos = ring_case(4, 8, 2)
+    out = poisoned(64, 8, torch.bfloat16)
+    with pytest.raises(ValueError, match="a ring needs both"):
+        capture(x, dst, out, ring, None, 2)
+    with pytest.raises(ValueError, match="pos must be 1-D int32 or int64 with an entry per row"):
+        capture(x, dst, out, ring, pos[:2], 2)

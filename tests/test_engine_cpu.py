@@ -150,6 +150,37 @@ def test_a_worker_on_another_node_sends_rows_not_places_and_frees_its_arena():
 
 
 @RUNNERS
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_rings_hold_steady_decode_rows_and_copy_them_out_whole(runner_kind, compiled):
+    """Steady decode at small batches runs in rings (fill.py `Repeat`): each step's rows land a
+    phase on by the model's positions, and go out every PHASES steps or when the ring ends: an
+    arrival, a preemption mid-ring, requests finishing, the collect. A request asking for part
+    of a group's captures ("part") keeps the batch out of rings while it runs. Every capture
+    equals the reference, row for row; and copies are far fewer than steps."""
+    plan = toy_plan(TAPS)
+    model = ToyModel()
+    runner, hooks = hooks_for(plan, model, runner=runner_kind)
+    if compiled:  # the ops' ring arguments through Dynamo, as vLLM's compiled graphs call them
+        runner.model = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
+    whole = ["model.layers.*.resid", "model.layers.1.output[0]", "model.layers.2.mlp.down_proj.output"]   # a group
+    asks = [("long", 6, 48, 0, None, TapRequest(capture="*")),
+            ("gen", 9, 26, 0, 17, TapRequest(capture=whole, positions="generated")),
+            ("part", 4, 6, 30, None, TapRequest(capture=["model.layers.1.output[0]"])),
+            ("plain", 5, 33, 0, None, None)]
+    rng = np.random.default_rng(11)
+    reqs = [Req(rid, rng.integers(0, 50, plen).tolist(), n, wire_for(plan, ask, rid), arrive, preempt)
+            for rid, plen, n, arrive, preempt, ask in asks]
+    run(runner, reqs, budget=64)
+    outs = collect(hooks, reqs, TapSession(plan))
+    for r in reqs:
+        if r.wire is not None:
+            assert outs[r.rid].error is None
+            check(r, dict(outs[r.rid].taps), r.wire.ask.positions)
+    assert hooks.steps > 40 and hooks.buffers.copies * 2 < hooks.steps, (hooks.buffers.copies, hooks.steps)
+    assert not hooks.by_id and not hooks.records
+
+
+@RUNNERS
 @pytest.mark.parametrize("fill", ["numpy", "compiled"])
 def test_steering_per_request_and_untouched_others(runner_kind, fill, monkeypatch):
     """Two requests with different vectors in one batch, one steered only while generating
@@ -311,22 +342,27 @@ def test_steps_that_own_no_row_upload_no_table_once_the_device_tables_own_none(r
     check(late, collect(hooks, [late], TapSession(plan))["t2"].taps, "all")
 
 
-def test_a_collect_waits_for_its_requests_own_last_copies_not_the_newest_steps():
+@pytest.mark.parametrize("rings", ["1", "0"])
+def test_a_collect_waits_for_its_requests_own_last_copies_not_the_newest_steps(rings, monkeypatch):
     """Collecting a request that finished while others run waits on the copy-out of its own last
     step (whose copies are long done), not on the newest step's: the host is not held until the
-    newest forward ends. Its captures are whole."""
+    newest forward ends. Its captures are whole. With rings (the default), "b" alone from step 3
+    is filled at step 3, starts a ring at step 4 and holds its rows from there in the ring until
+    the first collect copies them out (copy 4); without, each step copies its own."""
+    monkeypatch.setenv("TAPC_RINGS", rings)
     plan = toy_plan(TAPS)
     runner, hooks = hooks_for(plan, ToyModel())
     rng = np.random.default_rng(8)
     short = Req("a", rng.integers(0, 50, 5).tolist(), 2, wire_for(plan, TapRequest(capture="*"), "a"))
     long = Req("b", rng.integers(0, 50, 6).tolist(), 8, wire_for(plan, TapRequest(capture="*"), "b"))
     run(runner, [short, long], budget=64)   # both prefill in step 1; "a" finishes at step 2, "b" at 8
-    assert hooks.buffers.copies == 8
+    assert hooks.buffers.copies == (3 if rings == "1" else 8)
     got = collect(hooks, [short], TapSession(plan))
     assert hooks.buffers.waited == [2], hooks.buffers.waited
     check(short, got["a"].taps, "all")
-    collect(hooks, [long], TapSession(plan))
-    assert hooks.buffers.waited == [2, 8], hooks.buffers.waited
+    got = collect(hooks, [long], TapSession(plan))
+    assert hooks.buffers.waited == [2, 4 if rings == "1" else 8], hooks.buffers.waited
+    check(long, got["b"].taps, "all")
 
 
 def test_worker_side_request_error_is_reported_at_collect():

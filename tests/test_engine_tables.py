@@ -132,7 +132,7 @@ def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_t
             rec.slot = slots.take()[0] if rec.edits else -1
         reqs.append(dict(rid=f"r{i}", plen=plen, total=plen + gen - 1, done=0, rec=rec, seen={}, capture=capture))
     records = {r["rid"]: r["rec"] for r in reqs if r["rec"] is not None}
-    table = np.zeros((layout.num_tables, 256), dtype=np.int32)
+    table = np.zeros((layout.table_rows, 256), dtype=np.int32)
     pools = [torch.zeros(len(g.caps) * 256, g.width) for g in layout.groups]
     while any(r["done"] < r["total"] for r in reqs):
         live = [r for r in reqs if r["done"] < r["total"]]
@@ -208,7 +208,7 @@ def test_a_repeated_decode_step_leaves_the_tables_segments_and_captures_of_a_fre
             wire = WireRequest(sp["rid"], check(plan, sp["ask"], sp["rid"]))
             rec = records[sp["rid"]] = Record(layout, sp["rid"], wire, sp["plen"], sp["gen"], cpu_alloc)
             rec.slot = slots.take()[0] if rec.edits else -1
-        runs.append(dict(repeat=repeat, records=records, device=np.full((layout.num_tables, 256), -1, np.int32),
+        runs.append(dict(repeat=repeat, records=records, device=np.full((layout.table_rows, 256), -1, np.int32),
                          pools=[torch.zeros(len(g.caps) * 256, g.width) for g in layout.groups], hits=0))
     done = {sp["rid"]: 0 for sp in specs}
     live = [sp for sp in specs[:4]]
@@ -232,7 +232,7 @@ def test_a_repeated_decode_step_leaves_the_tables_segments_and_captures_of_a_fre
         for run in runs:
             got = run["repeat"].same(batch) if run["repeat"] is not None else None
             if got is None:
-                table = np.full((layout.num_tables, batch.padded), 7, np.int32)
+                table = np.full((layout.table_rows, batch.padded), 7, np.int32)
                 tapped = tapped_of(run["records"], batch)
                 got = fill_step(layout, table, tapped, batch)
                 run["device"][:, :batch.padded] = table            # the upload
@@ -419,7 +419,7 @@ def test_the_compiled_fill_writes_what_numpys_writes_on_plans_of_one_kind(taps):
         qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         batch = StepBatch(live, qsl, np.array([done[r] for r in live], dtype=np.int32),
                           np.array([mine[r][1] for r in live], dtype=np.int32), int(qsl[-1]) + 3)
-        got_table, want_table = np.full((layout.num_tables, 256), 7, np.int32), np.full((layout.num_tables, 256), 7, np.int32)
+        got_table, want_table = np.full((layout.table_rows, 256), 7, np.int32), np.full((layout.table_rows, 256), 7, np.int32)
         got = compiled(got_table, tapped_of({r: v[0] for r, v in mine.items() if r != "r6"}, batch), batch)
         want = fill_step(layout, want_table, tapped_of({r: v[0] for r, v in theirs.items() if r != "r6"}, batch), batch)
         assert got is not None

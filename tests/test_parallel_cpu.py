@@ -23,7 +23,7 @@ from tapc.engine.positions import expected_rows
 from tapc.engine.protocol import Chunk, CollectReply, Result, StoreResult
 from tapc.engine.requests import TapRequest
 from tapc.errors import PlanError, ProtocolError, ResolveError
-from tapc.plan import TapPlan
+from tapc.plan import READ, TapPlan
 from tapc.planner import build_plan
 from tapc.ranks import rank_taps
 from tapc.session import TapSession
@@ -62,12 +62,17 @@ def test_each_gpu_is_sized_at_its_local_widths():
     """buffer_bytes: the GPU that allocates most for the tap, from the map's local widths."""
     plan = plan_for(CAPTURES, tp=2, pp=2)
     shards = plan.shard_map
+    # each GPU's first capture also holds the rings' row table (its starts)
+    firsts = {next(t.key for t in plan.taps if t.kind == READ and t.stage == s and shards[t.key].ranks[r].writes)
+              for s in range(2) for r in range(2)}
     for tap in plan.taps:
         if tap.key == "logits":
             assert tap.buffer_bytes == 0   # kept per step, not preallocated
             continue
         local = max(r.local_width for r in shards[tap.key].ranks if r.writes)
-        assert tap.buffer_bytes == (2 * ROWS + SEQS) * local * ITEMSIZE[tap.dtype] + ROWS * ROW_ENTRY   # pool, snapshot, decode snapshot; row table
+        tables = 2 if tap.key in firsts else 1
+        # pool, snapshot, decode snapshot; row table(s)
+        assert tap.buffer_bytes == (2 * ROWS + SEQS) * local * ITEMSIZE[tap.dtype] + tables * ROWS * ROW_ENTRY
     per_gpu = [sum(t.buffer_bytes for t in plan.taps if t.stage == s and
                    shards[t.key].ranks[r].writes) for s in range(2) for r in range(2)]
     assert plan.total_buffer_bytes == max(per_gpu)

@@ -104,12 +104,12 @@ def test_buffer_arithmetic(trees):
              max_num_batched_tokens=1000, max_num_seqs=10, capture_dtype="float32")
     resid, act, edit, logits = p.taps
     # captures: a pool and its snapshot of [rows, width], the decode steps' snapshot of
-    # [max_num_seqs, width], and an int32 row table
-    assert resid.buffer_bytes == (2 * 1000 + 10) * 256 * 4 + 1000 * 4 and resid.dtype == "float32"
+    # [max_num_seqs, width], and an int32 row table (the first capture one more: the rings' starts)
+    assert resid.buffer_bytes == (2 * 1000 + 10) * 256 * 4 + 2 * 1000 * 4 and resid.dtype == "float32"
     assert act.buffer_bytes == (2 * 1000 + 10) * 704 * 4 + 1000 * 4
     same = plan(trees, "llama", ["model.layers.0.resid"], max_num_batched_tokens=1000, max_num_seqs=1000,
                 capture_dtype="float32")
-    assert same.taps[0].buffer_bytes == 2 * 1000 * 256 * 4 + 1000 * 4   # no decode snapshot: as many rows
+    assert same.taps[0].buffer_bytes == 2 * 1000 * 256 * 4 + 2 * 1000 * 4   # no decode snapshot: as many rows
     # edits: a row table, and a float32 vector and a scale in each of 2 slots per request
     assert edit.buffer_bytes == 1000 * 4 + 2 * 10 * (256 * 4 + 4)
     assert logits.buffer_bytes == 0                         # kept per step until collected, not preallocated

@@ -84,7 +84,7 @@ class Buffers:
         self.layout = layout
         self.rows = rows
         self.slots = param_slots(seqs)
-        k = layout.num_tables
+        k = layout.table_rows
         self.table = torch.full((k, rows), -1, dtype=torch.int32, device=device)
         # Columns [0, _clean) of `table` own no row (all -1): a step that owns none and runs at
         # most that many rows needs no upload (untapped traffic, "nothing asked").
@@ -111,6 +111,10 @@ class Buffers:
         self.params = ParamTables(layout.edits, self.slots, device, layout.localize, self.staging)
         self.logit_params = ParamTables(layout.logit_edits, self.slots, device, staging=self.staging)
         self.logit_rows = torch.full((len(layout.logit_edits), seqs), -1, dtype=torch.int32, device=device)
+        # The model runner's positions (one per row, on the device, rewritten each step), which a
+        # ring's capture kernels read: the worker sets them before it installs the ops, where its
+        # runner adapter knows them (None: no rings).
+        self.positions: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor above, once (their bytes are what `tapc explain` says the plan takes)."""
@@ -121,9 +125,9 @@ class Buffers:
     # ---------------------------------------------------------------- per step
 
     def host_table(self, padded: int) -> np.ndarray:
-        """The next pinned buffer, as the host view `[num_tables, padded]` to fill."""
+        """The next pinned buffer, as the host view `[table_rows, padded]` to fill."""
         buf = self._uva[self._next]
-        return buf.np[: self.layout.num_tables * padded].reshape(self.layout.num_tables, padded)
+        return buf.np[: self.layout.table_rows * padded].reshape(self.layout.table_rows, padded)
 
     def clean(self, padded: int) -> bool:
         """Whether the device's tables already own no row among a step's first `padded`."""
@@ -133,7 +137,7 @@ class Buffers:
         """The host table just filled goes up; `owns_rows` False when it is all -1."""
         buf = self._uva[self._next]
         self._next = (self._next + 1) % len(self._uva)
-        k = self.layout.num_tables
+        k = self.layout.table_rows
         self.table[:, :padded].copy_(buf.uva[: k * padded].view(k, padded), non_blocking=True)
         self._clean = 0 if owns_rows else max(self._clean, padded)
 
@@ -142,10 +146,11 @@ class Buffers:
         self.table.fill_(-1)
         self._clean = self.rows
 
-    def copy_out(self, segments: list[Segment], used: list[int]) -> "torch.cuda.Event | DriverEvent":
+    def copy_out(self, segments: list[Segment], used: list[int], direct: bool = False) -> "torch.cuda.Event | DriverEvent":
         """Start the step's copies to host memory; the event is recorded once they, and every
-        earlier step's, are done."""
-        if sum(map(mul, used, self._row_bytes)) <= self.direct_bytes:
+        earlier step's, are done. `direct`: straight from the pools whatever their size (a ring's
+        steps, fill.py `Repeat`: its pool rows are rewritten only by the forward after it)."""
+        if direct or sum(map(mul, used, self._row_bytes)) <= self.direct_bytes:
             return self._copy_direct(segments, used)
         compute = torch.cuda.current_stream()
         snap, other = self._big, self._small

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tapc.engine.layout import Layout
+from tapc.kernels.capture import PHASES
 from tapc.engine.positions import NO_END, interval, select
 from tapc.engine.records import Record
 from tapc.engine.step import StepBatch
@@ -46,6 +47,18 @@ def compiled_fill(layout: Layout):
     return CompiledFill(layout)
 
 
+RINGS = "TAPC_RINGS"   # "0": no rings (`Repeat`), for an A/B
+
+
+def rings_on() -> bool:
+    """Whether steady decode steps at small batches run as rings (`Repeat`): yes unless the
+    engine's environment sets `TAPC_RINGS=0`."""
+    value = os.environ.get(RINGS, "1")
+    if value not in ("0", "1"):
+        raise EngineError(f"{RINGS}={value!r}: 1 (the default) or 0")
+    return value == "1"
+
+
 def tapped_of(records: dict[str, Record], batch: StepBatch) -> list[tuple[int, Record]]:
     """The step's tapped requests as (place in the batch, record), in batch order; `records` maps
     vLLM request ids to tapped requests. Found once a step (the hooks, the fill and `Repeat` read it)."""
@@ -54,10 +67,11 @@ def tapped_of(records: dict[str, Record], batch: StepBatch) -> list[tuple[int, R
 
 
 def fill_step(layout: Layout, table: np.ndarray, tapped: list[tuple[int, Record]],
-              batch: StepBatch) -> tuple[list[Segment], list[int]]:
+              batch: StepBatch, phases: int = 1) -> tuple[list[Segment], list[int]]:
     """Write `table[:, :batch.padded]` for one step; return the capture segments to copy out
     after the forward and the rows used in each group's pool. `tapped`: the step's tapped
-    requests (`tapped_of`; the others are left alone).
+    requests (`tapped_of`; the others are left alone). `phases` > 1: the step starts a ring of
+    that many steps (`Repeat`), a decode step of at most `FEW` requests.
 
     This runs on the host every step, beside vLLM's own step preparation. For many tapped
     requests it works on arrays over all their rows at once (one fancy assignment per group and
@@ -68,7 +82,7 @@ def fill_step(layout: Layout, table: np.ndarray, tapped: list[tuple[int, Record]
     used = [0] * len(layout.groups)
     segments: list[Segment] = []
     if 0 < len(tapped) <= FEW:
-        segments = _fill_each(layout, table, tapped, batch, used)
+        segments = _fill_each(layout, table, tapped, batch, used, phases)
     elif tapped:
         reqs = _Requests(tapped, batch.query_start_loc, batch.num_computed)
         if any(rec.stores for rec in reqs.recs):
@@ -89,9 +103,10 @@ FEW = 6
 
 
 def _fill_each(layout: Layout, table: np.ndarray, tapped: list[tuple[int, Record]], batch: StepBatch,
-               used: list[int]) -> list[Segment]:
+               used: list[int], phases: int = 1) -> list[Segment]:
     """`fill_step` for a few requests, one at a time: the same tables and segments as the
-    whole-batch path (pool rows of a group in request order)."""
+    whole-batch path (pool rows of a group in request order). A ring's step (`phases` > 1)
+    leaves each block room for that many steps and marks its rows with their position."""
     qsl, computed = batch.query_start_loc, batch.num_computed
     segments: list[Segment] = []
     for i, rec in tapped:
@@ -108,7 +123,9 @@ def _fill_each(layout: Layout, table: np.ndarray, tapped: list[tuple[int, Record
                     table[st.caps[:, None], rows[None, :]] = used[st.group] + np.arange(0, n * nc, nc) + \
                         np.arange(nc)[:, None]
                     segments.append(Segment(st, used[st.group], n))
-                    used[st.group] += n * nc
+                    used[st.group] += n * nc * phases
+                if phases > 1:
+                    table[layout.ring_row, rows] = pos[keep]
         if rec.slot >= 0:
             for e in rec.edits:
                 table[layout.edit_row(e), start + np.flatnonzero(select(layout.edit_at[e], pos, rec.prompt_len))] = rec.slot
@@ -245,7 +262,14 @@ class Repeat:
     moves. At batch 64 with three capture groups the fill is a few hundred microseconds of numpy
     on the host's critical path, against a few here. A list of positions may take one step's row
     and not the next: a step where one is in use is filled afresh. The runner hooks `forget` it
-    whenever the records, their slots or the device tables change."""
+    whenever the records, their slots or the device tables change.
+
+    A *ring* goes further at small batches (`ring_fits`): the first repeat is filled again with
+    room for `PHASES` steps in each request's block, and the capture kernels put each step's
+    rows one phase on by the model's positions (kernels/capture.py), so the host copies out
+    once every `PHASES` steps, or when the ring ends (the runner's `_forget`), with one event,
+    where a step made a copy call and an event each (in a running engine at batch 1 on the
+    Qwen3-30B-A3B shape, 45-60 us of the engine thread's 2 ms step: docs/engine.md)."""
 
     def __init__(self):
         self.forget()
@@ -255,18 +279,24 @@ class Repeat:
         self._step: tuple[list[Segment], list[int]] = ([], [])
         self._moving: list[tuple[Record, int]] = []   # (record, batch index) of requests capturing each row
         self._computed = np.zeros(0, dtype=np.int64)  # the kept step's positions
+        self.phases = 1    # steps the kept step's pool blocks hold (PHASES: a ring)
+        self.written = 0   # of those, the steps written since the ring's last copy-out
 
-    def same(self, batch: StepBatch) -> tuple[list[Segment], list[int]] | None:
-        """The kept step's segments and used rows if `batch` repeats it (its next rows), with
-        the capturing requests' `next_pos` moved on; None when it must be filled."""
+    def repeats(self, batch: StepBatch) -> bool:
+        """Whether `batch` repeats the kept step (its next rows)."""
         # The kept step was a decode step past every prompt (`keep`). This one repeats it when it
         # has the same requests, each one position on, and one row each: the rows are as many as
         # the requests (every request of a step has one at least). Cheaper than `_decode`,
         # which this runs instead of on every step of a steady decode.
         n = len(batch.req_ids)
-        if self._key is None or self._key != (tuple(batch.req_ids), batch.padded) \
-                or int(batch.query_start_loc[n]) != n \
-                or not np.array_equal(batch.num_computed, self._computed + 1):   # each request's next row
+        return self._key is not None and self._key == (tuple(batch.req_ids), batch.padded) \
+            and int(batch.query_start_loc[n]) == n \
+            and np.array_equal(batch.num_computed, self._computed + 1)   # each request's next row
+
+    def same(self, batch: StepBatch) -> tuple[list[Segment], list[int]] | None:
+        """The kept step's segments and used rows if `batch` repeats it, with the capturing
+        requests' `next_pos` moved on; None when it must be filled."""
+        if not self.repeats(batch):
             return None
         self._computed = batch.num_computed.copy()
         computed = self._computed.tolist()
@@ -274,9 +304,10 @@ class Repeat:
             rec.next_pos = computed[i] + 1
         return self._step
 
-    def keep(self, batch: StepBatch, tapped: list[tuple[int, Record]], step: tuple[list[Segment], list[int]]) -> None:
+    def keep(self, batch: StepBatch, tapped: list[tuple[int, Record]], step: tuple[list[Segment], list[int]],
+             phases: int = 1) -> None:
         """Remember a step just filled (its tapped requests, `tapped_of`), if it is one the next
-        step can repeat."""
+        step can repeat; `phases`: as it was filled (`fill_step`)."""
         self.forget()
         if not _decode(batch):
             return
@@ -288,6 +319,21 @@ class Repeat:
             return   # its row was one it had captured before (recomputed after preemption): not a step to repeat
         self._key, self._step, self._moving = (tuple(batch.req_ids), batch.padded), step, moving
         self._computed = batch.num_computed.copy()
+        self.phases = phases
+
+    def ring_fits(self, layout: Layout, tapped: list[tuple[int, Record]], rows: int) -> bool:
+        """Whether `tapped`, repeating the kept step, can start a ring in pools of `rows` rows a
+        capture: a few requests (`FEW`, `_fill_each`), rows captured, each capturing request
+        asking for every capture of each group it captures from (a phase is one stride for
+        every request, its group's captures), and room for `PHASES` steps."""
+        segments, used = self._step
+        return self.phases == 1 and bool(segments) and len(tapped) <= FEW \
+            and all(seg.store.caps.size == len(layout.groups[seg.store.group].caps) for seg in segments) \
+            and all(PHASES * u <= len(g.caps) * rows for u, g in zip(used, layout.groups))
+
+    def written_segments(self) -> list[Segment]:
+        """The ring's rows written since its last copy-out: each request's block, from phase 0."""
+        return [Segment(seg.store, seg.start, self.written) for seg in self._step[0]]
 
 
 def _decode(batch: StepBatch) -> bool:

@@ -113,7 +113,7 @@ class CompiledFill:
         # compiled now, for the argument types every step passes (the batch's arrays as int64),
         # not on the first tapped step (about a second; numba's cache makes it once a machine)
         one, none = np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        _fill(np.zeros((layout.num_tables, 1), dtype=np.int32), 1, np.zeros(2, dtype=np.int64), one, one, none,
+        _fill(np.zeros((layout.table_rows, 1), dtype=np.int32), 1, np.zeros(2, dtype=np.int64), one, one, none,
               none, none, np.zeros((0, self.width), dtype=np.int64), self.cap_group, self.at_codes,
               self.always, np.zeros(self.groups, dtype=np.int64), none, none, np.zeros((0, self.groups), dtype=np.int64))
 

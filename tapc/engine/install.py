@@ -105,7 +105,12 @@ def _bind(module: torch.nn.Module, i: str, tap, what: tuple[str, int], layout: L
         return attr
 
     if kind == "capture":
-        return _Capture(module, reg("dst", buffers.table[index]), reg("pool", buffers.pools[int(layout.cap_group[index])]))
+        group = int(layout.cap_group[index])
+        ring = None
+        if buffers.positions is not None:   # the runner's positions: rings (kernels/capture.py) can run
+            ring = (reg("ring", buffers.table[layout.ring_row]), reg("pos", buffers.positions),
+                    len(layout.groups[group].caps))
+        return _Capture(module, reg("dst", buffers.table[index]), reg("pool", buffers.pools[group]), ring)
 
     slot = reg("slot", buffers.table[layout.edit_row(index)])
     edit = EDITS[tap.action]
@@ -116,17 +121,26 @@ def _bind(module: torch.nn.Module, i: str, tap, what: tuple[str, int], layout: L
 
 class _Capture:
     """A capture op: `x` (plus `b`, a `resid` point's residual) to its pool by its row table, both
-    registered on `module` (read at each call: graph capture records the tensors, not the names)."""
+    registered on `module` (read at each call: graph capture records the tensors, not the names).
+    `ring`: the names of the rings' start row and the runner's positions, and the pool rows a
+    ring phase takes of a request's block (its group's captures), or None where the runner's
+    positions are unknown (no rings)."""
 
-    def __init__(self, module: torch.nn.Module, dst: str, pool: str):
-        self.module, self.dst, self.pool = module, dst, pool
+    def __init__(self, module: torch.nn.Module, dst: str, pool: str, ring: tuple[str, str, int] | None = None):
+        self.module, self.dst, self.pool, self.ring = module, dst, pool, ring
+
+    def _ring(self) -> tuple:
+        if self.ring is None:
+            return None, None, 0
+        start, pos, stride = self.ring
+        return getattr(self.module, start), getattr(self.module, pos), stride
 
     def __call__(self, x: torch.Tensor, b: torch.Tensor | None) -> None:
         dst, pool = getattr(self.module, self.dst), getattr(self.module, self.pool)
         if b is None:
-            torch.ops.tapc.capture(x, dst, pool)
+            torch.ops.tapc.capture(x, dst, pool, *self._ring())
         else:
-            torch.ops.tapc.capture_sum(x, b, dst, pool)
+            torch.ops.tapc.capture_sum(x, b, dst, pool, *self._ring())
 
     def shares_pool(self, other: "_Capture") -> bool:
         a, b = getattr(self.module, self.pool), getattr(other.module, other.pool)
@@ -135,8 +149,9 @@ class _Capture:
     def pair(self, other: "_Capture", x0: torch.Tensor, x1: torch.Tensor) -> None:
         """This capture of x0 and `other`'s of x1 in one launch."""
         m, o = self.module, other.module
+        ring, pos, stride0 = self._ring()
         torch.ops.tapc.capture_pair(x0, x1, getattr(m, self.dst), getattr(o, other.dst), getattr(m, self.pool),
-                                    getattr(o, other.pool))
+                                    getattr(o, other.pool), ring, pos, stride0, other._ring()[2])
 
 
 def _patch(target, method: str, path: str, taps: list) -> None:

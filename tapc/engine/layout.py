@@ -5,7 +5,9 @@ graphs read them on the device:
 
 - capture c (a READ tap): the row of its group's pool the row goes to, -1 to skip it;
 - edit e (an EDIT tap): the slot of the request's parameters in the per-slot tables, -1 to
-  leave the row alone.
+  leave the row alone;
+- and, where there are captures, one more (`ring_row`): the position a row's ring started at,
+  -1 for a row in none (kernels/capture.py, fill.py `Repeat`).
 
 Captures of one width and dtype share a pool (a *group*). A request's rows are laid out
 position-major, `[rows, its captures in the group, width]`, so that one step's block of one
@@ -59,7 +61,8 @@ class Layout:
         self.cap_group = np.zeros(len(self.captures), dtype=np.int64)
         for g, group in enumerate(self.groups):
             self.cap_group[list(group.caps)] = g
-        self.num_tables = len(self.captures) + len(self.edits)
+        self.ring_row = len(self.captures) + len(self.edits)       # after the captures' and edits' rows
+        self.table_rows = self.ring_row + bool(self.captures)      # rows of the device table
         self.edit_at = _at(self.edits)
         self.edit_params = _param_names(self.edits)
         # Edits of the logits, in the runner (points.py): the same ops over the step's logits rows.

@@ -23,7 +23,7 @@ import torch
 
 from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
-from tapc.engine.fill import Repeat, compiled_fill, fill_step, tapped_of
+from tapc.engine.fill import Repeat, compiled_fill, fill_step, rings_on, tapped_of
 from tapc.engine.layout import Layout
 from tapc.engine.points import EnginePoints
 from tapc.engine.prefixrows import PrefixRows
@@ -34,6 +34,7 @@ from tapc.engine.step import StepBatch
 from tapc.engine.storage import Store
 from tapc.engine.switch import Switch
 from tapc.errors import ProtocolError, RequestError
+from tapc.kernels.capture import PHASES
 
 log = logging.getLogger("tapc")
 
@@ -76,6 +77,8 @@ class RunnerHooks:
         self._step = None
         self._repeat = Repeat()                   # a decode step like the last one needs no fill
         self._compiled = compiled_fill(layout)    # the fill as one compiled call (TAPC_FILL=numpy: None)
+        # rings where the capture kernels know the runner's positions (install.py)
+        self._rings = buffers.positions is not None and rings_on()
         self.host_s = dict.fromkeys(TIMED, 0.0)   # seconds in each hook since the worker started
         self.steps = 0                            # forwards the hooks filled tables for (begin_step)
 
@@ -87,7 +90,7 @@ class RunnerHooks:
         resumed = getattr(cached, "resumed_req_ids", ())
         if scheduler_output.finished_req_ids or scheduler_output.preempted_req_ids or \
                 scheduler_output.scheduled_new_reqs or resumed:
-            self._repeat.forget()   # records or slots may change below
+            self._forget()   # records or slots may change below
         self._retire(scheduler_output.finished_req_ids, scheduler_output.preempted_req_ids or ())
         self._admit(scheduler_output.scheduled_new_reqs)
         for rid in resumed:
@@ -111,14 +114,22 @@ class RunnerHooks:
         tapped = tapped_of(self.records, batch) if self.records else []
         owns = bool(self.layout.always) or bool(tapped)
         if owns or not self.buffers.clean(batch.padded):
-            # the device's tables are this step's already when it repeats the last decode step
-            self._step = self._repeat.same(batch)
+            repeat = self._repeat
+            # the device's tables are this step's already when it repeats the last decode step,
+            # unless this step starts a ring (the first repeat, filled again)
+            ring = self._rings and repeat.phases == 1 and repeat.repeats(batch) and \
+                repeat.ring_fits(self.layout, tapped, self.buffers.rows)
+            self._step = None if ring else repeat.same(batch)
             if self._step is None:
+                self._end_ring()   # its rows, before the tables and pools change
                 table = self.buffers.host_table(batch.padded)
-                self._step = (self._compiled is not None and self._compiled(table, tapped, batch)) or \
-                    fill_step(self.layout, table, tapped, batch)
+                if ring:
+                    self._step = fill_step(self.layout, table, tapped, batch, PHASES)
+                else:
+                    self._step = (self._compiled is not None and self._compiled(table, tapped, batch)) or \
+                        fill_step(self.layout, table, tapped, batch)
                 self.buffers.upload(batch.padded, owns_rows=owns)
-                self._repeat.keep(batch, tapped, self._step)
+                repeat.keep(batch, tapped, self._step, PHASES if ring else 1)
                 self._taps = self._asked(tapped) if owns else 0
         else:
             self._step = None
@@ -134,18 +145,46 @@ class RunnerHooks:
         if self.points is not None:  # boundary ops in later (dummy) forwards must see no rows
             self.points.runtime.begin_step([])
         if self._step is not None and self._step[0]:
-            copied = self.buffers.copy_out(*self._step)
-            for seg in self._step[0]:
-                seg.store.copied = copied
+            repeat = self._repeat
+            if repeat.phases > 1:   # a ring's step: copied out with the ring's last
+                repeat.written += 1
+                if repeat.written == PHASES:
+                    self._copy_ring()
+            else:
+                copied = self.buffers.copy_out(*self._step)
+                for seg in self._step[0]:
+                    seg.store.copied = copied
         self._step = None
 
     def reset(self) -> None:
-        self._repeat.forget()
+        self._forget()
         self.buffers.reset()
         self._taps = 0
         if self.switch is not None:
             self.switch.want = 0
             self.switch.stepping = False
+
+    def _forget(self) -> None:
+        """No step repeats the last one from here on (records, slots or tables change)."""
+        self._end_ring()
+        self._repeat.forget()
+
+    def _end_ring(self) -> None:
+        """A ring's steps written and not yet copied out, copied now: the next forward writes
+        its pools afresh (and its phases would go on where these stopped)."""
+        if self._repeat.written:
+            # as in a step (a collect or a dummy run may not be): the requests' storage is made in one
+            with torch.inference_mode():
+                self._copy_ring()
+            self._repeat.forget()
+
+    def _copy_ring(self) -> None:
+        repeat = self._repeat
+        segments = repeat.written_segments()
+        copied = self.buffers.copy_out(segments, repeat._step[1], direct=True)
+        for seg in segments:
+            seg.store.copied = copied
+        repeat.written = 0
 
     def _asked(self, tapped: list[tuple[int, Record]]) -> int:
         """The taps the step's requests may own rows of (a superset of those they do: a node
@@ -241,6 +280,8 @@ class RunnerHooks:
         block error. The record is dropped; the chunks now belong to the API, which gives each
         back (`release`, or with a later collect) when the caller no longer uses it."""
         self.release(release)
+        if ids:
+            self._end_ring()   # a ring's rows are copied out with its last step's, or here
         out: dict[str, Result] = {}
         for tid in ids:
             if tid in self.errors:
@@ -262,7 +303,7 @@ class RunnerHooks:
                 self.prefix_rows.keep([rec])
                 self.prefix_rows.forget(rec.rid)
             if not rec.finished:  # vLLM tells the worker only with its next step
-                self._repeat.forget()
+                self._forget()
                 self._release(rec)
                 self.records.pop(rec.rid, None)
             failed = next((st.failed for st in rec.stores if st.failed is not None), None)
@@ -301,6 +342,15 @@ class RunnerHooks:
         arena not given back; `slots`, parameter slots taken."""
         return {"running": len(self.records), "uncollected": len(self.by_id) + len(self.errors),
                 "chunks": len(self.arena.held), "slots": self.slots.held}
+
+
+def row_positions(model_config, positions):
+    """`positions`, the runner's buffer of the model's positions, where it holds one a row (the
+    rings' capture kernels read it, kernels/capture.py); None under M-RoPE or XD-RoPE, whose
+    positions are elsewhere, several a row."""
+    if model_config.uses_mrope or model_config.uses_xdrope_dim > 0:
+        return None
+    return positions
 
 
 def _store_result(layout: Layout, arena: Arena, store: Store, inline: bool) -> StoreResult:

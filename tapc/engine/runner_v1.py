@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tapc.engine.runner import RunnerHooks
+from tapc.engine.runner import RunnerHooks, row_positions
 from tapc.engine.step import StepBatch
 from tapc.errors import EngineError
 
@@ -53,6 +53,11 @@ class V1Adapter:
         self.hooks.begin_step(step_batch(self.runner.input_batch, self.runner.query_start_loc.np, rows))
         return self._forward(input_ids=input_ids, positions=positions, intermediate_tensors=intermediate_tensors,
                              inputs_embeds=inputs_embeds, **model_kwargs)
+
+    @staticmethod
+    def positions(runner):
+        """The model's positions, on the device, one a row of the slab (or None: runner.py)."""
+        return row_positions(runner.model_config, runner.positions)
 
     def _dummy_run(self, *args, **kwargs):
         self.hooks.reset()

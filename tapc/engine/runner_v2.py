@@ -9,7 +9,7 @@ its own adapter with the same three calls; the fill does not change.
 """
 from __future__ import annotations
 
-from tapc.engine.runner import RunnerHooks
+from tapc.engine.runner import RunnerHooks, row_positions
 from tapc.engine.step import StepBatch
 
 
@@ -36,6 +36,11 @@ class V2Adapter:
         out = self._execute(scheduler_output, *args, **kwargs)
         self.hooks.end_step()
         return out
+
+    @staticmethod
+    def positions(runner):
+        """The model's positions, on the device, one a row of the slab (or None: runner.py)."""
+        return row_positions(runner.model_config, runner.input_buffers.positions)
 
     def prepare_inputs(self, scheduler_output, batch_desc):
         batch = self._prepare(scheduler_output, batch_desc)
