@@ -331,9 +331,11 @@ class Repeat:
             and all(seg.store.caps.size == len(layout.groups[seg.store.group].caps) for seg in segments) \
             and all(PHASES * u <= len(g.caps) * rows for u, g in zip(used, layout.groups))
 
-    def written_segments(self) -> list[Segment]:
-        """The ring's rows written since its last copy-out: each request's block, from phase 0."""
-        return [Segment(seg.store, seg.start, self.written) for seg in self._step[0]]
+    def written_rows(self) -> tuple[list[Segment], list[int]]:
+        """The ring's rows written since its last copy-out (each request's block, from phase 0)
+        and the pool rows the ring takes."""
+        segments, used = self._step
+        return [Segment(seg.store, seg.start, self.written) for seg in segments], used
 
 
 def _decode(batch: StepBatch) -> bool:

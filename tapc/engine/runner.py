@@ -179,12 +179,11 @@ class RunnerHooks:
             self._repeat.forget()
 
     def _copy_ring(self) -> None:
-        repeat = self._repeat
-        segments = repeat.written_segments()
-        copied = self.buffers.copy_out(segments, repeat._step[1], direct=True)
+        segments, used = self._repeat.written_rows()
+        copied = self.buffers.copy_out(segments, used, direct=True)
         for seg in segments:
             seg.store.copied = copied
-        repeat.written = 0
+        self._repeat.written = 0
 
     def _asked(self, tapped: list[tuple[int, Record]]) -> int:
         """The taps the step's requests may own rows of (a superset of those they do: a node
@@ -280,8 +279,10 @@ class RunnerHooks:
         block error. The record is dropped; the chunks now belong to the API, which gives each
         back (`release`, or with a later collect) when the caller no longer uses it."""
         self.release(release)
-        if ids:
-            self._end_ring()   # a ring's rows are copied out with its last step's, or here
+        # A ring's rows go out with its last step's, or when it ends: here, for a request vLLM has
+        # not yet said is finished (one it has said so of ended its ring then).
+        if any((rec := self.by_id.get(tid)) is not None and not rec.finished for tid in ids):
+            self._end_ring()
         out: dict[str, Result] = {}
         for tid in ids:
             if tid in self.errors:
