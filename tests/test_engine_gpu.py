@@ -133,6 +133,31 @@ def test_captures_equal_hf_under_continuous_batching(tapped):
             assert not torch.equal(gen[0], gen[1]), "decode rows repeat: stale graph memory"
 
 
+def test_captures_equal_hf_through_rings(tapped):
+    """Two requests decoding 40 and 29 tokens side by side: steady decode at a small batch runs
+    in rings (docs/engine.md, "Rings": 8 steps' rows held in the pools, a phase apart by the
+    model's positions, then one copy-out), whole rings and the one a finishing request ends.
+    Every row equals HF's, so none landed in another step's phase."""
+    from vllm import SamplingParams
+
+    from tapc.api import TapRequest
+
+    arch, path, llm = tapped
+    rng = np.random.default_rng(5)
+    lens, max_tokens = (7, 20), (40, 29)
+    asks = [TapRequest(capture="*"), TapRequest(capture="*", positions="generated")]
+    outs = llm.generate([{"prompt_token_ids": rng.integers(0, SMALL["vocab_size"], n).tolist()} for n in lens],
+                        [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens], taps=asks)
+    for i, (out, ask) in enumerate(zip(outs, asks)):
+        n_gen = len(out.outputs[0].token_ids)
+        assert n_gen == max_tokens[i]
+        tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        ref = hf_reference(path, tokens[:-1])
+        rows = rows_for(ask.positions, lens[i], n_gen)
+        for key, value in out.taps.items():
+            assert_matches(value, ref[key][rows], f"{arch} request {i} ({ask.positions}) {key}")
+
+
 def test_steering_per_request(tapped, request):
     """Two steered requests with different vectors and two plain ones in one batch: the plain
     ones generate exactly what an untapped engine does; the steered ones change; the steered
