@@ -151,12 +151,13 @@ def test_a_worker_on_another_node_sends_rows_not_places_and_frees_its_arena():
 
 @RUNNERS
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_rings_hold_steady_decode_rows_and_copy_them_out_whole(runner_kind, compiled):
+def test_rings_hold_steady_decode_rows_and_copy_them_out_whole(runner_kind, compiled, monkeypatch):
     """Steady decode at small batches runs in rings (fill.py `Repeat`): each step's rows land a
     phase on by the model's positions, and go out every PHASES steps or when the ring ends: an
     arrival, a preemption mid-ring, requests finishing, the collect. A request asking for part
     of a group's captures ("part") keeps the batch out of rings while it runs. Every capture
     equals the reference, row for row; and copies are far fewer than steps."""
+    monkeypatch.setenv("TAPC_RINGS", "1")
     plan = toy_plan(TAPS)
     model = ToyModel()
     runner, hooks = hooks_for(plan, model, runner=runner_kind)
@@ -346,7 +347,7 @@ def test_steps_that_own_no_row_upload_no_table_once_the_device_tables_own_none(r
 def test_a_collect_waits_for_its_requests_own_last_copies_not_the_newest_steps(rings, monkeypatch):
     """Collecting a request that finished while others run waits on the copy-out of its own last
     step (whose copies are long done), not on the newest step's: the host is not held until the
-    newest forward ends. Its captures are whole. With rings (the default), "b" alone from step 3
+    newest forward ends. Its captures are whole. With rings, "b" alone from step 3
     is filled at step 3, starts a ring at step 4 and holds its rows from there in the ring until
     the first collect copies them out (copy 4); without, each step copies its own."""
     monkeypatch.setenv("TAPC_RINGS", rings)

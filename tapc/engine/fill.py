@@ -47,15 +47,15 @@ def compiled_fill(layout: Layout):
     return CompiledFill(layout)
 
 
-RINGS = "TAPC_RINGS"   # "0": no rings (`Repeat`), for an A/B
+RINGS = "TAPC_RINGS"   # "1": rings (`Repeat`); off until measured on a GPU
 
 
 def rings_on() -> bool:
-    """Whether steady decode steps at small batches run as rings (`Repeat`): yes unless the
-    engine's environment sets `TAPC_RINGS=0`."""
-    value = os.environ.get(RINGS, "1")
+    """Whether steady decode steps at small batches run as rings (`Repeat`): where the engine's
+    environment sets `TAPC_RINGS=1`."""
+    value = os.environ.get(RINGS, "0")
     if value not in ("0", "1"):
-        raise EngineError(f"{RINGS}={value!r}: 1 (the default) or 0")
+        raise EngineError(f"{RINGS}={value!r}: 1 or 0 (the default)")
     return value == "1"
 
 
