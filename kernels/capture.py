@@ -36,7 +36,7 @@ def _capture_block(
     x_ptr, y_ptr, dst_ptr, out_ptr, row, block, width, out_rows,
     stride_x, stride_xc, stride_y, stride_yc, stride_out, stride_outc,
     ring_ptr, pos_ptr, ring_stride,
-    HAS_Y: tl.constexpr, RING: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_Y: tl.constexpr, RING: tl.constexpr, PHASES: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Columns [block * BLOCK, +BLOCK) of row `row` (of x, or x + y) to out[dst[row]] (plus the
     ring's phase, where the row is in one)."""
@@ -64,18 +64,18 @@ def _capture_kernel(
     x_ptr, y_ptr, dst_ptr, out_ptr, width, out_rows,
     stride_x, stride_xc, stride_y, stride_yc, stride_out, stride_outc,
     ring_ptr, pos_ptr, ring_stride,
-    HAS_Y: tl.constexpr, RING: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_Y: tl.constexpr, RING: tl.constexpr, PHASES: tl.constexpr, BLOCK: tl.constexpr,
 ):
     _capture_block(x_ptr, y_ptr, dst_ptr, out_ptr, tl.program_id(0), tl.program_id(1), width, out_rows,
                    stride_x, stride_xc, stride_y, stride_yc, stride_out, stride_outc,
-                   ring_ptr, pos_ptr, ring_stride, HAS_Y, RING, BLOCK)
+                   ring_ptr, pos_ptr, ring_stride, HAS_Y, RING, PHASES, BLOCK)
 
 
 @triton.jit
 def _capture_pair_kernel(
     x0_ptr, dst0_ptr, out0_ptr, width0, rows0, stride_x0, stride_xc0, stride_out0, stride_outc0, ring_stride0,
     x1_ptr, dst1_ptr, out1_ptr, width1, rows1, stride_x1, stride_xc1, stride_out1, stride_outc1, ring_stride1,
-    ring_ptr, pos_ptr, RING: tl.constexpr, BLOCKS0: tl.constexpr, BLOCK: tl.constexpr,
+    ring_ptr, pos_ptr, RING: tl.constexpr, PHASES: tl.constexpr, BLOCKS0: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Column blocks [0, BLOCKS0) of the grid's second axis are the first capture's, the rest the second's.
     row = tl.program_id(0)
@@ -83,11 +83,11 @@ def _capture_pair_kernel(
     if j < BLOCKS0:
         _capture_block(x0_ptr, x0_ptr, dst0_ptr, out0_ptr, row, j, width0, rows0, stride_x0, stride_xc0,
                        stride_x0, stride_xc0, stride_out0, stride_outc0, ring_ptr, pos_ptr, ring_stride0,
-                       False, RING, BLOCK)
+                       False, RING, PHASES, BLOCK)
     else:
         _capture_block(x1_ptr, x1_ptr, dst1_ptr, out1_ptr, row, j - BLOCKS0, width1, rows1, stride_x1, stride_xc1,
                        stride_x1, stride_xc1, stride_out1, stride_outc1, ring_ptr, pos_ptr, ring_stride1,
-                       False, RING, BLOCK)
+                       False, RING, PHASES, BLOCK)
 
 
 def capture_pair(x0: torch.Tensor, x1: torch.Tensor, dst0: torch.Tensor, dst1: torch.Tensor,
@@ -114,7 +114,7 @@ def capture_pair(x0: torch.Tensor, x1: torch.Tensor, dst0: torch.Tensor, dst1: t
         x0, dst0, out0, x0.shape[1], out0.shape[0], x0.stride(0), x0.stride(1), out0.stride(0), out0.stride(1), stride0,
         x1, dst1, out1, x1.shape[1], out1.shape[0], x1.stride(0), x1.stride(1), out1.stride(0), out1.stride(1), stride1,
         dst0 if ring is None else ring, dst0 if pos is None else pos,
-        RING=ring is not None, BLOCKS0=blocks0, BLOCK=block, num_warps=warps_for(block),
+        RING=ring is not None, PHASES=PHASES, BLOCKS0=blocks0, BLOCK=block, num_warps=warps_for(block),
     )
 
 
@@ -135,7 +135,7 @@ def _launch(x: torch.Tensor, y: torch.Tensor | None, dst: torch.Tensor, out: tor
         x, other, dst, out, width, out.shape[0],
         x.stride(0), x.stride(1), other.stride(0), other.stride(1), out.stride(0), out.stride(1),
         dst if ring is None else ring, dst if pos is None else pos, stride,   # (unread without a ring)
-        HAS_Y=y is not None, RING=ring is not None, BLOCK=block, num_warps=warps_for(block),
+        HAS_Y=y is not None, RING=ring is not None, PHASES=PHASES, BLOCK=block, num_warps=warps_for(block),
     )
 
 
