@@ -24,6 +24,7 @@ from tapc.engine.arena import Arena
 from tapc.engine.protocol import WireRequest
 from tapc.engine.requests import TapRequest, check
 from tapc.engine.buffers import Buffers, ParamTables, Staging, _UvaTable
+from tapc.engine.config import rings_on
 from tapc.engine.runner import RunnerHooks
 from tapc.engine.memcpy import copy_segments
 from tapc.engine.runner_v1 import V1Adapter
@@ -436,7 +437,7 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank
     buffers = ToyBuffers(layout, rows, slots)
     toy, adapter = {"v2": (ToyRunner, V2Adapter), "v1": (ToyRunnerV1, V1Adapter)}[runner]
     runner = toy(model, pad)
-    buffers.positions = adapter.positions(runner)
+    buffers.positions = adapter.positions(runner) if rings_on() else None   # as the plan's config tells the worker
     install(model, layout, buffers)
     # as the worker does
     points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None

@@ -343,6 +343,19 @@ def test_engine_kwargs():
     assert kw["additional_config"]["mine"] == 1 and plan.digest != kw["additional_config"]["tapc"]["digest"]
 
 
+def test_rings_reach_the_workers_in_the_plans_config_which_vllm_hashes(monkeypatch):
+    """TAPC_RINGS=1 in the API's environment puts `rings` in the plan's config (the workers read
+    it there, and vLLM's compile-cache key covers it: rings change the capture ops' arguments);
+    unset, it is absent; another value is refused."""
+    plan = toy_plan(PLAN_TAPS, slots=8)
+    assert "rings" not in engine_kwargs(plan, {})["additional_config"]["tapc"]
+    monkeypatch.setenv("TAPC_RINGS", "1")
+    assert engine_kwargs(plan, {})["additional_config"]["tapc"]["rings"] is True
+    monkeypatch.setenv("TAPC_RINGS", "yes")
+    with pytest.raises(EngineError, match="TAPC_RINGS='yes': 1 or 0"):
+        engine_kwargs(plan, {})
+
+
 def test_capture_memory_reaches_the_workers_in_the_plans_config_and_not_vllm():
     plan = toy_plan(PLAN_TAPS, slots=8)
     kw = engine_kwargs(plan, {"capture_memory_gib": 1.5})

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 from pathlib import Path
 
 from tapc.errors import EngineError
@@ -32,6 +33,20 @@ WORKER = "tapc.engine.worker.TapWorker"
 GRAPH_MODULES = ("tapc.engine.install", "tapc.engine.source", "tapc.engine.layout", "tapc.tree", "tapc.edits",
                  "tapc.sizing", "tapc.ranks", "tapc.sharding")
 GRAPH_PACKAGES = ("tapc.kernels",)   # every module of these
+
+
+RINGS = "TAPC_RINGS"   # "1": rings (engine/fill.py `Repeat`); off until measured on a GPU
+
+
+def rings_on() -> bool:
+    """Whether steady decode steps at small batches run as rings (engine/fill.py `Repeat`):
+    where the API's environment sets `TAPC_RINGS=1`. The choice goes to the workers in the
+    plan's config, which vLLM hashes into its compile-cache key: rings change the graphs (the
+    capture ops' arguments)."""
+    value = os.environ.get(RINGS, "0")
+    if value not in ("0", "1"):
+        raise EngineError(f"{RINGS}={value!r}: 1 or 0 (the default)")
+    return value == "1"
 
 
 def require_cuda() -> None:
@@ -71,6 +86,8 @@ def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
         out["compilation_config"] = _with_splits(plan, out.get("compilation_config"))
     additional = dict(out.get("additional_config") or {})
     additional["tapc"] = {"plan": plan.to_json(), "digest": digest(plan)}
+    if rings_on():
+        additional["tapc"]["rings"] = True
     if reserve:
         additional["tapc"]["capture_memory"] = reserve
     if rows:

@@ -47,18 +47,6 @@ def compiled_fill(layout: Layout):
     return CompiledFill(layout)
 
 
-RINGS = "TAPC_RINGS"   # "1": rings (`Repeat`); off until measured on a GPU
-
-
-def rings_on() -> bool:
-    """Whether steady decode steps at small batches run as rings (`Repeat`): where the engine's
-    environment sets `TAPC_RINGS=1`."""
-    value = os.environ.get(RINGS, "0")
-    if value not in ("0", "1"):
-        raise EngineError(f"{RINGS}={value!r}: 1 or 0 (the default)")
-    return value == "1"
-
-
 def tapped_of(records: dict[str, Record], batch: StepBatch) -> list[tuple[int, Record]]:
     """The step's tapped requests as (place in the batch, record), in batch order; `records` maps
     vLLM request ids to tapped requests. Found once a step (the hooks, the fill and `Repeat` read it)."""

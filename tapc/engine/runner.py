@@ -23,7 +23,7 @@ import torch
 
 from tapc.engine.arena import Arena
 from tapc.engine.buffers import Buffers
-from tapc.engine.fill import Repeat, compiled_fill, fill_step, rings_on, tapped_of
+from tapc.engine.fill import Repeat, compiled_fill, fill_step, tapped_of
 from tapc.engine.layout import Layout
 from tapc.engine.points import EnginePoints
 from tapc.engine.prefixrows import PrefixRows
@@ -77,8 +77,8 @@ class RunnerHooks:
         self._step = None
         self._repeat = Repeat()                   # a decode step like the last one needs no fill
         self._compiled = compiled_fill(layout)    # the fill as one compiled call (TAPC_FILL=numpy: None)
-        # rings where the capture kernels know the runner's positions (install.py)
-        self._rings = buffers.positions is not None and rings_on()
+        # rings where the capture kernels read the runner's positions (the worker sets them: install.py)
+        self._rings = buffers.positions is not None
         self.host_s = dict.fromkeys(TIMED, 0.0)   # seconds in each hook since the worker started
         self.steps = 0                            # forwards the hooks filled tables for (begin_step)
 

@@ -54,7 +54,8 @@ class TapWorker(Worker):
                           self.device)
         # What tapc took from the GPU, against what `tapc explain` said (tests/test_sizing_gpu.py).
         self.tapc_allocated = torch.cuda.memory_allocated(self.device) - before
-        buffers.positions = adapter_cls.positions(runner)
+        # the ops read the runner's positions only where rings are on (fill.py `Repeat`)
+        buffers.positions = adapter_cls.positions(runner) if config.get("rings") else None
         install(runner.get_model(), layout, buffers)
         points = EnginePoints(layout, buffers, _tp_all_gather) if layout.blocks or layout.engine else None
         if points is not None and config.get("blocks"):   # a server's blocks, by import path (tapc serve)
