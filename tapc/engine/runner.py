@@ -77,8 +77,6 @@ class RunnerHooks:
         self._step = None
         self._repeat = Repeat()                   # a decode step like the last one needs no fill
         self._compiled = compiled_fill(layout)    # the fill as one compiled call (TAPC_FILL=numpy: None)
-        # rings where the capture kernels read the runner's positions (the worker sets them: install.py)
-        self._rings = buffers.positions is not None
         self.host_s = dict.fromkeys(TIMED, 0.0)   # seconds in each hook since the worker started
         self.steps = 0                            # forwards the hooks filled tables for (begin_step)
 
@@ -116,8 +114,9 @@ class RunnerHooks:
         if owns or not self.buffers.clean(batch.padded):
             repeat = self._repeat
             # the device's tables are this step's already when it repeats the last decode step,
-            # unless this step starts a ring (the first repeat, filled again)
-            ring = self._rings and repeat.phases == 1 and repeat.repeats(batch) and \
+            # unless this step starts a ring (the first repeat, filled again), which it can where
+            # the capture kernels read the runner's positions (the worker sets them: install.py)
+            ring = self.buffers.positions is not None and repeat.repeats(batch) and \
                 repeat.ring_fits(self.layout, tapped, self.buffers.rows)
             self._step = None if ring else repeat.same(batch)
             if self._step is None:
@@ -151,9 +150,7 @@ class RunnerHooks:
                 if repeat.written == PHASES:
                     self._copy_ring()
             else:
-                copied = self.buffers.copy_out(*self._step)
-                for seg in self._step[0]:
-                    seg.store.copied = copied
+                self._copy_out(*self._step)
         self._step = None
 
     def reset(self) -> None:
@@ -179,11 +176,14 @@ class RunnerHooks:
             self._repeat.forget()
 
     def _copy_ring(self) -> None:
-        segments, used = self._repeat.written_rows()
-        copied = self.buffers.copy_out(segments, used, direct=True)
+        self._copy_out(*self._repeat.written_rows(), direct=True)
+        self._repeat.written = 0
+
+    def _copy_out(self, segments: list, used: list[int], direct: bool = False) -> None:
+        """Start the segments' copies; their stores hear of the event a collect waits on."""
+        copied = self.buffers.copy_out(segments, used, direct)
         for seg in segments:
             seg.store.copied = copied
-        self._repeat.written = 0
 
     def _asked(self, tapped: list[tuple[int, Record]]) -> int:
         """The taps the step's requests may own rows of (a superset of those they do: a node
