@@ -171,3 +171,29 @@ def test_a_killed_workers_files_are_swept_by_the_next_arena_and_no_living_ones(t
         living.stdin.close()
         living.wait(timeout=30)
     assert not os.path.exists(living_path), "a worker that exits removes its own"
+
+
+def test_two_arenas_sweeping_one_dead_file_at_once_both_start(tmp_path, monkeypatch):
+    """Two workers starting together on one host (a harvest over several GPUs) may both find a
+    dead worker's file: the one that unlinks it second finds it gone and starts all the same
+    (its sweep names only what it removed)."""
+    import fcntl
+
+    from tapc.engine import arena as arena_module
+
+    stale = tmp_path / "tapc-1-0123abcd-0"
+    stale.write_bytes(b"x" * 4096)
+    old = time.time() - 2 * arena_module.STALE_S
+    os.utime(stale, (old, old))
+    lock = fcntl.flock
+
+    def lock_then_lose_the_race(fd, op):   # the other arena unlinks it between our lock and unlink
+        lock(fd, op)
+        stale.unlink()
+
+    monkeypatch.setattr(arena_module.fcntl, "flock", lock_then_lose_the_race)
+    assert arena_module.sweep(str(tmp_path)) == []
+    monkeypatch.setattr(arena_module.fcntl, "flock", lock)
+    stale.write_bytes(b"x" * 4096)
+    os.utime(stale, (old, old))
+    assert arena_module.sweep(str(tmp_path)) == [stale.name] and not stale.exists()

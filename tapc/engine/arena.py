@@ -208,7 +208,10 @@ def sweep(directory: str) -> list[str]:
         except OSError:   # held: a living arena's
             continue
         else:
-            os.unlink(path)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:   # another arena starting beside this one swept it first
+                continue
             gone.append(name)
         finally:
             os.close(fd)
