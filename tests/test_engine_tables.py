@@ -344,15 +344,16 @@ def test_engine_kwargs():
 
 
 def test_rings_reach_the_workers_in_the_plans_config_which_vllm_hashes(monkeypatch):
-    """TAPC_RINGS=1 in the API's environment puts `rings` in the plan's config (the workers read
-    it there, and vLLM's compile-cache key covers it: rings change the capture ops' arguments);
-    unset, it is absent; another value is refused."""
+    """Rings are on unless the API's environment sets TAPC_RINGS=0: on, `rings` is in the plan's
+    config (the workers read it there, and vLLM's compile-cache key covers it: rings change the
+    capture ops' arguments); off, it is absent; another value is refused."""
     plan = toy_plan(PLAN_TAPS, slots=8)
-    assert "rings" not in engine_kwargs(plan, {})["additional_config"]["tapc"]
-    monkeypatch.setenv("TAPC_RINGS", "1")
+    monkeypatch.delenv("TAPC_RINGS", raising=False)
     assert engine_kwargs(plan, {})["additional_config"]["tapc"]["rings"] is True
+    monkeypatch.setenv("TAPC_RINGS", "0")
+    assert "rings" not in engine_kwargs(plan, {})["additional_config"]["tapc"]
     monkeypatch.setenv("TAPC_RINGS", "yes")
-    with pytest.raises(EngineError, match="TAPC_RINGS='yes': 1 or 0"):
+    with pytest.raises(EngineError, match="TAPC_RINGS='yes': 1 \\(the default\\) or 0"):
         engine_kwargs(plan, {})
 
 

@@ -35,17 +35,17 @@ GRAPH_MODULES = ("tapc.engine.install", "tapc.engine.source", "tapc.engine.layou
 GRAPH_PACKAGES = ("tapc.kernels",)   # every module of these
 
 
-RINGS = "TAPC_RINGS"   # "1": rings (engine/fill.py `Repeat`); off until measured on a GPU
+RINGS = "TAPC_RINGS"   # "0": no rings (engine/fill.py `Repeat`), for an A/B; "1" the default
 
 
 def rings_on() -> bool:
     """Whether steady decode steps at small batches run as rings (engine/fill.py `Repeat`):
-    where the API's environment sets `TAPC_RINGS=1`. The choice goes to the workers in the
+    yes unless the API's environment sets `TAPC_RINGS=0`. The choice goes to the workers in the
     plan's config, which vLLM hashes into its compile-cache key: rings change the graphs (the
     capture ops' arguments)."""
-    value = os.environ.get(RINGS, "0")
+    value = os.environ.get(RINGS, "1")
     if value not in ("0", "1"):
-        raise EngineError(f"{RINGS}={value!r}: 1 or 0 (the default)")
+        raise EngineError(f"{RINGS}={value!r}: 1 (the default) or 0")
     return value == "1"
 
 
