@@ -266,31 +266,37 @@ class Repeat:
         self._key: tuple | None = None
         self._step: tuple[list[Segment], list[int]] = ([], [])
         self._moving: list[tuple[Record, int]] = []   # (record, batch index) of requests capturing each row
-        self._computed = np.zeros(0, dtype=np.int64)  # the kept step's positions
+        self._next: list[int] = []   # the positions a step that repeats the kept one computes from
         self.phases = 1    # steps the kept step's pool blocks hold (PHASES: a ring)
         self.written = 0   # of those, the steps written since the ring's last copy-out
 
-    def repeats(self, batch: StepBatch) -> bool:
-        """Whether `batch` repeats the kept step (its next rows)."""
+    def repeats(self, batch: StepBatch) -> list[int] | None:
+        """`batch`'s computed positions (a list) if it repeats the kept step (its next rows),
+        else None."""
         # The kept step was a decode step past every prompt (`keep`). This one repeats it when it
         # has the same requests, each one position on, and one row each: the rows are as many as
         # the requests (every request of a step has one at least). Cheaper than `_decode`,
-        # which this runs instead of on every step of a steady decode.
+        # which this runs instead of on every step of a steady decode; a list compare, not numpy's
+        # (a decode step at bs1 is a few ms of which this is on the engine thread's path).
         n = len(batch.req_ids)
-        return self._key is not None and self._key == (tuple(batch.req_ids), batch.padded) \
-            and int(batch.query_start_loc[n]) == n \
-            and np.array_equal(batch.num_computed, self._computed + 1)   # each request's next row
-
-    def same(self, batch: StepBatch) -> tuple[list[Segment], list[int]] | None:
-        """The kept step's segments and used rows if `batch` repeats it, with the capturing
-        requests' `next_pos` moved on; None when it must be filled."""
-        if not self.repeats(batch):
+        if self._key is None or self._key != (tuple(batch.req_ids), batch.padded) \
+                or int(batch.query_start_loc[n]) != n:
             return None
-        self._computed = batch.num_computed.copy()
-        computed = self._computed.tolist()
+        computed = batch.num_computed.tolist()
+        return computed if computed == self._next else None
+
+    def advance(self, computed: list[int]) -> tuple[list[Segment], list[int]]:
+        """The kept step's segments and used rows for the step that repeats it (`computed`, as
+        `repeats` gave it), with the capturing requests' `next_pos` moved on."""
+        self._next = [c + 1 for c in computed]
         for rec, i in self._moving:
             rec.next_pos = computed[i] + 1
         return self._step
+
+    def same(self, batch: StepBatch) -> tuple[list[Segment], list[int]] | None:
+        """`advance` if `batch` repeats the kept step; None when it must be filled."""
+        computed = self.repeats(batch)
+        return None if computed is None else self.advance(computed)
 
     def keep(self, batch: StepBatch, tapped: list[tuple[int, Record]], step: tuple[list[Segment], list[int]],
              phases: int = 1) -> None:
@@ -306,7 +312,7 @@ class Repeat:
         if any(id(st) not in copied for rec, _ in moving for st in rec.stores):
             return   # its row was one it had captured before (recomputed after preemption): not a step to repeat
         self._key, self._step, self._moving = (tuple(batch.req_ids), batch.padded), step, moving
-        self._computed = batch.num_computed.copy()
+        self._next = (batch.num_computed + 1).tolist()
         self.phases = phases
 
     def ring_fits(self, layout: Layout, tapped: list[tuple[int, Record]], rows: int) -> bool:

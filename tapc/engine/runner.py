@@ -116,9 +116,10 @@ class RunnerHooks:
             # the device's tables are this step's already when it repeats the last decode step,
             # unless this step starts a ring (the first repeat, filled again), which it can where
             # the capture kernels read the runner's positions (the worker sets them: install.py)
-            ring = self.buffers.positions is not None and repeat.repeats(batch) and \
+            computed = repeat.repeats(batch)
+            ring = computed is not None and self.buffers.positions is not None and \
                 repeat.ring_fits(self.layout, tapped, self.buffers.rows)
-            self._step = None if ring else repeat.same(batch)
+            self._step = repeat.advance(computed) if computed is not None and not ring else None
             if self._step is None:
                 self._end_ring()   # its rows, before the tables and pools change
                 table = self.buffers.host_table(batch.padded)
