@@ -7,8 +7,9 @@ CUDA graph serves every batch the engine forms. Entries >= out.shape[0] are skip
 host bug must not write past the buffer, and the op cannot report it without synchronizing.
 
 Variants: `capture_pair` does two captures in one launch (an MoE router's weights and expert
-ids, captured together at every layer: one graph node where there were two); `capture_sum` stores a + b (hidden_states + residual: the residual stream) in one
-pass, adding in fp32; a column slice is a strided view of x (strides are respected); the store
+ids, captured together at every layer: one graph node where there were two), `capture_trio`
+three (the router's logits too); `capture_sum` stores a + b (hidden_states + residual: the
+residual stream) in one pass, adding in fp32; a column slice is a strided view of x (strides are respected); the store
 converts to out's dtype. `capture` takes integer rows too (an MoE router's expert ids, into
 their int32 pool): no cast kernel before it.
 
@@ -19,6 +20,8 @@ A *ring* (`ring`, `pos`, `stride`; tapc/engine/fill.py `Repeat`) lets a steady d
 position the ring started at. The host then issues one copy and one event every `PHASES`
 steps, not one a step.
 """
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -72,22 +75,61 @@ def _capture_kernel(
 
 
 @triton.jit
-def _capture_pair_kernel(
+def _capture_joint_kernel(
     x0_ptr, dst0_ptr, out0_ptr, width0, rows0, stride_x0, stride_xc0, stride_out0, stride_outc0, ring_stride0,
     x1_ptr, dst1_ptr, out1_ptr, width1, rows1, stride_x1, stride_xc1, stride_out1, stride_outc1, ring_stride1,
-    ring_ptr, pos_ptr, RING: tl.constexpr, PHASES: tl.constexpr, BLOCKS0: tl.constexpr, BLOCK: tl.constexpr,
+    x2_ptr, dst2_ptr, out2_ptr, width2, rows2, stride_x2, stride_xc2, stride_out2, stride_outc2, ring_stride2,
+    ring_ptr, pos_ptr, RING: tl.constexpr, PHASES: tl.constexpr, END0: tl.constexpr, END1: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    # Column blocks [0, BLOCKS0) of the grid's second axis are the first capture's, the rest the second's.
+    # The grid's second axis: column blocks [0, END0) are the first capture's, [END0, END1) the
+    # second's, the rest the third's (a pair's grid ends at END1).
     row = tl.program_id(0)
     j = tl.program_id(1)
-    if j < BLOCKS0:
+    if j < END0:
         _capture_block(x0_ptr, x0_ptr, dst0_ptr, out0_ptr, row, j, width0, rows0, stride_x0, stride_xc0,
                        stride_x0, stride_xc0, stride_out0, stride_outc0, ring_ptr, pos_ptr, ring_stride0,
                        False, RING, PHASES, BLOCK)
-    else:
-        _capture_block(x1_ptr, x1_ptr, dst1_ptr, out1_ptr, row, j - BLOCKS0, width1, rows1, stride_x1, stride_xc1,
+    elif j < END1:
+        _capture_block(x1_ptr, x1_ptr, dst1_ptr, out1_ptr, row, j - END0, width1, rows1, stride_x1, stride_xc1,
                        stride_x1, stride_xc1, stride_out1, stride_outc1, ring_ptr, pos_ptr, ring_stride1,
                        False, RING, PHASES, BLOCK)
+    else:
+        _capture_block(x2_ptr, x2_ptr, dst2_ptr, out2_ptr, row, j - END1, width2, rows2, stride_x2, stride_xc2,
+                       stride_x2, stride_xc2, stride_out2, stride_outc2, ring_ptr, pos_ptr, ring_stride2,
+                       False, RING, PHASES, BLOCK)
+
+
+def _joint(parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], ring: torch.Tensor | None,
+           pos: torch.Tensor | None) -> None:
+    """Two or three captures, each (x, dst, out, ring stride), of rows of one batch in one launch."""
+    for x, dst, out, _ in parts:
+        check_activation(x, integers=True)
+        check_row_table(dst, x, "dst")
+        check_buffer(out, x)
+    x0 = parts[0][0]
+    for k, (x, _, out, _) in enumerate(parts[1:], 1):
+        if x.shape[0] != x0.shape[0]:
+            raise ValueError(f"x{k} must have x0's {x0.shape[0]} rows, got {x.shape[0]}")
+        for i in range(k):
+            if out.untyped_storage().data_ptr() == parts[i][2].untyped_storage().data_ptr():
+                # a compiled graph writes each mutated argument back whole: one buffer twice loses a capture
+                raise ValueError(f"out{i} and out{k} are one buffer: a joint capture needs one each "
+                                 "(call capture for each)")
+    check_ring(ring, pos, x0)
+    num_tokens = x0.shape[0]
+    if num_tokens == 0:
+        return
+    block = col_block(max(x.shape[1] for x, *_ in parts))
+    ends = list(itertools.accumulate(triton.cdiv(x.shape[1], block) for x, *_ in parts))
+    third = parts[2] if len(parts) == 3 else parts[1]   # a pair's grid never reaches the third's blocks
+    args = []
+    for x, dst, out, stride in (*parts[:2], third):
+        args += [x, dst, out, x.shape[1], out.shape[0], x.stride(0), x.stride(1), out.stride(0), out.stride(1), stride]
+    _capture_joint_kernel[(num_tokens, ends[-1])](
+        *args, parts[0][1] if ring is None else ring, parts[0][1] if pos is None else pos,
+        RING=ring is not None, PHASES=PHASES, END0=ends[0], END1=ends[1], BLOCK=block, num_warps=warps_for(block),
+    )
 
 
 def capture_pair(x0: torch.Tensor, x1: torch.Tensor, dst0: torch.Tensor, dst1: torch.Tensor,
@@ -95,27 +137,16 @@ def capture_pair(x0: torch.Tensor, x1: torch.Tensor, dst0: torch.Tensor, dst1: t
                  pos: torch.Tensor | None = None, stride0: int = 0, stride1: int = 0) -> None:
     """`capture(x0, dst0, out0)` and `capture(x1, dst1, out1)` in one launch (Triton); x0 and x1
     have the same rows. With a ring, each capture steps by its own stride."""
-    for x, dst, out in ((x0, dst0, out0), (x1, dst1, out1)):
-        check_activation(x, integers=True)
-        check_row_table(dst, x, "dst")
-        check_buffer(out, x)
-    if x1.shape[0] != x0.shape[0]:
-        raise ValueError(f"x1 must have x0's {x0.shape[0]} rows, got {x1.shape[0]}")
-    if out0.untyped_storage().data_ptr() == out1.untyped_storage().data_ptr():
-        # a compiled graph writes each mutated argument back whole: one buffer twice loses a capture
-        raise ValueError("out0 and out1 are one buffer: capture_pair needs two (call capture twice)")
-    check_ring(ring, pos, x0)
-    num_tokens = x0.shape[0]
-    if num_tokens == 0:
-        return
-    block = col_block(max(x0.shape[1], x1.shape[1]))
-    blocks0 = triton.cdiv(x0.shape[1], block)
-    _capture_pair_kernel[(num_tokens, blocks0 + triton.cdiv(x1.shape[1], block))](
-        x0, dst0, out0, x0.shape[1], out0.shape[0], x0.stride(0), x0.stride(1), out0.stride(0), out0.stride(1), stride0,
-        x1, dst1, out1, x1.shape[1], out1.shape[0], x1.stride(0), x1.stride(1), out1.stride(0), out1.stride(1), stride1,
-        dst0 if ring is None else ring, dst0 if pos is None else pos,
-        RING=ring is not None, PHASES=PHASES, BLOCKS0=blocks0, BLOCK=block, num_warps=warps_for(block),
-    )
+    _joint([(x0, dst0, out0, stride0), (x1, dst1, out1, stride1)], ring, pos)
+
+
+def capture_trio(x0: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, dst0: torch.Tensor, dst1: torch.Tensor,
+                 dst2: torch.Tensor, out0: torch.Tensor, out1: torch.Tensor, out2: torch.Tensor,
+                 ring: torch.Tensor | None = None, pos: torch.Tensor | None = None, stride0: int = 0,
+                 stride1: int = 0, stride2: int = 0) -> None:
+    """Three captures of rows of one batch in one launch, as `capture_pair` two (an MoE router's
+    logits, weights and expert ids)."""
+    _joint([(x0, dst0, out0, stride0), (x1, dst1, out1, stride1), (x2, dst2, out2, stride2)], ring, pos)
 
 
 def _launch(x: torch.Tensor, y: torch.Tensor | None, dst: torch.Tensor, out: torch.Tensor,
@@ -174,6 +205,13 @@ def capture_pair_ref(x0, x1, dst0, dst1, out0, out1, ring=None, pos=None, stride
     """Plain-torch reference of `capture_pair`."""
     capture_ref(x0, dst0, out0, ring, pos, stride0)
     capture_ref(x1, dst1, out1, ring, pos, stride1)
+
+
+def capture_trio_ref(x0, x1, x2, dst0, dst1, dst2, out0, out1, out2, ring=None, pos=None,
+                     stride0=0, stride1=0, stride2=0) -> None:
+    """Plain-torch reference of `capture_trio`."""
+    capture_pair_ref(x0, x1, dst0, dst1, out0, out1, ring, pos, stride0, stride1)
+    capture_ref(x2, dst2, out2, ring, pos, stride2)
 
 
 def capture_sum_ref(a: torch.Tensor, b: torch.Tensor, dst: torch.Tensor, out: torch.Tensor,

@@ -82,6 +82,15 @@ def capture_pair(x0: torch.Tensor, x1: torch.Tensor, dst0: torch.Tensor, dst1: t
          ring, pos, stride0, stride1)
 
 
+def capture_trio(x0: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, dst0: torch.Tensor, dst1: torch.Tensor,
+                 dst2: torch.Tensor, out0: torch.Tensor, out1: torch.Tensor, out2: torch.Tensor,
+                 ring: Optional[torch.Tensor] = None, pos: Optional[torch.Tensor] = None, stride0: int = 0,
+                 stride1: int = 0, stride2: int = 0) -> None:
+    """Three captures (xk -> outk by dstk) in one launch."""
+    _run((dst0, dst1, dst2), _capture.capture_trio, _capture.capture_trio_ref, x0, x1, x2, dst0, dst1, dst2,
+         out0, out1, out2, ring, pos, stride0, stride1, stride2)
+
+
 def capture_sum(a: torch.Tensor, b: torch.Tensor, dst: torch.Tensor, out: torch.Tensor,
                 ring: Optional[torch.Tensor] = None, pos: Optional[torch.Tensor] = None, stride: int = 0) -> None:
     """out[dst[i]] = a[i] + b[i] (fp32 add, stored in out.dtype) for rows with dst[i] >= 0."""
@@ -141,6 +150,9 @@ _RING = "Tensor? ring=None, Tensor? pos=None"
 _register(f"capture(Tensor x, Tensor dst, Tensor(a!) out, {_RING}, int stride=0) -> ()", capture)
 _register("capture_pair(Tensor x0, Tensor x1, Tensor dst0, Tensor dst1, Tensor(a!) out0, Tensor(b!) out1, "
           f"{_RING}, int stride0=0, int stride1=0) -> ()", capture_pair)
+_register("capture_trio(Tensor x0, Tensor x1, Tensor x2, Tensor dst0, Tensor dst1, Tensor dst2, Tensor(a!) out0, "
+          f"Tensor(b!) out1, Tensor(c!) out2, {_RING}, int stride0=0, int stride1=0, int stride2=0) -> ()",
+          capture_trio)
 _register(f"capture_sum(Tensor a, Tensor b, Tensor dst, Tensor(a!) out, {_RING}, int stride=0) -> ()", capture_sum)
 _register("add_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor vec, Tensor alpha) -> ()", add_)
 _register("scale_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor factor) -> ()", scale_)

@@ -7,7 +7,8 @@ from kernel_cases import (
 )
 
 from tapc.kernels.capture import (
-    PHASES, capture, capture_pair, capture_pair_ref, capture_ref, capture_sum, capture_sum_ref,
+    PHASES, capture, capture_pair, capture_pair_ref, capture_ref, capture_sum, capture_sum_ref, capture_trio,
+    capture_trio_ref,
 )
 
 # Odd widths, one past a column block (2560 = 2048 + 512), one and many rows.
@@ -104,6 +105,31 @@ def test_capture_pair_is_two_captures_in_one_launch(widths):
         capture_pair(x0, x1[:36], dst0, dst1, out0, out1)
     with pytest.raises(ValueError, match="out0 and out1 are one buffer"):
         capture_pair(x0, x0, dst0, dst1, out0, out0[5:])
+
+
+@pytest.mark.parametrize("widths", [(128, 8, 8), (5, 2560, 3), (1100, 3, 700)], ids=str)
+def test_capture_trio_is_three_captures_in_one_launch(widths):
+    """An MoE router's logits (bf16), weights (float32) and expert ids (int32), each by its own
+    row table into its own pool, as three `capture` calls would, in one launch; column blocks of
+    each capture land in their own pool whatever the widths."""
+    seed("trio", widths)
+    w0, w1, w2 = widths
+    x0, x1 = randn(37, w0, torch.bfloat16), randn(37, w1, torch.float32)
+    x2 = torch.randint(0, 128, (37, w2), dtype=torch.int32, device=DEVICE)
+    dsts = dst_table(37, 41), dst_table(37, 45).flip(0), dst_table(37, 40)
+    outs = (poisoned(41, w0, torch.bfloat16), poisoned(45, w1, torch.float32),
+            torch.full((40, w2), -7, dtype=torch.int32, device=DEVICE))
+    refs = tuple(o.clone() for o in outs)
+    capture_trio(x0, x1, x2, *dsts, *outs)
+    capture_trio_ref(x0, x1, x2, *dsts, *refs)
+    for k, (out, ref) in enumerate(zip(outs, refs)):
+        assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num()), f"capture {k}"
+    kept = dsts[2][:37] >= 0
+    assert torch.equal(outs[2][dsts[2][:37][kept].long()], x2[kept]), "the ids, exactly, where their own table says"
+    with pytest.raises(ValueError, match="x2 must have x0's 37 rows, got 36"):
+        capture_trio(x0, x1, x2[:36], *dsts, *outs)
+    with pytest.raises(ValueError, match="out0 and out2 are one buffer"):
+        capture_trio(x0, x1, x0, *dsts, outs[0], outs[1], outs[0][3:])
 
 
 @pytest.mark.parametrize("columns", [slice(3, 3 + 123), slice(1, None, 2)], ids=["slice", "step2"])
@@ -206,7 +232,7 @@ def ring_case(rows: int, width: int, stride: int):
     return x, dst, ring, pos
 
 
-@pytest.mark.parametrize("kind", ["capture", "capture_sum", "capture_pair"])
+@pytest.mark.parametrize("kind", ["capture", "capture_sum", "capture_pair", "capture_trio"])
 def test_a_ring_writes_each_row_its_phase_on(kind):
     """A row in a ring lands `stride` pool rows further for each step past its ring's start (mod
     PHASES); a row in none, and a skipped row, as without a ring. Checked row by row against
@@ -221,8 +247,12 @@ def test_a_ring_writes_each_row_its_phase_on(kind):
         capture(x, dst, out, ring, pos, stride)
     elif kind == "capture_sum":
         capture_sum(x, y, dst, out, ring, pos, stride)
-    else:
+    elif kind == "capture_pair":
         capture_pair(x, y, dst, dst, out, other, ring, pos, stride, stride + 1)
+    else:
+        third = poisoned(out_rows, 3, torch.float32)
+        z = randn(rows, 3, torch.float32)
+        capture_trio(x, y, z, dst, dst, dst, out, other, third, ring, pos, stride, stride + 1, stride)
     written = torch.zeros(out_rows, dtype=torch.bool)
     for i in range(rows):
         if dst[i] < 0:
@@ -233,7 +263,9 @@ def test_a_ring_writes_each_row_its_phase_on(kind):
             assert_close(out[to], (x[i].float() + y[i].float()).to(torch.bfloat16), torch.bfloat16, what)
         else:
             assert torch.equal(out[to], x[i]), what
-        if kind == "capture_pair":
+        if kind == "capture_trio":
+            assert torch.equal(third[to], z[i]), f"trio's third capture, row {i}"
+        if kind in ("capture_pair", "capture_trio"):
             to1 = int(dst[i]) + (int(pos[i] - ring[i]) % PHASES * (stride + 1) if ring[i] >= 0 else 0)
             assert torch.equal(other[to1], y[i]), f"pair's second capture, row {i}"
         written[to] = True

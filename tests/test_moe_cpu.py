@@ -3,6 +3,8 @@ router as a tap point, what runs inside the fused-MoE op), the plan and its refu
 explain`; and the engine end to end on a toy MoE (tests/engine_toy.py's runners, V2 and V1):
 router logits, the chosen experts and their weights, the MoE block's output, and a per-request
 router edit that bans an expert, each against the toy model run alone with the same edit."""
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -142,9 +144,9 @@ TAPS = ["model.layers.*.mlp.gate.output | add(ban, alpha=1.0)", "model.layers.*.
         "model.layers.*.mlp.experts.router.output", "model.layers.*.mlp.output", "model.layers.*.resid"]
 
 
-def reference(req: Req, ban: np.ndarray | None) -> dict[str, torch.Tensor]:
-    """The toy alone on the request's tokens, `ban` added to every layer's router logits."""
-    model = toy_moe()
+def reference(req: Req, ban: np.ndarray | None, make=toy_moe) -> dict[str, torch.Tensor]:
+    """The toy (`make()`) alone on the request's tokens, `ban` added to every layer's router logits."""
+    model = make()
     seen: dict[str, torch.Tensor] = {}
     handles = []
     for i, layer in enumerate(model.model.layers):
@@ -209,6 +211,88 @@ def test_toy_moe_router_captures_and_a_per_request_expert_ban(runner_kind):
             assert not (ids == bans[r.rid]).any(), f"{r.rid} chose its banned expert"
     plain = torch.cat([dict(outs["plain"].taps)[f"model.layers.{i}.mlp.experts.router.output[1]"] for i in range(LAYERS)])
     assert (plain == 2).any() and (plain == 4).any(), "the unedited request uses both experts (the bans changed something)"
+
+
+class GatedRunner(Runner):
+    """vLLM 0.26's runner that holds its gate and calls it inside the op, right before its router
+    (`_forward_impl`), with no rows dispatched between them."""
+
+    _fse_fuse_gate = False
+    do_naive_dispatch_combine = False
+
+    def __init__(self, gate, dispatch: bool = False):
+        super().__init__()
+        self.gate = gate
+        self.moe_config = types.SimpleNamespace(pcp_size=2 if dispatch else 1)
+
+    def forward(self, hidden_states, router_logits):
+        router_logits, _ = self.gate(hidden_states)
+        return super().forward(hidden_states, router_logits)
+
+
+class GatedMoE(MoE):
+    """Qwen3-MoE's block in vLLM 0.26: the gate under `mlp.gate` and `mlp.experts.gate`."""
+
+    dispatch = False
+
+    def __init__(self):
+        super().__init__()
+        self.experts = GatedRunner(self.gate, self.dispatch)
+
+    def forward(self, x):
+        return self.experts(x, x)
+
+
+class DispatchingMoE(GatedMoE):
+    dispatch = True   # context parallel: the router would see other ranks' rows too
+
+
+@pytest.mark.parametrize("moe,taps,trio", [
+    (GatedMoE, ["model.layers.*.mlp.gate.output", "model.layers.*.mlp.experts.router.output", "model.layers.*.resid"],
+     True),
+    (GatedMoE, TAPS, False),   # an edit at the gate: its capture stays in the gate's forward, before the edit
+    (DispatchingMoE, TAPS[1:3], False),
+    (MoE, TAPS[1:3], False),   # the gate outside the runner (Mixtral): the model might change the logits between
+], ids=["gate-in-runner", "edit-at-gate", "dispatch", "gate-outside"])
+def test_a_gates_logits_join_its_routers_launch_where_the_router_gets_them_as_they_are(moe, taps, trio):
+    """install.py `_logits_at_routers`: where the runner calls its gate right before its router,
+    the gate's logits capture moves to the router's call, one `capture_trio` launch a layer with
+    the weights and ids (the gate's forward unpatched); elsewhere the gate keeps its own launch.
+    Captures equal the toy run alone either way (with its ban where the plan has one)."""
+    from tapc.kernels import ops
+
+    def make():
+        return ToyModel(seed=3, mlp=moe, layers=LAYERS)
+
+    plan = build_plan("toy", taps, max_num_batched_tokens=64, max_num_seqs=8,
+                      tree=toy_tree(moe_nodes, LAYERS, "ToyMoeForCausalLM"))
+    model = make()
+    runner, hooks = hooks_for(plan, model)
+    gates = [layer.mlp.gate for layer in model.model.layers]
+    assert all(("forward" in g.__dict__) != trio for g in gates), "the gate's forward is patched iff it keeps its capture"
+    ban = np.zeros(EXPERTS, dtype=np.float32)
+    ban[3] = -1e4
+    params = {"ban": ban} if any("add(ban" in t for t in taps) else {}
+    rng = np.random.default_rng(5)
+    reqs = [Req(f"r{k}", rng.integers(0, VOCAB, 6 + 7 * k).tolist(), 4,
+                wire_for(plan, TapRequest(capture="*", params=params), f"r{k}"), arrive=k) for k in range(2)]
+    launches = []
+    ops.set_launch_observer(lambda tables: launches.append(len(tables)))
+    try:
+        run(runner, reqs, budget=16)
+    finally:
+        ops.set_launch_observer(None)
+    assert (3 in launches) == trio and (2 in launches) != trio, launches
+    outs = collect(hooks, reqs, TapSession(plan))
+    for r in reqs:
+        got = dict(outs[r.rid].taps)
+        ref = reference(r, ban if params else None, make)
+        for key, value in got.items():
+            if key.endswith("router.output[1]"):
+                assert torch.equal(value, ref[key]), f"{r.rid} {key}: expert ids differ"
+            else:
+                torch.testing.assert_close(value, ref[key], rtol=1e-5, atol=1e-4, msg=lambda m: f"{r.rid} {key}: {m}")
+        assert any(k.endswith("gate.output") for k in got) and any(k.endswith("router.output[0]") for k in got)
 
 
 def test_a_monolithic_expert_kernel_refuses_the_routing_tap_at_install():

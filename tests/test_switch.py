@@ -22,7 +22,8 @@ from tapc.kernels import ops
 from tapc.session import TapSession
 
 # What the ops call (the Triton kernels, in the interpreter here, or the torch references).
-CALLS = [(kcapture, "capture"), (kcapture, "capture_pair"), (kcapture, "capture_sum"), (kedit, "add_"),
+CALLS = [(kcapture, "capture"), (kcapture, "capture_pair"), (kcapture, "capture_trio"), (kcapture, "capture_sum"),
+         (kedit, "add_"),
          (kedit, "scale_"), (kedit, "set_cols_"), (kedit, "project_out_")]
 
 
@@ -178,7 +179,7 @@ def test_the_capture_patch_swaps_in_switched_graphs_and_the_observer_only_while_
     (cls, observer), = seen
     assert issubclass(cls, SwitchedGraph) and cls.switch is switch and observer == switch.observe
     assert torch.cuda.CUDAGraph is before and ops._launch_observer is None
-    assert ops.KERNELS >= {"_capture_kernel", "_capture_pair_kernel", "_add_kernel", "_project_out_kernel"}
+    assert ops.KERNELS >= {"_capture_kernel", "_capture_joint_kernel", "_add_kernel", "_project_out_kernel"}
 
 
 def test_the_environment_can_keep_every_tap_kernel_in_every_replay(monkeypatch):
@@ -198,10 +199,11 @@ def test_each_op_hands_the_launch_observer_the_row_tables_it_read():
         ops.capture(x, table[0], pool)
         ops.capture_sum(x, x, table[1], pool)
         ops.capture_pair(x.to(torch.int32), x, table[0], table[1], ipool, pool)
+        ops.capture_trio(x, x.to(torch.int32), x, table[2], table[0], table[1], pool, ipool, torch.zeros(4, width))
         ops.add_(x, None, table[2], torch.randn(2, width), torch.ones(2))
     finally:
         ops.set_launch_observer(None)
     rows = [[(p - table.data_ptr()) // table.stride(0) // 4 for p in ptrs] for ptrs in seen]
-    assert rows == [[0], [1], [0, 1], [2]]
+    assert rows == [[0], [1], [0, 1], [2, 0, 1], [2]]
     ops.capture(x, table[0], pool)
-    assert len(seen) == 4, "removed: nothing called"
+    assert len(seen) == 5, "removed: nothing called"

@@ -60,11 +60,55 @@ def install(model: torch.nn.Module, layout: Layout, buffers) -> None:
     for path, taps in by_path.items():
         owner, target, method = _target(model, path)
         by_target.setdefault(id(target), (path, owner, target, method, []))[4].extend(taps)
-    for path, owner, target, method, taps in by_target.values():
+    bound: dict[int, tuple] = {}
+    for key, (path, owner, target, method, taps) in by_target.items():
         taps.sort(key=lambda te: layout.plan_order[id(te[0])])
         prefix = "" if target is owner else f"{path.rpartition('.')[2]}_"
-        _patch(target, method, path,
-               [(tap, _bind(owner, f"{prefix}{i}", tap, what, layout, buffers)) for i, (tap, what) in enumerate(taps)])
+        bound[key] = (target, method, path, owner,
+                      [(tap, _bind(owner, f"{prefix}{i}", tap, what, layout, buffers)) for i, (tap, what) in enumerate(taps)])
+    leads = _logits_at_routers(bound)
+    for key, (target, method, path, _, ops) in bound.items():
+        _patch(target, method, path, ops, leads.get(key))
+
+
+def _logits_at_routers(bound: dict[int, tuple]) -> dict[int, "_Capture"]:
+    """{router: the capture of its gate's logits}, each taken out of `bound` (the gate's forward
+    is not patched): an MoE runner that calls its own gate right before its router, with the
+    same logits (vLLM 0.26's `_forward_impl`: no dispatch between them, no gate fused with a
+    shared expert's), hands them to `select_experts` as `router_logits`, so the router's call
+    captures them with its weights and ids in one launch (`capture_trio`): a graph node a layer
+    fewer. Only where the gate's one tap is a capture of its output (an edit there, or a
+    second tap, keeps the order of the gate's own forward) and the router's two captures run
+    as one launch already."""
+    leads = {}
+    for key, (router, method, _, runner, ops) in list(bound.items()):
+        gate = getattr(runner, "gate", None)
+        if (method != "select_experts" or id(gate) not in bound or not _calls_gate_then_router(runner)
+                or "router_logits" not in inspect.signature(router.select_experts).parameters):
+            continue
+        gate_ops = bound[id(gate)][4]
+        if len(gate_ops) != 1:
+            continue
+        tap, lead = gate_ops[0]
+        after = _paired([(t.point, op) for t, op in ops])
+        if (tap.point.site == "output" and tap.point.element in (None, 0) and isinstance(lead, _Capture)
+                and len(ops) == 2 and len(after) == 1 and isinstance(after[0][1], _Pair)
+                and not any(lead.shares_pool(op) for _, op in ops)):
+            leads[key] = lead
+            del bound[id(gate)]
+    return leads
+
+
+def _calls_gate_then_router(runner) -> bool:
+    """Whether an MoE runner's router gets its gate's output as it is: the runner holds the gate
+    (and runs it inside the op), does not fuse it with the shared expert's gate, and dispatches
+    no rows between them (data or context parallel would gather other ranks' rows)."""
+    if not isinstance(getattr(runner, "gate", None), torch.nn.Module) or getattr(runner, "_fse_fuse_gate", True):
+        return False
+    try:
+        return not runner.do_naive_dispatch_combine and runner.moe_config.pcp_size == 1
+    except AttributeError:   # another vLLM's runner: leave the gate's capture where it is
+        return False
 
 
 def _target(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, object, str]:
@@ -146,29 +190,34 @@ class _Capture:
         a, b = getattr(self.module, self.pool), getattr(other.module, other.pool)
         return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
-    def pair(self, other: "_Capture", x0: torch.Tensor, x1: torch.Tensor) -> None:
-        """This capture of x0 and `other`'s of x1 in one launch."""
-        m, o = self.module, other.module
-        ring, pos, stride0 = self._ring()
-        torch.ops.tapc.capture_pair(x0, x1, getattr(m, self.dst), getattr(o, other.dst), getattr(m, self.pool),
-                                    getattr(o, other.pool), ring, pos, stride0, other._ring()[2])
+    def joint(self, others: list["_Capture"], xs: list[torch.Tensor]) -> None:
+        """This capture of xs[0] and each of `others`' of the next tensor, in one launch (two or
+        three captures in all)."""
+        caps = [self, *others]
+        ring, pos, _ = self._ring()
+        op = torch.ops.tapc.capture_pair if len(caps) == 2 else torch.ops.tapc.capture_trio
+        op(*xs, *(getattr(c.module, c.dst) for c in caps), *(getattr(c.module, c.pool) for c in caps),
+           ring, pos, *(c._ring()[2] for c in caps))
 
 
-def _patch(target, method: str, path: str, taps: list) -> None:
+def _patch(target, method: str, path: str, taps: list, lead: "_Capture | None" = None) -> None:
     if method in target.__dict__:
         raise EngineError(f"`{path}` already has a patched {method}: taps were installed twice on this model")
     source = [(tap, op) for tap, op in taps if tap.point.site == "source"]
     rest = [(tap, op) for tap, op in taps if tap.point.site != "source"]
     original = rewrite_forward(target, path, source) if source else getattr(target, method)
-    setattr(target, method, _around(target, original, rest) if rest else original)
+    setattr(target, method, _around(target, original, rest, lead) if rest else original)
 
 
-def _around(module, original, taps: list):
-    """`original` with the module-level taps: `input` ops before it, the others after."""
+def _around(module, original, taps: list, lead: "_Capture | None" = None):
+    """`original` with the module-level taps: `input` ops before it, the others after. `lead`:
+    an MoE router's gate-logits capture, of the `router_logits` it is called with, joined to
+    its weight and id captures (`_logits_at_routers`)."""
     before = [op for tap, op in taps if tap.point.site == "input"]
-    after = _paired([(tap.point, op) for tap, op in taps if tap.point.site != "input"])
+    after = _paired([(tap.point, op) for tap, op in taps if tap.point.site != "input"], lead)
     width = {tap.point.site: tap.width for tap, _ in taps}.get("input")
     pick_input = _input_picker(original, width) if before else None
+    pick_logits = _argument_picker(original, "router_logits") if lead is not None else None
 
     def forward(self, *args, **kwargs):
         if before:
@@ -181,7 +230,7 @@ def _around(module, original, taps: list):
                 op(out[0], out[1])
             elif isinstance(out, tuple):
                 if isinstance(op, _Pair):
-                    op.run(out)
+                    op.run(out, pick_logits(args, kwargs) if op.lead is not None else None)
                 else:
                     op(out[point.element or 0], None)
             elif point.element is not None:
@@ -196,32 +245,40 @@ def _around(module, original, taps: list):
 
 
 class _Pair:
-    """Two captures of elements of one call's tuple, run as one launch."""
+    """Two captures of elements of one call's tuple, run as one launch; with `lead`, a capture of
+    a tensor the call was given (an MoE router's logits) makes three in that launch."""
 
-    def __init__(self, first: _Capture, second: _Capture, e0: int, e1: int):
-        self.first, self.second, self.e0, self.e1 = first, second, e0, e1
+    def __init__(self, first: _Capture, second: _Capture, e0: int, e1: int, lead: _Capture | None = None):
+        self.first, self.second, self.e0, self.e1, self.lead = first, second, e0, e1, lead
 
-    def run(self, out: tuple) -> None:
+    def run(self, out: tuple, given: torch.Tensor | None = None) -> None:
         x0, x1 = out[self.e0], out[self.e1]
+        if self.lead is not None and given.shape[0] == x0.shape[0] == x1.shape[0]:
+            self.lead.joint([self.first, self.second], [given, x0, x1])
+            return
+        if self.lead is not None:
+            self.lead(given, None)
         if x0.shape[0] == x1.shape[0]:
-            self.first.pair(self.second, x0, x1)
+            self.first.joint([self.second], [x0, x1])
         else:   # a tuple whose elements have rows of their own: one launch each
             self.first(x0, None)
             self.second(x1, None)
 
 
-def _paired(after: list) -> list:
+def _paired(after: list, lead: _Capture | None = None) -> list:
     """`after` with each two neighbouring captures of elements of a call's tuple (an MoE
     router's weights and expert ids) as one `_Pair`, under the first one's point: one launch,
-    one graph node, where there were two. Captures only read, so running them together changes
-    nothing they see. Two captures into one pool stay apart: the compiled graph functionalizes
-    `capture_pair`, and two of its written arguments that are one buffer are written back one
-    over the other, which lost the first capture's rows (a norm's `output[0]` and `output[1]`)."""
+    one graph node, where there were two; `lead` joins the first pair. Captures only read, so
+    running them together changes nothing they see. Two captures into one pool stay apart: the
+    compiled graph functionalizes `capture_pair`, and two of its written arguments that are one
+    buffer are written back one over the other, which lost the first capture's rows (a norm's
+    `output[0]` and `output[1]`)."""
     out = []
     for point, op in after:
         if out and _tuple_capture(point, op) and _tuple_capture(*out[-1]) and not op.shares_pool(out[-1][1]):
             first_point, first = out[-1]
-            out[-1] = (first_point, _Pair(first, op, first_point.element, point.element))
+            out[-1] = (first_point, _Pair(first, op, first_point.element, point.element, lead))
+            lead = None
             continue
         out.append((point, op))
     return out
@@ -229,6 +286,12 @@ def _paired(after: list) -> list:
 
 def _tuple_capture(point, op) -> bool:
     return isinstance(op, _Capture) and point.site == "output" and point.element is not None
+
+
+def _argument_picker(forward, name: str):
+    """The argument `name` of a call of `forward`, given by keyword or by position."""
+    index = list(inspect.signature(forward).parameters).index(name)
+    return lambda args, kwargs: kwargs[name] if name in kwargs else args[index]
 
 
 def _input_picker(forward, width: int):
