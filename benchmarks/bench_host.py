@@ -33,7 +33,7 @@ from tapc.engine.protocol import WireRequest  # noqa: E402
 from tapc.engine.requests import TapRequest, check  # noqa: E402
 from tapc.engine.fill import Repeat, fill_step, tapped_of  # noqa: E402
 from tapc.engine.layout import Layout  # noqa: E402
-from tapc.engine.memcpy import copy_segments  # noqa: E402
+from tapc.engine.memcpy import Repeated, copy_segments  # noqa: E402
 from tapc.engine.records import Record  # noqa: E402
 from tapc.engine.step import StepBatch  # noqa: E402
 from tapc.planner import build_plan  # noqa: E402
@@ -119,21 +119,22 @@ def time_step(layout, records, batch: StepBatch, repeats: int = 200, repeating: 
     table = np.empty((layout.table_rows, ROWS), dtype=np.int32)
     pools = [torch.empty(len(g.caps) * ROWS, g.width, dtype=getattr(torch, g.dtype), device="meta")
              for g in layout.groups]
-    repeat = Repeat()
+    repeat, last = Repeat(), Repeated()
     if repeating:
         tapped = tapped_of(records, batch)
         repeat.keep(batch, tapped, fill_step(layout, table[:, :batch.padded], tapped, batch))
     times = []
     for k in range(repeats):
-        for rec in records.values():   # the same rows again (no store grows)
-            for st in rec.stores:
+        for rec in records.values():
+            if repeating:   # each step a store's next row, as in an engine (a store that grows: the median's not)
+                continue
+            for st in rec.stores:   # the same rows again (no store grows)
                 st.rows = 0
-            if not repeating:           # every repeat captures the same step again
-                rec.next_pos = 0
+            rec.next_pos = 0        # every repeat captures the same step again
         step = replace(batch, num_computed=batch.num_computed + k + 1) if repeating else batch
         t0 = time.perf_counter()
         got = repeat.same(step) if repeating else fill(table[:, :batch.padded], tapped_of(records, batch), batch)
-        copy_segments(got[0], pools, issued, Stream())
+        copy_segments(got[0], pools, issued, Stream(), last)
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
 

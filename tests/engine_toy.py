@@ -14,6 +14,7 @@ arriving late, finishing at max_tokens, and optionally one preemption (recompute
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 from types import SimpleNamespace as NS
 
@@ -26,7 +27,7 @@ from tapc.engine.requests import TapRequest, check
 from tapc.engine.buffers import Buffers, ParamTables, Staging, _UvaTable
 from tapc.engine.config import rings_on
 from tapc.engine.runner import RunnerHooks
-from tapc.engine.memcpy import copy_segments
+from tapc.engine.memcpy import Repeated, copy_segments
 from tapc.engine.runner_v1 import V1Adapter
 from tapc.engine.runner_v2 import V2Adapter
 from tapc.planner import build_plan
@@ -129,9 +130,17 @@ def toy_plan(taps, rows: int = 64, slots: int = 8):
     return build_plan("toy", taps, max_num_batched_tokens=rows, max_num_seqs=slots, tree=toy_tree())
 
 
+def host_batch(dsts, srcs, sizes, stream) -> bool:
+    """The driver's batched copy (memcpy.BatchCopy) on host memory: each copy by address, at once."""
+    for d, s, n in zip(list(dsts), list(srcs), list(sizes)):
+        ctypes.memmove(int(d), int(s), int(n))
+    return True
+
+
 class ToyBuffers(Buffers):
     """`Buffers` on the CPU: the same tables, pools and table upload; `slots` parameter slots;
-    copies done at once, with no streams."""
+    copies done at once, by address as the GPU's batch makes them (with the repeated steps'
+    addresses, whatever the batch), with no streams."""
 
     def __init__(self, layout, rows: int, slots: int):
         self.layout = layout
@@ -151,12 +160,14 @@ class ToyBuffers(Buffers):
         self.copies = 0                 # steps that copied captures out
         self.waited: list[int] = []     # the steps (their copy number) a collect waited for
         self.positions = None           # the runner's, set as the worker sets them
+        self.repeated = Repeated()
+        self.repeated.MANY = 1          # every repeated step by its kept addresses
 
     def copy_out(self, segments, used, direct=False):
         if self.counting:
             for pool, n in zip(self.pools, used):
                 self.nonfinite_values += int(torch.isfinite(pool[:n]).logical_not_().sum())
-        copy_segments(segments, self.pools)
+        copy_segments(segments, self.pools, host_batch, NS(cuda_stream=0), self.repeated)
         self.copies += 1
         return ToyEvent(self.copies, self.waited)
 

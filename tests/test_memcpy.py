@@ -5,9 +5,10 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 import torch
+from engine_toy import host_batch
 
 from tapc.engine.fill import Segment
-from tapc.engine.memcpy import BatchCopy, DriverEvents, copy_segments
+from tapc.engine.memcpy import BatchCopy, DriverEvents, Repeated, copy_segments
 from tapc.engine.storage import Store
 
 
@@ -81,15 +82,49 @@ def test_blocks_that_straddle_chunks_go_to_both_by_address():
         st = Store(0, np.array([0, 1]), 5, torch.float32, cpu_alloc, first=2)
         st.take(1)   # one row written before this step: one left in the first chunk
 
-        def memmove(dsts, srcs, sizes, stream):
-            for d, s, n in zip(dsts, srcs, sizes):
-                ctypes.memmove(d, s, n)
-            return True
-
-        copy_segments([Segment(st, 2, 3)], [pool], memmove if batch else None, STREAM)
+        copy_segments([Segment(st, 2, 3)], [pool], host_batch if batch else None, STREAM)
         assert len(st.chunks) == 2, "it grew"
         got = torch.cat([c[:n] for c, n in st.filled()])[1:].reshape(-1, 5)
         torch.testing.assert_close(got, pool[2:8], rtol=0, atol=0)
+
+
+def test_a_step_that_repeats_the_last_copies_to_each_stores_next_rows():
+    """`Repeated`: steps handed the same segment list (fill.py `Repeat`'s kept step) copy, by the
+    kept addresses, into each store's next rows, whatever the pools hold each step; a store
+    that must grow a chunk, another list, or a pool at another address take the full path,
+    and every row still lands where its store says."""
+    torch.manual_seed(2)
+    pools = [torch.empty(8, 5), torch.empty(8, 3, dtype=torch.float64)]
+    a = Store(0, np.array([0, 1]), 5, torch.float32, cpu_alloc, first=4)   # grows on its fifth step
+    b = Store(1, np.array([0]), 3, torch.float64, cpu_alloc, first=16)
+    c = Store(0, np.array([1]), 5, torch.float32, cpu_alloc, first=16)
+    segments = [Segment(a, 0, 1), Segment(b, 2, 1), Segment(c, 4, 1)]
+    last, fast, sent = Repeated(), [], []
+    last.MANY = 1   # the fast path whatever the count
+    addresses = last.addresses
+
+    def spied(segs, bases):
+        got = addresses(segs, bases)
+        fast.append(got is not None)
+        return got
+
+    last.addresses = spied
+    for step in range(7):
+        for pool in pools:
+            pool.copy_(torch.randn(pool.shape))
+        sent.append([pools[0][0:2].clone(), pools[1][2:3].clone(), pools[0][4:5].clone()])
+        segs = segments if step != 5 else list(segments)   # step 5: a list of its own
+        copy_segments(segs, pools, host_batch, STREAM, last)
+    # step 0 keeps, 1-3 repeat, 4 grows a's chunk (full path), 5 is another list, 6 keeps again
+    assert fast == [False, True, True, True, False, False, False], fast
+    for k, (st, width) in enumerate(((a, 5), (b, 3), (c, 5))):
+        got = torch.cat([ch[:n] for ch, n in st.filled()])
+        assert st.rows == 7 and got.shape[0] == 7
+        want = torch.stack([s[k].reshape(-1, width) for s in sent])
+        torch.testing.assert_close(got.reshape(7, -1, width), want.reshape(7, -1, width), rtol=0, atol=0)
+    assert len(a.chunks) == 2 and len(b.chunks) == 1
+    copy_segments(segments, [pools[0].clone(), pools[1]], host_batch, STREAM, last)   # a pool elsewhere
+    assert fast[-1] is False and a.rows == 8
 
 
 def test_the_batch_hands_the_driver_every_address_size_and_the_stream():
@@ -126,6 +161,16 @@ def test_the_batch_hands_the_driver_every_address_size_and_the_stream():
     assert len(seen) == 2 and each == [(6 * 5 * 4, 1234), (5 * 4, 1234)]
     assert BatchCopy(driver, one)([pool.data_ptr()], [pool.data_ptr()], [4], 0)
     assert each[2] == (4, None), "one copy goes on the legacy stream itself (ctypes reads handle 0 as None)"
+
+    # a repeated step's addresses come as uint64 arrays (memcpy.Repeated): the same copies either way
+    dst, src = torch.zeros(4), torch.arange(1.0, 5.0)
+    for few in (0, 8):
+        copies = BatchCopy(driver, one)
+        copies.few = few
+        assert copies(*(np.array([v], dtype=np.uint64) for v in (dst.data_ptr(), src.data_ptr(), 16)), 1234)
+        assert torch.equal(dst, src), f"few={few}"
+        dst.zero_()
+    assert seen[-1][0] == 1 and each[-1] == (16, 1234)
 
     def failing(*args):
         return 1   # CUDA_ERROR_INVALID_VALUE

@@ -39,7 +39,7 @@ import torch
 from tapc.edits import slot_row
 from tapc.engine.fill import Segment
 from tapc.engine.layout import Layout
-from tapc.engine.memcpy import BatchCopy, DriverEvent, DriverEvents, copy_segments
+from tapc.engine.memcpy import BatchCopy, DriverEvent, DriverEvents, Repeated, copy_segments
 from tapc.errors import EngineError
 from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 
@@ -102,6 +102,7 @@ class Buffers:
         self._row_bytes = [p.shape[1] * p.element_size() for p in self.pools]
         self.direct_bytes = direct_bytes()
         self._batch = BatchCopy.load() if device.type == "cuda" else None
+        self._repeated = Repeated()   # the last step's copies, for a step that repeats it
         self._device = self.table.get_device()   # its index, for the compute stream's handle
         self._events = driver_events() if device.type == "cuda" else None
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
@@ -165,7 +166,7 @@ class Buffers:
         ready = torch.cuda.Event()
         ready.record(compute)
         snap.stream.wait_event(ready)
-        copy_segments(segments, snap.tensors, self._batch, snap.stream)
+        copy_segments(segments, snap.tensors, self._batch, snap.stream, self._repeated)
         # The other snapshot's copies may still run (a prompt step's, under the decode steps
         # after it): then this step is done when both streams are, joined on a third.
         pending = [other] if other is not None and _pending(other) else []
@@ -184,7 +185,7 @@ class Buffers:
         The compute stream is named by its handle, not a `torch.cuda.Stream`: making one took
         about 30 us of a running engine's thread (profile_step, docs/engine.md)."""
         self._count(self.pools, used)
-        copy_segments(segments, self.pools, self._batch)
+        copy_segments(segments, self.pools, self._batch, last=self._repeated)
         pending = [s for s in (self._big, self._small) if s is not None and _pending(s)]
         if self._events is not None and not pending and not self._counting:
             return self._events.record(torch._C._cuda_getCurrentRawStream(self._device))
