@@ -25,7 +25,10 @@ def segments_and_pool(device="cpu", alloc=cpu_alloc):
     return [Segment(a, 0, 3), Segment(b, 6, 1)], pool, a, b
 
 
-STREAM = NS(cuda_stream=1234)   # a stream's handle as BatchCopy reads it (CPU tests have no stream)
+# A stream as copy_segments reads it: its handle for the batch, and the one-by-one copies made
+# under it (a real one where there is a GPU: entering a stand-in fails there).
+STREAM = torch.cuda.Stream() if torch.cuda.is_available() else NS(cuda_stream=1234)
+HANDLE = STREAM.cuda_stream
 
 
 def check(pool, a, b):
@@ -150,7 +153,7 @@ def test_the_batch_hands_the_driver_every_address_size_and_the_stream():
     batch.few = 0
     copy_segments(segments, [pool], batch, STREAM)
     check(pool, a, b)
-    assert seen == [(2, [0], 1, 1234)] and each == []
+    assert seen == [(2, [0], 1, HANDLE)] and each == []
     # the legacy default stream (0), which the batch refuses, goes as the per-thread one (0x2)
     assert batch([pool.data_ptr()], [pool.data_ptr()], [4], 0)
     assert seen[1] == (1, [0], 1, 0x2)
@@ -158,7 +161,7 @@ def test_the_batch_hands_the_driver_every_address_size_and_the_stream():
     segments, pool, a, b = segments_and_pool()
     copy_segments(segments, [pool], BatchCopy(driver, one), STREAM)   # two copies: one call each
     check(pool, a, b)
-    assert len(seen) == 2 and each == [(6 * 5 * 4, 1234), (5 * 4, 1234)]
+    assert len(seen) == 2 and each == [(6 * 5 * 4, HANDLE), (5 * 4, HANDLE)]
     assert BatchCopy(driver, one)([pool.data_ptr()], [pool.data_ptr()], [4], 0)
     assert each[2] == (4, None), "one copy goes on the legacy stream itself (ctypes reads handle 0 as None)"
 
@@ -167,10 +170,10 @@ def test_the_batch_hands_the_driver_every_address_size_and_the_stream():
     for few in (0, 8):
         copies = BatchCopy(driver, one)
         copies.few = few
-        assert copies(*(np.array([v], dtype=np.uint64) for v in (dst.data_ptr(), src.data_ptr(), 16)), 1234)
+        assert copies(*(np.array([v], dtype=np.uint64) for v in (dst.data_ptr(), src.data_ptr(), 16)), HANDLE)
         assert torch.equal(dst, src), f"few={few}"
         dst.zero_()
-    assert seen[-1][0] == 1 and each[-1] == (16, 1234)
+    assert seen[-1][0] == 1 and each[-1] == (16, HANDLE)
 
     def failing(*args):
         return 1   # CUDA_ERROR_INVALID_VALUE
