@@ -39,7 +39,7 @@ import torch
 from tapc.edits import slot_row
 from tapc.engine.fill import Segment
 from tapc.engine.layout import Layout
-from tapc.engine.memcpy import BatchCopy, DriverEvent, DriverEvents, Repeated, copy_segments
+from tapc.engine.memcpy import BatchCopy, DriverEvent, DriverEvents, Repeated, copy_segments, repeating
 from tapc.errors import EngineError
 from tapc.sizing import edit_tables, param_slots, small_snapshot_rows
 
@@ -102,7 +102,7 @@ class Buffers:
         self._row_bytes = [p.shape[1] * p.element_size() for p in self.pools]
         self.direct_bytes = direct_bytes()
         self._batch = BatchCopy.load() if device.type == "cuda" else None
-        self._repeated = Repeated()   # the last step's copies, for a step that repeats it
+        self._repeated = Repeated() if repeating() else None   # the last step's copies, for a step that repeats it
         self._device = self.table.get_device()   # its index, for the compute stream's handle
         self._events = driver_events() if device.type == "cuda" else None
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import array
 import ctypes
 import logging
+import os
 from operator import attrgetter
 from typing import TYPE_CHECKING, Callable
 
@@ -228,6 +229,12 @@ def copy_segments(segments: "list[Segment]", pools: list[torch.Tensor],
         if batch(dsts, srcs, sizes, handle):
             return
     _copy_on(stream, taken, pools)
+
+
+def repeating() -> bool:
+    """Whether copy-out reuses a repeated step's addresses (`Repeated`); TAPC_REPEAT_COPIES=0 in
+    the engine's environment: it does not (an A/B's setting, benchmarks/calls/ab.sh)."""
+    return os.environ.get("TAPC_REPEAT_COPIES", "1") != "0"
 
 
 class Repeated:
