@@ -17,7 +17,9 @@ An MoE router (`<runner>.router`, tree.py) is not a module: its `select_experts`
 instead of a forward, and its tables are registered on the runner that holds it. It runs inside
 vLLM's fused-MoE op, eagerly while graphs are captured, so its ops are captured with the op's
 kernels. The expert ids (int32) go as they are to their int32 pool (the capture kernel takes
-integer rows: no cast kernel per layer and step).
+integer rows: no cast kernel per layer and step). Where the runner calls its own gate right
+before the router, the gate's logits are captured in the router's launch too
+(`_logits_at_routers`).
 
 Sites: `input` (the module's activation argument, edited before the call), `output` (the
 tensor, or element k of a tuple; a vLLM linear returns (out, bias), `.output` is out) and
