@@ -281,7 +281,7 @@ class Repeated:
         # the address of a store's row r: at + r * row_bytes, in its last chunk
         row_bytes = np.fromiter((st.row_bytes for st in stores), np.int64, n)
         self.at = np.fromiter((st.last_ptr - st.last_base * st.row_bytes for st in stores), np.int64, n)
-        self.row_bytes, self.step_bytes = row_bytes, self.taking * row_bytes
+        self.row_bytes = row_bytes
         self.srcs = np.array(self.srcs, dtype=np.uint64)
         self.sizes = np.array(self.sizes, dtype=np.uint64)
 
