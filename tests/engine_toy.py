@@ -163,7 +163,7 @@ class ToyBuffers(Buffers):
         self.repeated = Repeated()
         self.repeated.MANY = 1          # every repeated step by its kept addresses
 
-    def copy_out(self, segments, used, direct=False):
+    def copy_out(self, segments, used, steps=1):
         if self.counting:
             for pool, n in zip(self.pools, used):
                 self.nonfinite_values += int(torch.isfinite(pool[:n]).logical_not_().sum())

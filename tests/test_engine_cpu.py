@@ -150,17 +150,18 @@ def test_a_worker_on_another_node_sends_rows_not_places_and_frees_its_arena():
 
 
 @RUNNERS
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_rings_hold_steady_decode_rows_and_copy_them_out_whole(runner_kind, compiled, monkeypatch):
-    """Steady decode at small batches runs in rings (fill.py `Repeat`): each step's rows land a
-    phase on by the model's positions, and go out every PHASES steps or when the ring ends: an
-    arrival, a preemption mid-ring, requests finishing, the collect. A request asking for part
-    of a group's captures ("part") keeps the batch out of rings while it runs. Every capture
+@pytest.mark.parametrize("compiled, many", [(False, 0), (True, 0), (False, 8)], ids=["eager", "compiled", "many"])
+def test_rings_hold_steady_decode_rows_and_copy_them_out_whole(runner_kind, compiled, many, monkeypatch):
+    """Steady decode runs in rings (fill.py `Repeat`): each step's rows land a phase on by the
+    model's positions, and go out every PHASES steps or when the ring ends: an arrival, a
+    preemption mid-ring, requests finishing, the collect. A request asking for part of a
+    group's captures ("part") keeps the batch out of rings while it runs. With `many` more
+    capturing requests the batch is past `fill.FEW`, filled by whole-batch arrays. Every capture
     equals the reference, row for row; and copies are far fewer than steps."""
     monkeypatch.setenv("TAPC_RINGS", "1")
     plan = toy_plan(TAPS)
     model = ToyModel()
-    runner, hooks = hooks_for(plan, model, runner=runner_kind)
+    runner, hooks = hooks_for(plan, model, rows=64 + 8 * many, runner=runner_kind)   # room for every ring
     if compiled:  # the ops' ring arguments through Dynamo, as vLLM's compiled graphs call them
         runner.model = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
     whole = ["model.layers.*.resid", "model.layers.1.output[0]", "model.layers.2.mlp.down_proj.output"]   # a group
@@ -168,6 +169,7 @@ def test_rings_hold_steady_decode_rows_and_copy_them_out_whole(runner_kind, comp
             ("gen", 9, 26, 0, 17, TapRequest(capture=whole, positions="generated")),
             ("part", 4, 6, 30, None, TapRequest(capture=["model.layers.1.output[0]"])),
             ("plain", 5, 33, 0, None, None)]
+    asks += [(f"m{k}", 3 + k, 40, 0, None, TapRequest(capture=whole if k % 2 else "*")) for k in range(many)]
     rng = np.random.default_rng(11)
     reqs = [Req(rid, rng.integers(0, 50, plen).tolist(), n, wire_for(plan, ask, rid), arrive, preempt)
             for rid, plen, n, arrive, preempt, ask in asks]

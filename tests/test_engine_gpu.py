@@ -133,10 +133,12 @@ def test_captures_equal_hf_under_continuous_batching(tapped):
             assert not torch.equal(gen[0], gen[1]), "decode rows repeat: stale graph memory"
 
 
-def test_captures_equal_hf_through_rings(tapped):
-    """Two requests decoding 40 and 29 tokens side by side: steady decode at a small batch runs
-    in rings (docs/engine.md, "Rings": 8 steps' rows held in the pools, a phase apart by the
-    model's positions, then one copy-out), whole rings and the one a finishing request ends.
+@pytest.mark.parametrize("many", [0, 8], ids=["few", "many"])
+def test_captures_equal_hf_through_rings(tapped, many):
+    """Two requests decoding 40 and 29 tokens side by side: steady decode runs in rings
+    (docs/engine.md, "Rings": 8 steps' rows held in the pools, a phase apart by the model's
+    positions, then one copy-out), whole rings and the one a finishing request ends. With
+    `many` more, the batch is past `fill.FEW` (its fill by whole-batch arrays or compiled).
     Every row equals HF's, so none landed in another step's phase."""
     from vllm import SamplingParams
 
@@ -144,8 +146,9 @@ def test_captures_equal_hf_through_rings(tapped):
 
     arch, path, llm = tapped
     rng = np.random.default_rng(5)
-    lens, max_tokens = (7, 20), (40, 29)
-    asks = [TapRequest(capture="*"), TapRequest(capture="*", positions="generated")]
+    lens, max_tokens = (7, 20) + tuple(range(3, 3 + many)), (40, 29) + (33,) * many
+    asks = [TapRequest(capture="*"), TapRequest(capture="*", positions="generated")] + \
+        [TapRequest(capture="*", positions="all" if k % 2 else "generated") for k in range(many)]
     outs = llm.generate([{"prompt_token_ids": rng.integers(0, SMALL["vocab_size"], n).tolist()} for n in lens],
                         [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_tokens], taps=asks)
     for i, (out, ask) in enumerate(zip(outs, asks)):

@@ -451,32 +451,43 @@ def test_the_compiled_fill_writes_what_numpys_writes_on_plans_of_one_kind(taps):
     assert steps > 3
 
 
-def test_a_rings_fill_leaves_each_block_room_for_its_phases_and_marks_its_rows():
+@pytest.mark.parametrize("path", ["each", "batch", "compiled"])
+def test_a_rings_fill_leaves_each_block_room_for_its_phases_and_marks_its_rows(path, monkeypatch):
     """`fill_step(..., phases)` (a ring's first step, fill.py `Repeat`) lays each capturing
     request's block out as the plain fill does, `phases` times as far apart, and writes each
     captured row's position into the ring row (the capture kernels' phase 0); the plain fill
-    leaves the ring row -1. An untapped request between them is left alone."""
+    leaves the ring row -1. An untapped request between them is left alone. On each of the
+    fill's paths: request by request (a few requests), whole-batch arrays (`fill.FEW` 0: the
+    path of a batch of 64), the compiled fill (fill_jit.py)."""
+    from tapc.engine import fill
+    from tapc.engine.fill_jit import CompiledFill
+
     plan = toy_plan(["model.layers.*.resid", "model.layers.1.mlp.up_proj.output"], rows=256)
     layout = Layout(plan)
+    if path == "batch":
+        monkeypatch.setattr(fill, "FEW", 0)
+    compiled = CompiledFill(layout) if path == "compiled" else None
 
-    def fill(phases):
+    def fill_once(phases):
         records = {rid: Record(layout, rid, WireRequest(rid, check(plan, TapRequest(capture="*", positions=pos), rid)),
                                plen, 40, cpu_alloc) for rid, plen, pos in (("a", 4, "all"), ("b", 6, "generated"))}
+        owner = {id(st): rid for rid, rec in records.items() for st in rec.stores}
         batch = StepBatch(["a", "plain", "b"], np.arange(4, dtype=np.int32), np.array([9, 5, 12], dtype=np.int32),
                           np.array([4, 3, 6], dtype=np.int32), 8)
         table = np.full((layout.table_rows, 8), 7, np.int32)
-        segments, used = fill_step(layout, table, tapped_of(records, batch), batch, phases)
-        return table, [(seg.store.group, seg.start, seg.rows) for seg in segments], used
+        tapped = tapped_of(records, batch)
+        segments, used = (compiled and compiled(table, tapped, batch, phases)) or \
+            fill.fill_step(layout, table, tapped, batch, phases)
+        return table, {(owner[id(seg.store)], seg.store.group): (seg.start, seg.rows) for seg in segments}, used
 
-    plain, ring = fill(1), fill(PHASES)
+    plain, ring = fill_once(1), fill_once(PHASES)
     assert plain[0][layout.ring_row].tolist() == [-1] * 8
     assert ring[0][layout.ring_row].tolist() == [9, -1, 12, -1, -1, -1, -1, -1]
     assert ring[2] == [PHASES * u for u in plain[2]] and all(plain[2])
-    assert ring[1] == [(g, PHASES * start, rows) for g, start, rows in plain[1]]
+    assert len(plain[1]) == 4 and ring[1] == {k: (PHASES * start, rows) for k, (start, rows) in plain[1].items()}
     for c in range(len(layout.captures)):
         g = layout.cap_group[c]
-        # segments by request, then group: a (row 0) in both groups, then b (row 2)
-        starts = {row: start for (group, start, _), row in zip(plain[1], [0, 0, 2, 2]) if group == g}
-        for row, start in starts.items():   # the same place in a block PHASES times as large
+        for rid, row in (("a", 0), ("b", 2)):   # the same place in a block PHASES times as large
+            start = plain[1][rid, g][0]
             assert ring[0][c, row] - PHASES * start == plain[0][c, row] - start >= 0
         assert ring[0][c, 1] == plain[0][c, 1] == -1 and (ring[0][c, 3:] == -1).all()

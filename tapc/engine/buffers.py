@@ -147,11 +147,13 @@ class Buffers:
         self.table.fill_(-1)
         self._clean = self.rows
 
-    def copy_out(self, segments: list[Segment], used: list[int], direct: bool = False) -> "torch.cuda.Event | DriverEvent":
+    def copy_out(self, segments: list[Segment], used: list[int], steps: int = 1) -> "torch.cuda.Event | DriverEvent":
         """Start the step's copies to host memory; the event is recorded once they, and every
-        earlier step's, are done. `direct`: straight from the pools whatever their size (a ring's
-        steps, fill.py `Repeat`: its pool rows are rewritten only by the forward after it)."""
-        if direct or sum(map(mul, used, self._row_bytes)) <= self.direct_bytes:
+        earlier step's, are done. `steps`: the steps whose rows these are (a ring's, fill.py
+        `Repeat`), which go straight from the pools where each step's share would: at batch 1
+        that spares the snapshot, and at batch 64 the compute stream is not held up by 8 steps'
+        DMA (tens of MB on the MoE plan) while the next forward waits."""
+        if sum(map(mul, used, self._row_bytes)) <= self.direct_bytes * steps:
             return self._copy_direct(segments, used)
         compute = torch.cuda.current_stream()
         snap, other = self._big, self._small

@@ -59,7 +59,8 @@ def fill_step(layout: Layout, table: np.ndarray, tapped: list[tuple[int, Record]
     """Write `table[:, :batch.padded]` for one step; return the capture segments to copy out
     after the forward and the rows used in each group's pool. `tapped`: the step's tapped
     requests (`tapped_of`; the others are left alone). `phases` > 1: the step starts a ring of
-    that many steps (`Repeat`), a decode step of at most `FEW` requests.
+    that many steps (`Repeat`): each block gets room for that many, each captured row's position
+    goes into the ring row.
 
     This runs on the host every step, beside vLLM's own step preparation. For many tapped
     requests it works on arrays over all their rows at once (one fancy assignment per group and
@@ -74,7 +75,7 @@ def fill_step(layout: Layout, table: np.ndarray, tapped: list[tuple[int, Record]
     elif tapped:
         reqs = _Requests(tapped, batch.query_start_loc, batch.num_computed)
         if any(rec.stores for rec in reqs.recs):
-            segments = _fill_captures(layout, table, reqs, used)
+            segments = _fill_captures(layout, table, reqs, used, phases)
         if any(rec.slot >= 0 and rec.edits for rec in reqs.recs):
             _fill_edits(layout, table[:, :batch.padded], reqs)
     if layout.always:
@@ -153,7 +154,8 @@ class _Requests:
         return rows + np.repeat(self.first - self.row, counts)
 
 
-def _fill_captures(layout: Layout, table: np.ndarray, reqs: _Requests, used: list[int]) -> list[Segment]:
+def _fill_captures(layout: Layout, table: np.ndarray, reqs: _Requests, used: list[int],
+                   phases: int = 1) -> list[Segment]:
     recs = reqs.recs
     # The positions each request captures this step: its word's (`Record.cap_lo`, `cap_hi`), from
     # the first it has not yet captured (a list's: every one from there, picked below).
@@ -178,6 +180,8 @@ def _fill_captures(layout: Layout, table: np.ndarray, reqs: _Requests, used: lis
         recs[k].next_pos = p + 1
     offs = ends - counts
     rank = np.arange(rows.size) - np.repeat(offs, counts)   # a row's place in its request's run
+    if phases > 1:   # a ring's first step: each row's position, the capture kernels' phase 0
+        table[layout.ring_row, rows] = reqs.positions(rows, counts)
     segments: list[Segment] = []
     for g in range(len(layout.groups)):
         stores = [rec.store_of[g] for rec in recs]
@@ -185,7 +189,8 @@ def _fill_captures(layout: Layout, table: np.ndarray, reqs: _Requests, used: lis
         if not n_caps.any():
             continue
         block = counts * n_caps                          # pool rows of each request in this step
-        base = used[g] + np.cumsum(block) - block
+        room = block * phases                            # and in its block (a ring's: `phases` steps)
+        base = used[g] + np.cumsum(room) - room
         nc = np.repeat(n_caps, counts)
         keep = nc > 0
         row, nc = rows[keep], nc[keep]
@@ -210,7 +215,7 @@ def _fill_captures(layout: Layout, table: np.ndarray, reqs: _Requests, used: lis
             table[caps[np.repeat(cap_start[req], nc) + j], np.repeat(row, nc)] = np.repeat(first, nc) + j
         starts, sizes = base.tolist(), counts.tolist()   # Python ints: indexing numpy per request is slow
         segments += [Segment(stores[k], starts[k], sizes[k]) for k in np.flatnonzero(block).tolist()]
-        used[g] += int(block.sum())
+        used[g] += int(room.sum())
     return segments
 
 
@@ -252,12 +257,13 @@ class Repeat:
     and not the next: a step where one is in use is filled afresh. The runner hooks `forget` it
     whenever the records, their slots or the device tables change.
 
-    A *ring* goes further at small batches (`ring_fits`): the first repeat is filled again with
+    A *ring* goes further (`ring_fits`): the first repeat is filled again with
     room for `PHASES` steps in each request's block, and the capture kernels put each step's
     rows one phase on by the model's positions (kernels/capture.py), so the host copies out
     once every `PHASES` steps, or when the ring ends (the runner's `_forget`), with one event,
     where a step made a copy call and an event each (in a running engine at batch 1 on the
-    Qwen3-30B-A3B shape, 45-60 us of the engine thread's 2 ms step: docs/engine.md)."""
+    Qwen3-30B-A3B shape, 45-60 us of the engine thread's 2 ms step; at batch 64, a copy a
+    request and capture group, 0.3-0.6 ms of a 10 ms step: docs/engine.md)."""
 
     def __init__(self):
         self.forget()
@@ -315,13 +321,13 @@ class Repeat:
         self._next = (batch.num_computed + 1).tolist()
         self.phases = phases
 
-    def ring_fits(self, layout: Layout, tapped: list[tuple[int, Record]], rows: int) -> bool:
-        """Whether `tapped`, repeating the kept step, can start a ring in pools of `rows` rows a
-        capture: a few requests (`FEW`, `_fill_each`), rows captured, each capturing request
-        asking for every capture of each group it captures from (a phase is one stride for
-        every request, its group's captures), and room for `PHASES` steps."""
+    def ring_fits(self, layout: Layout, rows: int) -> bool:
+        """Whether the kept step's repeat can start a ring in pools of `rows` rows a capture:
+        rows captured, each capturing request asking for every capture of each group
+        it captures from (a phase is one stride for every request, its group's captures), and
+        room for `PHASES` steps."""
         segments, used = self._step
-        return self.phases == 1 and bool(segments) and len(tapped) <= FEW \
+        return self.phases == 1 and bool(segments) \
             and all(seg.store.caps.size == len(layout.groups[seg.store.group].caps) for seg in segments) \
             and all(PHASES * u <= len(g.caps) * rows for u, g in zip(used, layout.groups))
 

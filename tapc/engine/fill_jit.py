@@ -37,11 +37,12 @@ def _interval(code, plen):
 
 @njit(cache=True)
 def _fill(table, padded, qsl, computed, plens, idx, next_pos, slot, rows, cap_group, at_codes, always,
-          used, first, counts, base):
+          used, first, counts, base, phases, ring_row):
     """table[:, :padded] for one step; per tapped request i (its `Record.fill_row` in `rows`, its
     next position and slot): its first captured position (`first`), its rows captured
     (`counts`) and its first pool row in each group (`base`); `used` (rows of each group's pool)
-    moves on."""
+    moves on. `phases` > 1: a ring's first step (fill.py `Repeat`), each block room for that
+    many steps and each captured row's position in table row `ring_row`."""
     table[:, :padded] = -1
     num_caps, groups = cap_group.shape[0], used.shape[0]
     caps_at = 2 + groups                 # a fill_row: cap_lo, cap_hi, n_caps[G], cap_j[C], bound[E]
@@ -55,7 +56,7 @@ def _fill(table, padded, qsl, computed, plens, idx, next_pos, slot, rows, cap_gr
         u = used[g]
         for i in range(idx.shape[0]):
             base[i, g] = u
-            u += counts[i] * rows[i, 2 + g]
+            u += counts[i] * rows[i, 2 + g] * phases
         used[g] = u
     for i in range(idx.shape[0]):
         n = counts[i]
@@ -71,6 +72,9 @@ def _fill(table, padded, qsl, computed, plens, idx, next_pos, slot, rows, cap_gr
             nc = rows[i, 2 + g]
             for t in range(n):   # position-major: row t's captures are nc pool rows apart
                 table[c, row + t] = base[i, g] + t * nc + j
+        if phases > 1:
+            for t in range(n):
+                table[ring_row, row + t] = first[i] + t
     for i in range(idx.shape[0]):
         if slot[i] < 0:
             continue
@@ -110,14 +114,16 @@ class CompiledFill:
         self.at_codes = np.array([AT_CODES[a] for a in layout.edit_at], dtype=np.int64)
         self.always = np.zeros(len(layout.edits), dtype=np.bool_)
         self.always[layout.always] = True
+        self.ring_row = layout.ring_row
         # compiled now, for the argument types every step passes (the batch's arrays as int64),
         # not on the first tapped step (about a second; numba's cache makes it once a machine)
         one, none = np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64)
         _fill(np.zeros((layout.table_rows, 1), dtype=np.int32), 1, np.zeros(2, dtype=np.int64), one, one, none,
               none, none, np.zeros((0, self.width), dtype=np.int64), self.cap_group, self.at_codes,
-              self.always, np.zeros(self.groups, dtype=np.int64), none, none, np.zeros((0, self.groups), dtype=np.int64))
+              self.always, np.zeros(self.groups, dtype=np.int64), none, none, np.zeros((0, self.groups), dtype=np.int64),
+              1, self.ring_row)
 
-    def __call__(self, table: np.ndarray, tapped: list[tuple[int, Record]], batch: StepBatch):
+    def __call__(self, table: np.ndarray, tapped: list[tuple[int, Record]], batch: StepBatch, phases: int = 1):
         n = len(tapped)
         recs = [rec for _, rec in tapped]
         if not n or any(rec.stores and rec.span is None for rec in recs):
@@ -131,7 +137,7 @@ class CompiledFill:
         base = np.empty((n, self.groups), dtype=np.int64)
         _fill(table, batch.padded, batch.query_start_loc.astype(np.int64), batch.num_computed.astype(np.int64),
               batch.prompt_lens.astype(np.int64), idx, next_pos, slot, rows, self.cap_group, self.at_codes,
-              self.always, used, first, counts, base)
+              self.always, used, first, counts, base, phases, self.ring_row)
         hit = np.flatnonzero(counts)
         for k, p in zip(hit.tolist(), (first[hit] + counts[hit]).tolist()):
             recs[k].next_pos = p

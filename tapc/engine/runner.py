@@ -118,18 +118,16 @@ class RunnerHooks:
             # the capture kernels read the runner's positions (the worker sets them: install.py)
             computed = repeat.repeats(batch)
             ring = computed is not None and self.buffers.positions is not None and \
-                repeat.ring_fits(self.layout, tapped, self.buffers.rows)
+                repeat.ring_fits(self.layout, self.buffers.rows)
             self._step = repeat.advance(computed) if computed is not None and not ring else None
             if self._step is None:
                 self._end_ring()   # its rows, before the tables and pools change
                 table = self.buffers.host_table(batch.padded)
-                if ring:
-                    self._step = fill_step(self.layout, table, tapped, batch, PHASES)
-                else:
-                    self._step = (self._compiled is not None and self._compiled(table, tapped, batch)) or \
-                        fill_step(self.layout, table, tapped, batch)
+                phases = PHASES if ring else 1
+                self._step = (self._compiled is not None and self._compiled(table, tapped, batch, phases)) or \
+                    fill_step(self.layout, table, tapped, batch, phases)
                 self.buffers.upload(batch.padded, owns_rows=owns)
-                repeat.keep(batch, tapped, self._step, PHASES if ring else 1)
+                repeat.keep(batch, tapped, self._step, phases)
                 self._taps = self._asked(tapped) if owns else 0
         else:
             self._step = None
@@ -177,12 +175,13 @@ class RunnerHooks:
             self._repeat.forget()
 
     def _copy_ring(self) -> None:
-        self._copy_out(*self._repeat.written_rows(), direct=True)
+        self._copy_out(*self._repeat.written_rows(), PHASES)
         self._repeat.written = 0
 
-    def _copy_out(self, segments: list, used: list[int], direct: bool = False) -> None:
-        """Start the segments' copies; their stores hear of the event a collect waits on."""
-        copied = self.buffers.copy_out(segments, used, direct)
+    def _copy_out(self, segments: list, used: list[int], steps: int = 1) -> None:
+        """Start the copies of `steps` steps' segments; their stores hear of the event a collect
+        waits on."""
+        copied = self.buffers.copy_out(segments, used, steps)
         for seg in segments:
             seg.store.copied = copied
 
