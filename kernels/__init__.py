@@ -14,7 +14,24 @@ if __name__ == "tapc.kernels":
     from .ops import set_boundary_handler, set_launch_observer
 
     __all__ = ["ops", "set_boundary_handler", "set_launch_observer"]
-# Otherwise this folder was found as a top-level `kernels` (the repo root on sys.path), e.g. by
-# transformers probing for Hugging Face's `kernels` package: register nothing (the ops belong
-# to `tapc.kernels`, and a second registration of the namespace would fail); having no
-# __version__, it reads as "not installed" to such probes.
+else:
+    # This folder was found as a top-level `kernels`: the repo root is on sys.path (`python -m
+    # pytest` or a script run from a checkout), and something imported Hugging Face's `kernels`
+    # package, which transformers >= 5.25 requires and imports. Register nothing here (the ops
+    # belong to `tapc.kernels`; a second registration of the namespace would fail) and hand the
+    # importer that package where it is installed further along sys.path: the import statement
+    # returns what sys.modules holds once this module has run.
+    import importlib.machinery
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    def _elsewhere() -> list[str]:
+        root = Path(__file__).resolve().parent.parent
+        return [p for p in sys.path if Path(p or ".").resolve() != root]
+
+    _spec = importlib.machinery.PathFinder.find_spec(__name__, _elsewhere())
+    if _spec is not None and _spec.loader is not None:
+        _real = importlib.util.module_from_spec(_spec)
+        sys.modules[__name__] = _real
+        _spec.loader.exec_module(_real)
