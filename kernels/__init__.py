@@ -26,11 +26,9 @@ else:
     import sys
     from pathlib import Path
 
-    def _elsewhere() -> list[str]:
-        root = Path(__file__).resolve().parent.parent
-        return [p for p in sys.path if Path(p or ".").resolve() != root]
-
-    _spec = importlib.machinery.PathFinder.find_spec(__name__, _elsewhere())
+    _root = Path(__file__).resolve().parent.parent
+    _spec = importlib.machinery.PathFinder.find_spec(
+        __name__, [p for p in sys.path if Path(p or ".").resolve() != _root])
     if _spec is not None and _spec.loader is not None:
         _real = importlib.util.module_from_spec(_spec)
         sys.modules[__name__] = _real
