@@ -21,6 +21,7 @@ position the ring started at. The host then issues one copy and one event every 
 steps, not one a step.
 """
 import itertools
+import os
 
 import torch
 import triton
@@ -30,8 +31,22 @@ from .common import (
     check_activation, check_buffer, check_partner, check_ring, check_row_table, col_block, warps_for,
 )
 
-# Steps a ring holds (a power of two: the kernel takes the phase with a mask).
-PHASES = 8
+RING_STEPS = "TAPC_RING_STEPS"   # another ring length, for an A/B (benchmarks/calls/ab.sh)
+
+
+def _ring_steps() -> int:
+    """Steps a ring holds: 8, or `TAPC_RING_STEPS` from the engine's environment. A power of two:
+    the kernel takes the phase with a mask. A ring's copy-out is one copy a request and capture
+    group whatever its length, and at batch 64 on the MoE plan the driver took about 5 us of the
+    engine thread a copy (bench_moe, third session of 2026-12-03), so a longer ring divides that
+    by its steps; the pools need room for all of them (`Repeat.ring_fits`)."""
+    value = os.environ.get(RING_STEPS, "8")
+    if not (value.isdigit() and 2 <= int(value) <= 256 and int(value) & (int(value) - 1) == 0):
+        raise ValueError(f"{RING_STEPS}={value!r}: a power of two from 2 to 256 (8 when unset)")
+    return int(value)
+
+
+PHASES = _ring_steps()
 
 
 @triton.jit

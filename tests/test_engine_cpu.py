@@ -15,6 +15,7 @@ from tapc.engine.positions import select
 from tapc.engine.protocol import Ask, WireRequest
 from tapc.engine.requests import TapRequest
 from tapc.errors import RequestError
+from tapc.kernels.capture import PHASES
 from tapc.session import TapSession
 
 
@@ -161,7 +162,7 @@ def test_rings_hold_steady_decode_rows_and_copy_them_out_whole(runner_kind, comp
     monkeypatch.setenv("TAPC_RINGS", "1")
     plan = toy_plan(TAPS)
     model = ToyModel()
-    runner, hooks = hooks_for(plan, model, rows=64 + 8 * many, runner=runner_kind)   # room for every ring
+    runner, hooks = hooks_for(plan, model, rows=PHASES * (8 + many), runner=runner_kind)   # room for every ring
     if compiled:  # the ops' ring arguments through Dynamo, as vLLM's compiled graphs call them
         runner.model = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
     whole = ["model.layers.*.resid", "model.layers.1.output[0]", "model.layers.2.mlp.down_proj.output"]   # a group
