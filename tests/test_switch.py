@@ -95,6 +95,34 @@ def test_steered_and_plain_requests_with_unasked_taps_switched_off(switched):
     assert seen["off"], "the untapped request's last steps ask for nothing"
 
 
+@pytest.mark.parametrize("positions", ["prompt", "last"])
+def test_captures_at_prompt_positions_ask_nothing_of_decode_steps(switched, positions):
+    """Their decode steps replay the graphs without tap kernels (want 0) and the captures are
+    whole: the prompt's rows, equal to the reference."""
+    seen, start = switched
+    plan = toy_plan(TAPS)
+    runner, hooks = start(plan)
+    wants = []
+    begin = hooks.begin_step
+
+    def begin_step(batch):
+        begin(batch)
+        wants.append((int(batch.num_computed[: len(batch.req_ids)].min()), hooks.switch.want))
+
+    hooks.begin_step = begin_step
+    rng = np.random.default_rng(5)
+    reqs = [Req(rid, rng.integers(0, 50, plen).tolist(), 6,
+                wire_for(plan, TapRequest(capture="*", positions=positions), rid)) for rid, plen in (("p", 9), ("q", 13))]
+    run(runner, reqs, budget=64)
+    outs = collect(hooks, reqs, TapSession(plan))
+    for r in reqs:
+        check(r, dict(outs[r.rid].taps), positions)
+    assert wants[0][1] != 0, "the prompt step runs the capture kernels"
+    decode = [want for computed, want in wants if computed >= 13]
+    assert decode and all(want == 0 for want in decode), wants
+    assert seen["off"], "the decode steps' launches are skipped"
+
+
 def test_a_parameterless_edit_keeps_its_kernel_on_for_untapped_requests(switched):
     seen, start = switched
     plan = toy_plan(["model.layers.0.resid | scale(0.5)", "model.layers.2.resid"])

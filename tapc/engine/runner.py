@@ -128,7 +128,7 @@ class RunnerHooks:
                     fill_step(self.layout, table, tapped, batch, phases)
                 self.buffers.upload(batch.padded, owns_rows=owns)
                 repeat.keep(batch, tapped, self._step, phases)
-                self._taps = self._asked(tapped) if owns else 0
+                self._taps = self._asked(tapped, self._step[0]) if owns else 0
         else:
             self._step = None
             self._taps = 0
@@ -185,12 +185,17 @@ class RunnerHooks:
         for seg in segments:
             seg.store.copied = copied
 
-    def _asked(self, tapped: list[tuple[int, Record]]) -> int:
-        """The taps the step's requests may own rows of (a superset of those they do: a node
-        left on does nothing, one left off would capture nothing)."""
+    def _asked(self, tapped: list[tuple[int, Record]], segments: list) -> int:
+        """The taps whose kernels the step runs: the captures that take rows in it (its
+        `segments`: a request capturing at prompt positions only asks nothing of its decode
+        steps, which replay the graphs without tap kernels), and its requests' edits (a
+        superset of those with rows: a node left on does nothing, one left off would edit
+        nothing)."""
         taps = self.layout.always_taps
         for _, rec in tapped:
-            taps |= rec.taps
+            taps |= rec.edit_taps
+        for seg in segments:
+            taps |= seg.store.taps
         return taps
 
     # ---------------------------------------------------------------- requests

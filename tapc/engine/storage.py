@@ -28,6 +28,7 @@ class Store:
         self.group = group
         self.caps = caps
         self.caps_key = caps.tobytes()  # compared for every request at every step: bytes are cheap
+        self.taps = sum(1 << c for c in caps.tolist())   # as a bitmask of table rows (capture c is row c: layout.py)
         self.width = width
         self.dtype = dtype
         self.row_bytes = caps.size * width * dtype.itemsize   # one row, every capture
