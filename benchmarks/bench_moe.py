@@ -16,7 +16,9 @@ that a vanilla and a tapped engine fit on one H200 together: the ratio is per la
 vLLM runs MoE models on its V1 runner. Decode at batch 1 and 64 (`--batches`; 512 prompt tokens, 128
 generated, `--generate` to change; output tokens/s). tapc variants on one engine: nothing asked; every layer's residual
 stream at every position; every layer's router (the gate's logits, the chosen experts and their
-weights) at every position; both.
+weights) at every position; both; both at the last prompt position only, which replays the
+tapped graph (tapc/engine/switch.py) at every decode step with no row to capture or copy out:
+what its kernels and launches cost by themselves.
 
 Phase `runners`: the Llama-3.1-8B shape (bench_engine.py's config) on vLLM's V2 runner (its
 default for dense models) and on V1 (VLLM_USE_V2_MODEL_RUNNER=0), vanilla and tapped (every
@@ -162,7 +164,10 @@ def main():
         variants = {"vanilla": generating(vanilla), "tapc, nothing asked": generating(tapped, None),
                     f"tapc, residual {layers} layers": generating(tapped, TapRequest(capture=RESID)),
                     f"tapc, router {layers} layers": generating(tapped, TapRequest(capture=ROUTER)),
-                    f"tapc, residual + router {layers} layers": generating(tapped, TapRequest(capture="*"))}
+                    f"tapc, residual + router {layers} layers": generating(tapped, TapRequest(capture="*")),
+                    # the tapped graph with no decode row to capture: its kernels' and launches' own cost
+                    "tapc, residual + router, last prompt position": generating(
+                        tapped, TapRequest(capture="*", positions="last"))}
         for name in variants:
             if name.startswith("tapc"):
                 hooks.start(name, tapped)

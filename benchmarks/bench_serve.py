@@ -436,7 +436,7 @@ class Kernels(Window):
 def kernels_report(kernels: dict[str, Kernels], steps: dict[str, float], mix: str, top: int = 30) -> list[str]:
     """Both servers' GPU time a step over one mix's loads: kernels, copies and tapc's own
     kernels in all (devicetime.totals), then the kernels whose time differs most between the two."""
-    from devicetime import totals
+    from devicetime import differing, totals
 
     got = {name: k.summed() for name, k in kernels.items()}
     per = {name: max(steps[name], 1.0) for name in got}
@@ -452,18 +452,10 @@ def kernels_report(kernels: dict[str, Kernels], steps: dict[str, float], mix: st
         (vm, vn), (tm, tn) = ((sums[name][ms] / per[name], sums[name][n] / per[name]) for name in ("vanilla", "tapc"))
         lines.append(f"| {what} | {vm:.3f} | {tm:.3f} | {tm - vm:+.3f} | {vn:.1f} | {tn:.1f} |")
 
-    def step(name: str, k: str) -> tuple[float, float]:   # (GPU ms a step, launches a step) of one kernel
-        count, us = got[name].get(k, (0, 0.0))
-        return us / 1e3 / per[name], count / per[name]
-
-    names = set(got["vanilla"]) | set(got["tapc"])
-    diff = {k: step("tapc", k)[0] - step("vanilla", k)[0] for k in names}
     lines += ["", f"The {top} kernels and copies whose GPU time a step differs most:", "",
               "| kernel or copy | vanilla ms a step | tapc ms a step | tapc - vanilla | vanilla launches a step | tapc launches a step |",
-              "|---|---:|---:|---:|---:|---:|"]
-    for k in sorted(names, key=lambda k: -abs(diff[k]))[:top]:
-        (vm, vn), (tm, tn) = step("vanilla", k), step("tapc", k)
-        lines.append(f"| `{k[:120]}` | {vm:.3f} | {tm:.3f} | {diff[k]:+.3f} | {vn:.2f} | {tn:.2f} |")
+              "|---|---:|---:|---:|---:|---:|",
+              *differing(got["vanilla"], got["tapc"], per["vanilla"], per["tapc"], top)]
     return lines + [""]
 
 

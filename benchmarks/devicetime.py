@@ -51,3 +51,21 @@ def totals(kernels: dict[str, list]) -> dict:
             out["tapc_ms"] += us / 1e3
             out["tapc_launches"] += count
     return out
+
+
+def differing(base: dict[str, list], other: dict[str, list], base_steps: float, other_steps: float,
+              top: int) -> list[str]:
+    """Table rows of the `top` kernels and copies whose GPU ms a step differ most between two
+    readings (`DeviceTimer.stop`), each over its own steps: name, base ms, other ms, the
+    difference, base launches and other launches a step."""
+    def step(got: dict, steps: float, k: str) -> tuple[float, float]:
+        count, us = got.get(k, (0, 0.0))
+        return us / 1e3 / steps, count / steps
+
+    names = set(base) | set(other)
+    diff = {k: step(other, other_steps, k)[0] - step(base, base_steps, k)[0] for k in names}
+    rows = []
+    for k in sorted(names, key=lambda k: -abs(diff[k]))[:top]:
+        (bm, bn), (om, on) = step(base, base_steps, k), step(other, other_steps, k)
+        rows.append(f"| `{k[:120]}` | {bm:.3f} | {om:.3f} | {diff[k]:+.3f} | {bn:.2f} | {on:.2f} |")
+    return rows

@@ -20,7 +20,8 @@ tapc's functions apart, and the most frequent innermost frames; and for the tapp
 wall time per call of tapc's per-step hooks in each worker (`schedule`, `begin_step`,
 `end_step`, and within `end_step` the copy-out and its one driver call), timed in the unwatched
 run, where no sampler takes the GIL from them; and the GPU's own kernel and copy time per step (CUPTI, through torch's profiler) beside the wall
-time per step, which says which side bounds the step. A thread waiting (on a queue, a socket)
+time per step, which says which side bounds the step, and for each tapc variant the kernels whose GPU
+time a step differs most from vanilla's. A thread waiting (on a queue, a socket)
 is sampled too: its innermost frame says so; one waiting inside a CUDA call looks busy. Same engines, prompts and
 workload as benchmarks/bench_moe.py (Qwen3-30B-A3B shape, dummy weights) or bench_engine.py
 (Llama-3.1-8B shape).
@@ -38,8 +39,11 @@ import time
 
 from bench_engine import ABLATE_TAPS, LLAMA_31_8B, ablation, prompts, started
 from bench_moe import ENGINE, QWEN3_30B_A3B, RESID, ROUTER, model_dir
-from devicetime import DeviceTimer, totals
+from devicetime import DeviceTimer, differing, totals
 from stacks import Sampler, report_thread
+
+KERNELS_SHOWN = 12   # a tapped variant's kernels, against vanilla's
+
 
 def timed(spent: list, fn):
     """`fn`, counting its calls and seconds into `spent` ([calls, seconds]). Where `spent` has a
@@ -162,7 +166,9 @@ def _start_sampler(worker, interval: float) -> None:
 
 
 def _stop_sampler(worker) -> dict:
-    return {"threads": worker._tapc_sampler.stop(), "device": totals(worker._tapc_device.stop())}
+    threads = worker._tapc_sampler.stop()   # first: the profiler's stop is not the step's work
+    kernels = worker._tapc_device.stop()
+    return {"threads": threads, "device": totals(kernels), "kernels": kernels}
 
 
 def main():
@@ -209,7 +215,7 @@ def main():
         layers = args.layers or 24
         path, taps, runner = model_dir(QWEN3_30B_A3B, layers), [RESID, *ROUTER], "v1"
         asks = {"tapc, nothing asked": None, "tapc, residual": TapRequest(capture=RESID),
-                "tapc, router": TapRequest(capture=ROUTER)}
+                "tapc, router": TapRequest(capture=ROUTER), "tapc, residual + router": TapRequest(capture="*")}
     else:
         layers = args.layers or LLAMA_31_8B["num_hidden_layers"]
         path, runner = model_dir(LLAMA_31_8B, layers), args.runner or "v2"
@@ -238,7 +244,7 @@ def main():
              "| variant | tok/s | ratio to vanilla | profiled: wall ms/step | GPU kernels ms/step | GPU copies ms/step "
              "| kernel launches/step | tapc kernels/step | tapc kernel ms/step |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    details, base = [], None
+    details, base, vanilla_kernels = [], None, None
     for i, (name, gen) in enumerate(variants.items()):
         engine = engines.get(name, tapped)
         inner = getattr(engine, "llm", engine)
@@ -267,13 +273,22 @@ def main():
         tok_s = args.batch * args.generate / dt
         base = base or tok_s
         steps = args.generate
-        dev = max((r["device"] for r in ranks), key=lambda d: d["kernels_ms"])   # the busiest GPU
+        busiest = max(ranks, key=lambda r: r["device"]["kernels_ms"])
+        dev = busiest["device"]
         lines.append(f"| {name} | {tok_s:.1f} | {tok_s / base:.3f}x | {watched / steps * 1e3:.3f} | "
                      f"{dev['kernels_ms'] / steps:.3f} | {dev['copies_ms'] / steps:.3f} | "
                      f"{dev['launches'] / steps:.1f} | {dev['tapc_launches'] / steps:.1f} | "
                      f"{dev['tapc_ms'] / steps:.4f} |")
         print(f"{name}: {tok_s:.1f} tok/s", flush=True)
         details += [f"## {name}", ""]
+        if vanilla_kernels is None:
+            vanilla_kernels = busiest["kernels"]
+        else:   # where its GPU time goes beyond vanilla's
+            details += [f"The {KERNELS_SHOWN} kernels and copies whose GPU time a step differs most from vanilla's "
+                        "(the busiest GPU's, profiled runs):", "",
+                        f"| kernel or copy | vanilla ms a step | {name} ms a step | difference | vanilla launches a step "
+                        f"| {name} launches a step |", "|---|---:|---:|---:|---:|---:|",
+                        *differing(vanilla_kernels, busiest["kernels"], steps, steps, KERNELS_SHOWN), ""]
         if hooks[0]:
             details += ["| tapc hook (worker, unwatched run) | GPU | calls | us per call | p50 us | p90 us | CPU us per call "
                         "| calls that waited > 20 us | steps that repeated the last |",
