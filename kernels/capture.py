@@ -39,7 +39,9 @@ def _ring_steps() -> int:
     the kernel takes the phase with a mask. A ring's copy-out is one copy a request and capture
     group whatever its length, and at batch 64 on the MoE plan the driver took about 5 us of the
     engine thread a copy (bench_moe, third session of 2026-12-03), so a longer ring divides that
-    by its steps; the pools need room for all of them (`Repeat.ring_fits`)."""
+    by its steps (32: `end_step` a third, no ratio moved, as the step there waits for the GPU:
+    docs/engine.md, "The MoE gap, located"); the pools need room for all of them
+    (`Repeat.ring_fits`)."""
     value = os.environ.get(RING_STEPS, "8")
     if not (value.isdigit() and 2 <= int(value) <= 256 and int(value) & (int(value) - 1) == 0):
         raise ValueError(f"{RING_STEPS}={value!r}: a power of two from 2 to 256 (8 when unset)")
