@@ -95,13 +95,8 @@ def test_steered_and_plain_requests_with_unasked_taps_switched_off(switched):
     assert seen["off"], "the untapped request's last steps ask for nothing"
 
 
-@pytest.mark.parametrize("positions", ["prompt", "last"])
-def test_captures_at_prompt_positions_ask_nothing_of_decode_steps(switched, positions):
-    """Their decode steps replay the graphs without tap kernels (want 0) and the captures are
-    whole: the prompt's rows, equal to the reference."""
-    seen, start = switched
-    plan = toy_plan(TAPS)
-    runner, hooks = start(plan)
+def wants_of(hooks) -> list[tuple[int, int]]:
+    """(the least computed tokens of its requests, `Switch.want`) of each step from here on."""
     wants = []
     begin = hooks.begin_step
 
@@ -110,6 +105,25 @@ def test_captures_at_prompt_positions_ask_nothing_of_decode_steps(switched, posi
         wants.append((int(batch.num_computed[: len(batch.req_ids)].min()), hooks.switch.want))
 
     hooks.begin_step = begin_step
+    return wants
+
+
+def assert_decode_asks_nothing(wants, seen, past: int) -> None:
+    """Every step whose requests are all past `past` tokens (past every prompt: decode) ran no
+    tap kernel, and some launch was skipped."""
+    decode = [want for computed, want in wants if computed >= past]
+    assert decode and all(want == 0 for want in decode), wants
+    assert seen["off"], "the decode steps' launches are skipped"
+
+
+@pytest.mark.parametrize("positions", ["prompt", "last"])
+def test_captures_at_prompt_positions_ask_nothing_of_decode_steps(switched, positions):
+    """Their decode steps replay the graphs without tap kernels (want 0) and the captures are
+    whole: the prompt's rows, equal to the reference."""
+    seen, start = switched
+    plan = toy_plan(TAPS)
+    runner, hooks = start(plan)
+    wants = wants_of(hooks)
     rng = np.random.default_rng(5)
     reqs = [Req(rid, rng.integers(0, 50, plen).tolist(), 6,
                 wire_for(plan, TapRequest(capture="*", positions=positions), rid)) for rid, plen in (("p", 9), ("q", 13))]
@@ -118,9 +132,27 @@ def test_captures_at_prompt_positions_ask_nothing_of_decode_steps(switched, posi
     for r in reqs:
         check(r, dict(outs[r.rid].taps), positions)
     assert wants[0][1] != 0, "the prompt step runs the capture kernels"
-    decode = [want for computed, want in wants if computed >= 13]
-    assert decode and all(want == 0 for want in decode), wants
-    assert seen["off"], "the decode steps' launches are skipped"
+    assert_decode_asks_nothing(wants, seen, past=13)
+
+
+def test_edits_at_prompt_positions_ask_nothing_of_decode_steps(switched):
+    """A steering edit `at=prompt` (one request with prompt captures, one steered only): the
+    decode steps run no tap kernel, and the captures hold the edit on the prompt's rows."""
+    seen, start = switched
+    plan = toy_plan(["model.layers.1.resid | add(steer, alpha=2.0, at=prompt)", "model.layers.*.resid"])
+    runner, hooks = start(plan)
+    wants = wants_of(hooks)
+    rng = np.random.default_rng(6)
+    vec = rng.standard_normal(HIDDEN)
+    asks = {"p": TapRequest(capture="*", positions="prompt", params={"steer": vec}),
+            "q": TapRequest(params={"steer": vec})}
+    reqs = [Req(rid, rng.integers(0, 50, plen).tolist(), 6, wire_for(plan, ask, rid))
+            for (rid, ask), plen in zip(asks.items(), (9, 13))]
+    run(runner, reqs, budget=64)
+    outs = collect(hooks, reqs, TapSession(plan))
+    check(reqs[0], dict(outs["p"].taps), "prompt", [(1, vec, 2.0, "prompt")])
+    assert wants[0][1] != 0, "the prompt step runs the edit's and the captures' kernels"
+    assert_decode_asks_nothing(wants, seen, past=13)
 
 
 def test_a_parameterless_edit_keeps_its_kernel_on_for_untapped_requests(switched):
@@ -131,7 +163,9 @@ def test_a_parameterless_edit_keeps_its_kernel_on_for_untapped_requests(switched
     reqs = [Req("x", rng.integers(0, 50, 5).tolist(), 2, wire_for(plan, TapRequest(capture="*"), "x")),
             Req("y", rng.integers(0, 50, 8).tolist(), 9, None)]
     run(runner, reqs, budget=64)
-    assert hooks.switch.want == hooks.layout.always_taps != 0, "y alone at the end: only the scale's kernel"
+    layout = hooks.layout
+    assert hooks.switch.want == layout.taps_mask(map(layout.edit_row, layout.always)) != 0, \
+        "y alone at the end: only the scale's kernel"
     assert seen["off"], "the capture's kernel is off once x is done"
 
 

@@ -71,7 +71,6 @@ class Layout:
         self.logit_edit_params = _param_names(self.logit_edits)
         # Edits without parameters are part of the engine's model: they apply to every request.
         self.always = [e for e, names in enumerate(self.edit_params) if not names]
-        self.always_taps = self.taps_mask(map(self.edit_row, self.always))
         self.localize = [_localizer(shards.get(t.key), tp_rank, t.action) for t in self.edits]
 
     def edit_row(self, e: int) -> int:

@@ -41,9 +41,6 @@ class Record:
         # The same, as a mask over the plan's edits: the step fill stacks these for a whole batch.
         self.edit_mask = np.zeros(len(layout.edits), dtype=bool)
         self.edit_mask[self.edits] = True
-        # Its edits' taps (table rows) as a bitmask: a step's graphs run the tap kernels of its
-        # requests' edits and of the captures that take rows in it only (switch.py; runner.py `_asked`).
-        self.edit_taps = layout.taps_mask(map(layout.edit_row, self.edits))
         # The positions its captures may take, as the step fill reads them: its word's interval;
         # every position for a list (the fill picks its own from them); none without captures.
         self.cap_lo, self.cap_hi = (NO_END, 0) if not self.stores else (0, NO_END) if self.span is None else self.span

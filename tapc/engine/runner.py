@@ -19,6 +19,7 @@ import functools
 import logging
 import time
 
+import numpy as np
 import torch
 
 from tapc.engine.arena import Arena
@@ -128,7 +129,7 @@ class RunnerHooks:
                     fill_step(self.layout, table, tapped, batch, phases)
                 self.buffers.upload(batch.padded, owns_rows=owns)
                 repeat.keep(batch, tapped, self._step, phases)
-                self._taps = self._asked(tapped, self._step[0]) if owns else 0
+                self._taps = self._asked(table, self._step[0]) if owns else 0
         else:
             self._step = None
             self._taps = 0
@@ -185,17 +186,20 @@ class RunnerHooks:
         for seg in segments:
             seg.store.copied = copied
 
-    def _asked(self, tapped: list[tuple[int, Record]], segments: list) -> int:
-        """The taps whose kernels the step runs: the captures that take rows in it (its
-        `segments`: a request capturing at prompt positions only asks nothing of its decode
-        steps, which replay the graphs without tap kernels), and its requests' edits (a
-        superset of those with rows: a node left on does nothing, one left off would edit
-        nothing)."""
-        taps = self.layout.always_taps
-        for _, rec in tapped:
-            taps |= rec.edit_taps
+    def _asked(self, table: np.ndarray, segments: list) -> int:
+        """The taps whose kernels the step runs: those with rows in it, as its host table just
+        filled says. A capture's rows are its copy-out segments' (their stores' captures); an
+        edit's, the entries of its table row (the slot of each row it edits). So a request that
+        captures or edits at prompt positions only asks nothing of its decode steps, which
+        replay the graphs without tap kernels where no other request asks."""
+        taps = 0
         for seg in segments:
             taps |= seg.store.taps
+        first = self.layout.edit_row(0)
+        edits = table[first: first + len(self.layout.edits)]
+        if edits.size:
+            for e in np.flatnonzero(edits.max(axis=1) >= 0).tolist():
+                taps |= 1 << (first + e)
         return taps
 
     # ---------------------------------------------------------------- requests
