@@ -198,8 +198,7 @@ class RunnerHooks:
         first = self.layout.edit_row(0)
         edits = table[first: first + len(self.layout.edits)]
         if edits.size:
-            for e in np.flatnonzero(edits.max(axis=1) >= 0).tolist():
-                taps |= 1 << (first + e)
+            taps |= self.layout.taps_mask(first + e for e in np.flatnonzero(edits.max(axis=1) >= 0).tolist())
         return taps
 
     # ---------------------------------------------------------------- requests

@@ -12,6 +12,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from tapc.engine.layout import Layout
 from tapc.errors import RequestError
 
 # Rows a request's host storage grows by past its first allocation.
@@ -28,7 +29,7 @@ class Store:
         self.group = group
         self.caps = caps
         self.caps_key = caps.tobytes()  # compared for every request at every step: bytes are cheap
-        self.taps = sum(1 << c for c in caps.tolist())   # as a bitmask of table rows (capture c is row c: layout.py)
+        self.taps = Layout.taps_mask(caps.tolist())   # its captures' table rows (capture c is row c)
         self.width = width
         self.dtype = dtype
         self.row_bytes = caps.size * width * dtype.itemsize   # one row, every capture
