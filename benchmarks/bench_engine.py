@@ -62,7 +62,7 @@ def prompts(n: int, length: int, seed: int) -> list[dict]:
 
 def run_seed(phase: int, rnd: int, workload: int, variant: int) -> int:
     """The prompts' seed of one run: new prompts for every (phase, round, workload, variant).
-    Every engine keeps vLLM's prefix caching on (tapped ones too: tapc/prefix.py), so a prompt an
+    Every engine keeps vLLM's prefix caching on (tapped ones too: tapc/api/prefix.py), so a prompt an
     engine saw before would skip its prefill: the tapped engine's second variant would reuse the
     first's KV (capturing generated rows reads cache) and look faster than vanilla."""
     return ((phase * 100 + rnd) * 100 + workload) * 100 + variant
@@ -85,7 +85,7 @@ def timed(generate, workload: str, seed: int):
 
 
 def tapc_variants(llm, workload: str):
-    from tapc.api import TapRequest
+    from tapc.api.llm import TapRequest
 
     if workload.startswith("harvest"):
         return {"tapc, nothing asked": None,
@@ -100,7 +100,7 @@ def tapc_variants(llm, workload: str):
 def ablation(llm, workload: str):
     """The ablating engine's one variant: every request projects a direction out of all 32
     layers' residual streams (the engine normalizes it)."""
-    from tapc.api import TapRequest
+    from tapc.api.llm import TapRequest
 
     direction = np.random.default_rng(1).standard_normal(4096).tolist()
     return {"tapc, project_out 32 layers": TapRequest(params={"refusal": direction})}

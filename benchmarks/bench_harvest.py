@@ -1,4 +1,4 @@
-"""`tapc.harvest.harvest` to local disk beside vanilla `LLM.generate` on the same prompts.
+"""`tapc.harvest.run.harvest` to local disk beside vanilla `LLM.generate` on the same prompts.
 
     python3 benchmarks/bench_harvest.py --out bench_harvest.md          # 8192x128 and 1024x1024
     python3 benchmarks/bench_harvest.py --quick                         # 1024x128 and 128x1024, 1 layer
@@ -54,7 +54,7 @@ def harvest_run(llm, ps, root: str) -> tuple[float, float]:
     """(seconds, GB written) of one harvest into a fresh folder under `root`."""
     from vllm import SamplingParams
 
-    from tapc.harvest import harvest
+    from tapc.harvest.run import harvest
 
     out = tempfile.mkdtemp(prefix="harvest-", dir=root)
     try:
@@ -89,7 +89,7 @@ def main():
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM
 
-    from tapc.api import VLLM
+    from tapc.api.llm import VLLM
 
     os.makedirs(args.dir, exist_ok=True)
     model = tempfile.mkdtemp(prefix="llama-3.1-8b-shape-")
@@ -149,8 +149,8 @@ class Waits:
     def __init__(self):
         from profile_step import timed
 
-        from tapc.feed import Window
-        from tapc.writer import Writer
+        from tapc.harvest.feed import Window
+        from tapc.harvest.writer import Writer
 
         self.spent = {}
         self.own = [(Window, "wait", Window.wait), (Writer, "put", Writer.put), (Writer, "close", Writer.close)]

@@ -12,7 +12,7 @@ The pools and host storage live on the meta device and the copies are built as t
 builds them, one batch of addresses for the driver (`issued`), but not sent: on the GPU they
 are asynchronous and only their issue is host time. The last row is a served batch of
 bench_serve's default mix (`served_scenario`). A decode step that repeats the last one (the same requests, one position on) is not
-filled (tapc/engine/fill.py `Repeat`): the last column times those. Async scheduling overlaps this with the previous step on the GPU (about 12 ms at
+filled (tapc/worker/fill.py `Repeat`): the last column times those. Async scheduling overlaps this with the previous step on the GPU (about 12 ms at
 batch 64 for an 8B model, 4.6 ms at batch 1), beside vLLM's own host work.
 """
 import contextlib
@@ -29,15 +29,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tapc.engine.protocol import WireRequest  # noqa: E402
-from tapc.engine.requests import TapRequest, check  # noqa: E402
-from tapc.engine.fill import Repeat, fill_step, tapped_of  # noqa: E402
-from tapc.engine.layout import Layout  # noqa: E402
-from tapc.engine.memcpy import Repeated, copy_segments  # noqa: E402
-from tapc.engine.records import Record  # noqa: E402
-from tapc.engine.step import StepBatch  # noqa: E402
-from tapc.planner import build_plan  # noqa: E402
-from tapc.tree import ModuleTree, Node  # noqa: E402
+from tapc.wire.protocol import WireRequest  # noqa: E402
+from tapc.api.requests import TapRequest, check  # noqa: E402
+from tapc.worker.fill import Repeat, fill_step, tapped_of  # noqa: E402
+from tapc.worker.layout import Layout  # noqa: E402
+from tapc.worker.memcpy import Repeated, copy_segments  # noqa: E402
+from tapc.worker.records import Record  # noqa: E402
+from tapc.worker.step import StepBatch  # noqa: E402
+from tapc.plan.planner import build_plan  # noqa: E402
+from tapc.plan.tree import ModuleTree, Node  # noqa: E402
 
 HIDDEN, LAYERS, ROWS, SEQS = 4096, 32, 8192, 256
 TAPS = ["model.layers.*.resid", "model.layers.16.resid | add(steer, alpha=4.0)"]
@@ -194,10 +194,10 @@ def device_main():
     default); with `--contend`, again beside
     a `Contender` (torch's calls that reach the GPU let the GIL go); with `--busy`, again behind
     a long kernel, where a call that waits for the GPU takes the kernel's milliseconds."""
-    from tapc.engine.arena import Arena
-    from tapc.engine.buffers import Buffers
-    from tapc.engine.fill_jit import CompiledFill
-    from tapc.engine.worker import _register
+    from tapc.wire.arena import Arena
+    from tapc.worker.buffers import Buffers
+    from tapc.worker.fill_jit import CompiledFill
+    from tapc.worker.worker import _register
 
     dev = torch.device("cuda")
     arena = Arena(register=_register)
@@ -285,7 +285,7 @@ def main():
         ("prefill 64x128 = 8192 tokens, capture 32 layers + steer",
          TapRequest(capture="model.layers.*.resid", params=steer), 64, 128, False),
     ]
-    from tapc.engine.fill_jit import CompiledFill
+    from tapc.worker.fill_jit import CompiledFill
 
     compiled = CompiledFill(layout)
     print("| step | host ms (median), numpy's fill (TAPC_FILL=numpy) | the fill compiled (the default) | repeating the last step |\n"

@@ -17,7 +17,7 @@ vLLM runs MoE models on its V1 runner. Decode at batch 1 and 64 (`--batches`; 51
 generated, `--generate` to change; output tokens/s). tapc variants on one engine: nothing asked; every layer's residual
 stream at every position; every layer's router (the gate's logits, the chosen experts and their
 weights) at every position; both; both at the last prompt position only, which replays the
-tapped graph (tapc/engine/switch.py) at every decode step with no row to capture or copy out:
+tapped graph (tapc/worker/switch.py) at every decode step with no row to capture or copy out:
 what its kernels and launches cost by themselves.
 
 Phase `runners`: the Llama-3.1-8B shape (bench_engine.py's config) on vLLM's V2 runner (its
@@ -128,7 +128,7 @@ def main():
     from gpu_engines import model_runner, shutdown   # the tests' runner switch and engine stop
 
     from tapc import VLLM
-    from tapc.api import TapRequest
+    from tapc.api.llm import TapRequest
 
     repeats = 2 if args.quick else args.repeats
     shapes = workloads(args.quick, args.generate, [int(n) for n in args.batches.split(",")])

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tapc.planner import build_plan
-from tapc.tree import load_tree
+from tapc.plan.planner import build_plan
+from tapc.plan.tree import load_tree
 
 MODEL = str(Path(__file__).parent / "configs" / "llama-3-70b")
 TAPS = [

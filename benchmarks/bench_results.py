@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 def app_for(results: int, rows: int, layers: int, width: int) -> FastAPI:
     import torch
 
-    from tapc.engine.arena import Arena, ArenaReader
+    from tapc.wire.arena import Arena, ArenaReader
     from tapc.serving.results import MemoryResults, Stored
 
     arena, reader = Arena(segment_bytes=1 << 30), ArenaReader()

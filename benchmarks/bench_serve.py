@@ -257,8 +257,8 @@ async def send(session, url: str, model: str, job: Job, tapped: bool, via: str =
 
 
 def kept(described: dict) -> dict:
-    """A copy of each tensor a `via=shm` reply describes (tapc.client.shared_views)."""
-    from tapc.client import shared_views
+    """A copy of each tensor a `via=shm` reply describes (tapc.serving.client.shared_views)."""
+    from tapc.serving.client import shared_views
 
     return {k: v.clone() for k, v in shared_views(described).items()}
 
@@ -663,7 +663,7 @@ def check(ref: Reference, url: str, done: list[Done], block: bool = False,
     import torch
     from safetensors.torch import load
 
-    from tapc.engine.positions import expected_rows, select
+    from tapc.wire.positions import expected_rows, select
 
     problems, todo = [], []
     near = {"unsteered": [0, 0], "steered": [0, 0]}   # requests with a near miss, requests checked
@@ -759,7 +759,7 @@ def check_saved(folder: str, saved: list) -> list[str]:
     import torch
 
     from tapc.data import Shards
-    from tapc.harvest import Manifest
+    from tapc.harvest.run import Manifest
 
     m = Manifest.read(folder)
     if not m.complete:
@@ -859,7 +859,7 @@ def table_rows(mix: str, v: list[dict], t: list[dict]) -> list[str]:
 
 def pinning_s(log: str) -> float:
     """Seconds the tapc server's workers spent making and pinning host memory for captures so
-    far, from their log lines (engine/arena.py): growth runs on the step's path, so a load that
+    far, from their log lines (tapc/wire/arena.py): growth runs on the step's path, so a load that
     grows the arena pays it in its time."""
     with open(log, errors="replace") as f:
         return sum(float(m.group(1)) for m in re.finditer(r"made and pinned in ([0-9.]+) s", f.read()))

@@ -1,6 +1,6 @@
 """The harvest's writer alone, no engine: finished requests of `--keys` keys (4096 wide, bf16,
 laid out as a capture group holds them: `[rows, keys, width]`, so each key is strided) through
-`tapc.writer.Writer` into a safetensors shard, on `--threads` column threads.
+`tapc.harvest.writer.Writer` into a safetensors shard, on `--threads` column threads.
 
     python3 benchmarks/bench_writer.py --keys 4 --dir /dev/shm --threads 1 4
 
@@ -19,8 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tapc.feed import Done, Window  # noqa: E402
-from tapc.writer import Layout, Writer  # noqa: E402
+from tapc.harvest.feed import Done, Window  # noqa: E402
+from tapc.harvest.writer import Layout, Writer  # noqa: E402
 
 WIDTH, ROWS = 4096, 128
 
@@ -57,7 +57,7 @@ def main():
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 4])
     args = ap.parse_args()
-    torch.set_num_threads(1)   # as a harvest runs (tapc/harvest.py)
+    torch.set_num_threads(1)   # as a harvest runs (tapc/harvest/run.py)
     print("| keys | to | column threads | GB/s |\n|---:|---|---:|---:|")
     for threads in args.threads:
         print(f"| {args.keys} | {args.dir} | {threads} | {run(args.keys, args.dir, args.requests, threads):.2f} |")

@@ -7,7 +7,7 @@ pointwise ops, about 2 ms a graph at batch 1, near the Qwen3-30B-A3B shape's dec
 captured in a CUDA graph without taps, with 1 or 3 of tapc's capture kernels a layer whose row
 table is all -1 (`capture_sum`, `capture`, `capture_pair`: what "nothing asked" leaves in the
 graph), launched inline; launched on a side stream forked from the layer and joined at the
-end of the forward; and inline in the engine's `SwitchedGraph` (tapc/engine/switch.py), replayed
+end of the forward; and inline in the engine's `SwitchedGraph` (tapc/worker/switch.py), replayed
 as a step that asks for no tap does (its bare copy, without the tap nodes) and as one that asks
 for a tap the others are not (the tap nodes disabled). Reported per graph: replay time (GPU,
 median of 5 x 100 replays), the host's time to launch one replay, and for the switched graph the
@@ -22,9 +22,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tapc.engine.patches import Patch  # noqa: E402
-from tapc.engine.cugraph import Driver  # noqa: E402
-from tapc.engine.switch import ALL, Switch, SwitchedGraph  # noqa: E402
+from tapc.worker.patches import Patch  # noqa: E402
+from tapc.worker.cugraph import Driver  # noqa: E402
+from tapc.worker.switch import ALL, Switch, SwitchedGraph  # noqa: E402
 from tapc.kernels import ops  # noqa: E402
 from tapc.kernels.ops import capture, capture_pair, capture_sum  # noqa: E402
 

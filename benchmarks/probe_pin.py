@@ -1,5 +1,5 @@
 """What making and pinning host memory for captures costs on this host, and how fast the GPU
-copies into it: the arena's way (engine/arena.py) beside ways that might pin faster.
+copies into it: the arena's way (tapc/wire/arena.py) beside ways that might pin faster.
 
     python3 benchmarks/probe_pin.py --gib 2 --out probe_pin.md
 

@@ -90,7 +90,7 @@ class HookTimer:
 
     def __init__(self, hooks):
         self.hooks, self.spent = hooks, {}
-        import tapc.engine.buffers as buffers_module
+        import tapc.worker.buffers as buffers_module
 
         buffers = hooks.buffers
         wrapped = [(hooks, name) for name in self.HOOKS] + [(buffers, "copy_out"), (buffers, "_copy_direct"),
@@ -151,7 +151,7 @@ class HookTimer:
 
 
 def _start_hook_timer(worker) -> None:
-    hooks = getattr(worker, "tapc", None)   # a tapped engine's worker (engine/worker.py)
+    hooks = getattr(worker, "tapc", None)   # a tapped engine's worker (tapc/worker/worker.py)
     worker._tapc_timer = HookTimer(hooks) if hooks is not None else None
 
 
@@ -202,7 +202,7 @@ def main():
     from gpu_engines import model_runner, shutdown
 
     from tapc import VLLM
-    from tapc.api import TapRequest
+    from tapc.api.llm import TapRequest
 
     import stacks
 

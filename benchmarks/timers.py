@@ -47,8 +47,8 @@ TARGETS = (
     ("vllm.v1.worker.gpu.model_states.default", "DefaultModelState.prepare_attn"),
     # every CUDA graph launch (vLLM's FULL and piecewise graphs alike), and tapc's switch over them
     ("torch.cuda.graphs", "CUDAGraph.replay"),
-    ("tapc.engine.switch", "SwitchedGraph.replay"),
-    ("tapc.engine.switch", "SwitchedGraph._set"),
+    ("tapc.worker.switch", "SwitchedGraph.replay"),
+    ("tapc.worker.switch", "SwitchedGraph._set"),
     # the layers between the executor and the runner (tapc's adapter replaces the runner's method
     # on the instance, and calls the class's)
     ("vllm.v1.worker.gpu_worker", "Worker.execute_model"),

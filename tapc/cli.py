@@ -10,7 +10,7 @@ import os
 import sys
 
 from tapc.errors import TapcError
-from tapc.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from tapc.plan.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 EXIT_SPEC_ERROR = 2
 DOCS = ("the tap language: docs/dsl.md; YAML specs and plans: docs/spec.md; harvests: docs/harvest.md; "
@@ -18,10 +18,10 @@ DOCS = ("the tap language: docs/dsl.md; YAML specs and plans: docs/spec.md; harv
 
 
 def _explain(args) -> int:
-    from tapc.explain import render, render_points
-    from tapc.planner import build_plan
-    from tapc.specfile import is_spec_path
-    from tapc.tree import load_tree
+    from tapc.lang.specfile import is_spec_path
+    from tapc.plan.explain import render, render_points
+    from tapc.plan.planner import build_plan
+    from tapc.plan.tree import load_tree
 
     after = ""
     sizes = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
@@ -29,11 +29,12 @@ def _explain(args) -> int:
     if is_spec_path(args.target):
         if args.taps:
             raise TapcError(f"give taps either in {args.target} or on the command line, not both")
-        from tapc.specfile import load_spec
+        from tapc.api.specs import spec_plan
+        from tapc.lang.specfile import load_spec
 
         spec = load_spec(args.target)
         spec = dataclasses.replace(spec, engine={**spec.engine, **sizes})  # a flag given overrides the spec
-        plan = spec.plan()
+        plan = spec_plan(spec)
         engine_args = spec.engine   # the tree the plan was resolved on is the engine's (LoRA: tree.py)
         if spec.output is not None and not args.json:
             after = (f"harvest (`tapc harvest {args.target} PROMPTS`): the captures at {spec.capture.positions} "
@@ -51,15 +52,15 @@ def _explain(args) -> int:
     if args.json:
         print(plan.to_json(indent=2))
         return 0
-    from tapc.resolve import notes
+    from tapc.plan.resolve import notes
 
     print(render(plan, notes(plan, load_tree(plan.model, engine_args))) + after, end="")
     return 0
 
 
 def _harvest(args) -> int:
-    from tapc.engine.config import require_cuda
-    from tapc.specfile import load_spec
+    from tapc.lang.specfile import load_spec
+    from tapc.wire.engine_args import require_cuda
 
     spec = load_spec(args.spec)  # a spec's errors are worth knowing on any machine
     if spec.output is None:
@@ -67,9 +68,9 @@ def _harvest(args) -> int:
     require_cuda()  # then, before prompts are read or vLLM is imported
     if args.gpus > 1 and args.rank is None:
         return _harvest_gpus(args, spec)
-    from tapc import corpus, fleet
-    from tapc.api import VLLM
-    from tapc.harvest import harvest
+    from tapc.api.llm import VLLM
+    from tapc.harvest import corpus, fleet
+    from tapc.harvest.run import harvest
 
     llm = VLLM.from_spec(spec)
     source = None
@@ -101,8 +102,8 @@ def _harvest(args) -> int:
 
 
 def _harvest_gpus(args, spec) -> int:
-    """One `tapc harvest --rank R --ranks N` process per GPU, then one manifest (tapc/fleet.py)."""
-    from tapc import fleet
+    """One `tapc harvest --rank R --ranks N` process per GPU, then one manifest (tapc/harvest/fleet.py)."""
+    from tapc.harvest import fleet
 
     n = args.gpus
     cmd = [sys.executable, "-m", "tapc.cli", *args.argv, "--ranks", str(n)]
@@ -145,8 +146,8 @@ def _serve(args, rest: list[str]) -> int:
     if args.prefix_rows_gib is not None:
         engine["prefix_rows_gib"] = args.prefix_rows_gib
     if args.target.endswith((".yaml", ".yml")):
-        from tapc.api import spec_arguments
-        from tapc.specfile import load_spec
+        from tapc.api.llm import spec_arguments
+        from tapc.lang.specfile import load_spec
 
         if args.tap or args.block:
             raise TapcError("tapc serve: give a spec or --tap/--block, not both (the spec's taps are the plan)")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from tapc.errors import TapcError
-from tapc.harvest import INDEX_COLUMNS, Manifest
+from tapc.harvest.run import INDEX_COLUMNS, Manifest
 
 
 class Shards:
@@ -51,7 +51,7 @@ class Shards:
             return f.get_tensor(key)
 
     def _load_arrow(self, key: str, path: Path) -> torch.Tensor:
-        from tapc.shardfiles import require_arrow
+        from tapc.harvest.shardfiles import require_arrow
 
         pa = require_arrow()
         with pa.memory_map(str(path)) as source:

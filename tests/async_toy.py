@@ -15,7 +15,7 @@ from types import SimpleNamespace as NS
 
 from engine_toy import Req, Scheduler, over_the_wire
 
-from tapc.engine.protocol import WireRequest
+from tapc.wire.protocol import WireRequest
 
 
 class ToyAsyncLLM:

@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def trees():
     """vLLM module trees of the test configs, built once per session (no GPU)."""
-    from tapc.tree import load_tree
+    from tapc.plan.tree import load_tree
 
     cache: dict[str, object] = {}
 

@@ -8,7 +8,7 @@ request is the model run on that request's tokens alone.
 `ToyRunner` plays vLLM's V2 runner (execute_model calls self.prepare_inputs; the worker's V2
 adapter, runner_v2.py, wraps both), `ToyRunnerV1` its V1 runner (a persistent batch in slot
 order, condensed when requests leave; execute_model calls self._model_forward; runner_v1.py),
-`ToyBuffers` plays `tapc.engine.buffers.Buffers` on the CPU, and `run` plays the
+`ToyBuffers` plays `tapc.worker.buffers.Buffers` on the CPU, and `run` plays the
 scheduler: a token budget per step (chunked prefill), decode one token per step, requests
 arriving late, finishing at max_tokens, and optionally one preemption (recompute from 0).
 """
@@ -21,23 +21,23 @@ from types import SimpleNamespace as NS
 import numpy as np
 import torch
 
-from tapc.engine.arena import Arena
-from tapc.engine.protocol import WireRequest
-from tapc.engine.requests import TapRequest, check
-from tapc.engine.buffers import Buffers, ParamTables, Staging, _UvaTable
-from tapc.engine.config import rings_on
-from tapc.engine.runner import RunnerHooks
-from tapc.engine.memcpy import Repeated, copy_segments
-from tapc.engine.runner_v1 import V1Adapter
-from tapc.engine.runner_v2 import V2Adapter
-from tapc.planner import build_plan
-from tapc.session import TapSession
-from tapc.tree import ModuleTree, Node, SourceOp
+from tapc import settings
+from tapc.wire.arena import Arena
+from tapc.wire.protocol import WireRequest
+from tapc.api.requests import TapRequest, check
+from tapc.worker.buffers import Buffers, ParamTables, Staging, _UvaTable
+from tapc.worker.runner import RunnerHooks
+from tapc.worker.memcpy import Repeated, copy_segments
+from tapc.worker.runner_v1 import V1Adapter
+from tapc.worker.runner_v2 import V2Adapter
+from tapc.plan.planner import build_plan
+from tapc.api.session import TapSession
+from tapc.plan.tree import ModuleTree, Node, SourceOp
 
 HIDDEN, INTER, LAYERS, VOCAB = 16, 24, 3, 50
 HALF = 10
 MAX_ROWS = 1024   # the toy runners' positions buffers (a step runs at most this many rows)
-# MLP.forward's calls as the plan names them (tapc.tree.forward_calls), with their widths.
+# MLP.forward's calls as the plan names them (tapc.plan.tree.forward_calls), with their widths.
 MLP_SOURCE = (SourceOp("self_up_proj_0", "self.up_proj(x)", 0, (INTER,), HIDDEN, linear=True),
               SourceOp("h_split_0", "h.split(...)", 0, (HALF, INTER - HALF), INTER),
               SourceOp("self_down_proj_0", "self.down_proj(...)", 0, (HIDDEN,), INTER, linear=True),
@@ -434,21 +434,21 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank
     worker installs it; and its hooks (`inline`: a worker on another node than the API; `switch`:
     with a `Switch` for the hooks to set, `hooks.switch`, without a driver: no graphs here;
     `prefix_rows`: (block, budget bytes) of kept prefix rows, `hooks.prefix_rows`)."""
-    from tapc.engine.prefixrows import PrefixRows
-    from tapc.engine.switch import Switch
+    from tapc.worker.prefixrows import PrefixRows
+    from tapc.worker.switch import Switch
     from tapc.kernels import ops
 
-    from tapc.engine.install import install
-    from tapc.engine.layout import Layout
+    from tapc.worker.install import install
+    from tapc.worker.layout import Layout
 
-    from tapc.engine import patches
-    from tapc.engine.points import EnginePoints
+    from tapc.worker import patches
+    from tapc.worker.points import EnginePoints
 
     layout = Layout(plan, tp_rank, stage)   # on several GPUs: this one's part of the plan
     buffers = ToyBuffers(layout, rows, slots)
     toy, adapter = {"v2": (ToyRunner, V2Adapter), "v1": (ToyRunnerV1, V1Adapter)}[runner]
     runner = toy(model, pad)
-    buffers.positions = adapter.positions(runner) if rings_on() else None   # as the plan's config tells the worker
+    buffers.positions = adapter.positions(runner) if settings.TAPC_RINGS else None   # as the plan's config tells the worker
     install(model, layout, buffers)
     # as the worker does
     points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
@@ -600,8 +600,8 @@ def toy_vllm(taps: list[str], params: dict | None = None, block: int | None = No
     the worker's hooks. `block`: the toy's prefix cache on, with blocks of that many tokens;
     `prefix_rows`: bytes of captured prompt rows the worker keeps (`prefix_rows_gib`), its
     lookup wrapped as the worker wraps vLLM's (patches.cache_lookup_patch)."""
-    from tapc.api import VLLM
-    from tapc.engine.patches import cache_lookup_patch
+    from tapc.api.llm import VLLM
+    from tapc.worker.patches import cache_lookup_patch
 
     plan = toy_plan(taps)
     runner, hooks = hooks_for(plan, ToyModel(), prefix_rows=(block, prefix_rows) if prefix_rows else None)

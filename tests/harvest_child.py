@@ -1,7 +1,7 @@
 """A toy-engine harvest in a process of its own, for tests that kill it (not a test module).
 
     python tests/harvest_child.py OUT_DIR [KILL_AT]
-    python tests/harvest_child.py OUT_DIR --rank R N      # part R of N (tapc/fleet.py)
+    python tests/harvest_child.py OUT_DIR --rank R N      # part R of N (tapc/harvest/fleet.py)
 
 Harvests `PROMPTS` into OUT_DIR with the toy engine (tests/engine_toy.py). With KILL_AT, the
 process SIGKILLs itself as it makes its KILL_AT-th write to a shard file: mid-shard, the open
@@ -34,8 +34,8 @@ def run(out_dir, kill_at: int | None = None, split=(0, 1)):
     from engine_toy import toy_vllm
     from vllm import SamplingParams
 
-    from tapc.harvest import harvest
-    from tapc.shardfiles import SafetensorsShard
+    from tapc.harvest.run import harvest
+    from tapc.harvest.shardfiles import SafetensorsShard
 
     if kill_at is not None:
         write, calls = SafetensorsShard.write, [0]

@@ -7,9 +7,9 @@ import torch
 from engine_toy import HIDDEN, toy_vllm
 from safetensors.torch import save_file
 
-from tapc.api import VLLM
-from tapc.engine.protocol import WireRequest
-from tapc.engine.requests import TapRequest
+from tapc.api.llm import VLLM
+from tapc.wire.protocol import WireRequest
+from tapc.api.requests import TapRequest
 from tapc.errors import RequestError
 
 
@@ -84,7 +84,7 @@ def test_engine_blocks_the_plan_does_not_run_are_refused():
     from engine_toy import toy_plan
 
     from tapc.errors import EngineError
-    from tapc.session import TapSession
+    from tapc.api.session import TapSession
 
     with pytest.raises(EngineError, match="blocks= names prob, which no tap of the plan runs .*blocks: probe"):
         TapSession(toy_plan(["model.layers.0.resid -> probe"]), blocks={"prob"})
@@ -108,7 +108,7 @@ def test_engine_params_may_bind_part_of_a_tap_and_requests_bring_the_rest():
     llm, _ = toy_vllm(["model.layers.1.resid | add(steer, alpha=a)"], {"a": 3.0})
     llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=2),
                  taps=TapRequest(params={"steer": np.ones(HIDDEN)}))
-    from tapc.engine.protocol import WireRequest
+    from tapc.wire.protocol import WireRequest
 
     params = WireRequest.from_wire(llm.llm.submitted[0].extra_args["tapc"]).ask.params
     assert params["a"] == 3.0 and len(params["steer"]) == HIDDEN * 4

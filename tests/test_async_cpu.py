@@ -12,10 +12,10 @@ from engine_toy import HIDDEN, LAYERS, ToyModel, hooks_for, toy_plan
 from test_engine_cpu import check as check_rows
 from test_prefix_cpu import as_req
 
-from tapc.async_engine import AsyncVLLM
-from tapc.engine.requests import TapRequest
+from tapc.api.async_llm import AsyncVLLM
+from tapc.api.requests import TapRequest
 from tapc.errors import RequestError
-from tapc.session import TapSession
+from tapc.api.session import TapSession
 
 TAPS = ["model.layers.*.resid", "model.layers.2.resid | add(steer, alpha=2.0)"]
 IDLE = {"running": 0, "uncollected": 0, "chunks": 0, "slots": 0}

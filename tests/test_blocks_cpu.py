@@ -9,9 +9,9 @@ import pytest
 import torch
 from engine_toy import HIDDEN, Req, ToyModel, collect, hooks_for, run, toy_plan, wire_for
 
-from tapc.engine.requests import TapRequest, check
+from tapc.api.requests import TapRequest, check
 from tapc.errors import RequestError
-from tapc.session import TapSession
+from tapc.api.session import TapSession
 
 
 def requests(plan, asks, seed=0):

@@ -1,4 +1,4 @@
-"""Capture kernels against their torch references (kernels/capture.py)."""
+"""Capture kernels against their torch references (tapc/kernels/capture.py)."""
 import pytest
 import torch
 from kernel_cases import (

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 from tapc.cli import main
-from tapc.plan import TapPlan
+from tapc.plan.tapplan import TapPlan
 
 from conftest import CONFIGS
 

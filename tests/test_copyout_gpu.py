@@ -1,4 +1,4 @@
-"""Copy-out on the device (engine/buffers.py): a prompt step's captures still on their way to
+"""Copy-out on the device (tapc/worker/buffers.py): a prompt step's captures still on their way to
 host memory while decode steps copy theirs, through their own snapshot or (a step of few bytes)
 straight from the pools on the compute stream. Every row lands, the pools can be rewritten
 right after each step, and a step's event covers every earlier step."""
@@ -7,11 +7,11 @@ import pytest
 import torch
 from engine_toy import HIDDEN, LAYERS, toy_plan
 
-from tapc.engine.buffers import DIRECT_BYTES, Buffers
-from tapc.engine.fill import Segment
-from tapc.engine.layout import Layout
-from tapc.engine.memcpy import FEW_COPIES, DriverEvent
-from tapc.engine.storage import Store
+from tapc.worker.buffers import DIRECT_BYTES, Buffers
+from tapc.worker.step import Segment
+from tapc.worker.layout import Layout
+from tapc.worker.memcpy import FEW_COPIES, DriverEvent
+from tapc.worker.storage import Store
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -5,9 +5,9 @@ from pathlib import Path
 import torch
 from engine_toy import ToyBuffers, ToyModel, toy_plan
 
-from tapc.engine.config import digest, graph_code
-from tapc.engine.install import install
-from tapc.engine.layout import Layout
+from tapc.wire.engine_args import digest, graph_code
+from tapc.worker.install import install
+from tapc.worker.layout import Layout
 
 # Every kind of in-graph tap and every edit op, at every kind of site (Python blocks run their
 # runtime eagerly between graph pieces: that code is not in the graphs).
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def tapc_files_run(fn) -> set[Path]:
-    """The files of this checkout (tapc/, kernels/) whose Python functions run in fn()."""
+    """The files of this checkout (tapc/, tapc/kernels/) whose Python functions run in fn()."""
     seen: set[str] = set()
 
     def profile(frame, event, arg):
@@ -52,7 +52,7 @@ def test_every_file_that_reaches_the_graphs_is_in_the_digest():
     ran = tapc_files_run(install_and_run)
     covered = {p.resolve() for p in graph_code()}
     assert ran, "nothing traced"
-    assert ROOT / "tapc/engine/source.py" in ran and ROOT / "kernels/edit.py" in ran
+    assert ROOT / "tapc/worker/source.py" in ran and ROOT / "tapc/kernels/edit.py" in ran
     missing = sorted(str(p.relative_to(ROOT)) for p in ran - covered)
     assert not missing, f"code that reaches the graphs but not the compile-cache digest: {missing}"
 

@@ -1,4 +1,4 @@
-"""Edit kernels against their torch references (kernels/edit.py)."""
+"""Edit kernels against their torch references (tapc/kernels/edit.py)."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,15 +1,15 @@
 """The edit registry end to end: a tap's literals and a request's values, written into slots as
-tapc/edits.py says, run through the op it names, equal what the edit means (numpy)."""
+tapc/lang/edits.py says, run through the op it names, equal what the edit means (numpy)."""
 import numpy as np
 import pytest
 import torch
 from engine_toy import INTER, toy_plan
 
-from tapc.edits import EDITS, MAX_COLUMNS
-from tapc.engine.buffers import ParamTables
-from tapc.engine.requests import TapRequest, check
-from tapc.engine.layout import Layout
-from tapc.kernels import ops  # noqa: F401  registers torch.ops.tapc.*
+from tapc.lang.edits import EDITS, MAX_COLUMNS
+from tapc.worker.buffers import ParamTables
+from tapc.api.requests import TapRequest, check
+from tapc.worker.layout import Layout
+from tapc.kernels import edit, ops  # noqa: F401  registers torch.ops.tapc.*
 
 POINT = "model.layers.1.mlp.up_proj.output"   # INTER wide
 rng = np.random.default_rng(7)
@@ -64,7 +64,7 @@ def test_op_on_written_slots_equals_the_edits_meaning(action, params, values):
     op = EDITS[tap.action]
     got, ref = x.clone(), x.clone()
     getattr(torch.ops.tapc, op.kernel)(got, None, rows, *tables.tables[0].values())
-    op.reference()(ref, None, rows, *tables.tables[0].values())
+    getattr(edit, f"{op.kernel.rstrip('_')}_ref")(ref, None, rows, *tables.tables[0].values())   # its torch reference
     want = x.numpy().astype(np.float64).copy()
     edited = (rows >= 0).numpy()
     want[edited] = expected(want[edited], tap.action, values)
@@ -76,7 +76,7 @@ def test_every_edit_op_lands_in_one_compiled_graph():
     """Dynamo inlines the patched forwards with each op the registry names, without a break."""
     from engine_toy import ToyBuffers, ToyModel
 
-    from tapc.engine.install import install
+    from tapc.worker.install import install
 
     taps = [f"model.layers.0.resid | {a}" for a in ("add(v, alpha=a)", "scale(0.5)", "set([1, 2], value=w)",
                                                    "zero(c)", "project_out(v)")]

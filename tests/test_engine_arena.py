@@ -13,10 +13,10 @@ import pytest
 import torch
 from engine_toy import Req, ToyModel, collect, hooks_for, run, toy_plan, wire_for
 
-from tapc.engine.arena import Arena, ArenaReader
-from tapc.engine.requests import TapRequest
+from tapc.wire.arena import Arena, ArenaReader
+from tapc.api.requests import TapRequest
 from tapc.errors import EngineError, RequestError
-from tapc.session import TapSession
+from tapc.api.session import TapSession
 
 
 def test_another_process_reads_what_the_worker_wrote():
@@ -24,7 +24,7 @@ def test_another_process_reads_what_the_worker_wrote():
     t = arena.tensor(5, 2, 8, torch.bfloat16)
     t.copy_(torch.arange(80, dtype=torch.bfloat16).view(5, 2, 8))
     path, offset = arena.locate(t)
-    code = ("import torch; from tapc.engine.arena import ArenaReader; "
+    code = ("import torch; from tapc.wire.arena import ArenaReader; "
             f"v = ArenaReader().view({path!r}, {offset}, (5, 2, 8), torch.bfloat16); print(v.float().sum().item())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert float(out.stdout) == sum(range(80))
@@ -145,9 +145,9 @@ def test_a_killed_workers_files_are_swept_by_the_next_arena_and_no_living_ones(t
     """A worker killed (SIGKILL) never removes its files: the next arena in the folder does, once
     they are older than STALE_S and no process holds their lock; a living arena's (in another
     process, its lock held) and a file just made stay."""
-    from tapc.engine.arena import STALE_S
+    from tapc.wire.arena import STALE_S
 
-    code = ("import os, signal, sys, torch; from tapc.engine.arena import Arena; "
+    code = ("import os, signal, sys, torch; from tapc.wire.arena import Arena; "
             f"a = Arena(directory={str(tmp_path)!r}, segment_bytes=4096); a.tensor(2, 1, 8, torch.float32); "
             "print(a.path(0), flush=True); "
             "os.kill(os.getpid(), signal.SIGKILL) if sys.argv[1] == 'die' else sys.stdin.read()")
@@ -179,7 +179,7 @@ def test_two_arenas_sweeping_one_dead_file_at_once_both_start(tmp_path, monkeypa
     (its sweep names only what it removed)."""
     import fcntl
 
-    from tapc.engine import arena as arena_module
+    from tapc.worker import arena as arena_module
 
     stale = tmp_path / "tapc-1-0123abcd-0"
     stale.write_bytes(b"x" * 4096)

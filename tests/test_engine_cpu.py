@@ -11,12 +11,12 @@ import pytest
 import torch
 from engine_toy import HIDDEN, LAYERS, Req, Scheduler, ToyModel, collect, hooks_for, run, toy_plan, toy_vllm, wire_for
 
-from tapc.engine.positions import select
-from tapc.engine.protocol import Ask, WireRequest
-from tapc.engine.requests import TapRequest
+from tapc.wire.positions import select
+from tapc.wire.protocol import Ask, WireRequest
+from tapc.api.requests import TapRequest
 from tapc.errors import RequestError
 from tapc.kernels.capture import PHASES
-from tapc.session import TapSession
+from tapc.api.session import TapSession
 
 
 def reference(req: Req, keys: list[str], edits=()) -> dict[str, torch.Tensor]:
@@ -392,7 +392,7 @@ def test_a_request_failing_while_it_runs_fails_alone(no_room_past_8k):
     the failed request's first chunk, nor a record of the request that only steers."""
     from vllm import SamplingParams
 
-    from tapc.api import TapRequest
+    from tapc.api.llm import TapRequest
 
     steer = "model.layers.1.resid | add(steer, alpha=2.0)"
     llm, hooks = toy_vllm([steer, TAPS[3], *TAPS[:3]])   # the 24-wide group first
@@ -425,8 +425,8 @@ def test_a_capture_that_cannot_grow_fails_its_request_alone(no_room_past_8k, mon
     collect, with its chunks given back; the request beside it in the same steps is whole."""
     from vllm import SamplingParams
 
-    from tapc.api import TapRequest
-    from tapc.engine import records
+    from tapc.api.llm import TapRequest
+    from tapc.worker import records
 
     llm, hooks = toy_vllm(TAPS)
     # The first allocation sized for 2 rows: the 20-token prompt must grow by 64 rows (20 kB).
@@ -491,7 +491,7 @@ def test_an_element_of_a_one_tensor_output_is_refused_when_it_runs():
     from engine_toy import toy_tree
 
     from tapc.errors import EngineError
-    from tapc.planner import build_plan
+    from tapc.plan.planner import build_plan
 
     tree = toy_tree()
     wrong = tuple(dataclasses.replace(n, output="norm") if n.path == "model.layers.1.mlp" else n for n in tree.nodes)
@@ -528,7 +528,7 @@ def test_v1_step_batch_is_the_persistent_batchs_first_requests():
     order, with its host query_start_loc, computed tokens and prompt lengths."""
     from types import SimpleNamespace as NS
 
-    from tapc.engine.runner_v1 import step_batch
+    from tapc.worker.runner_v1 import step_batch
 
     batch = NS(num_reqs=3, req_ids=["c", "a", "b"], num_computed_tokens_cpu=np.array([7, 0, 12, 99], dtype=np.int32),
                num_prompt_tokens=np.array([5, 20, 12, 99], dtype=np.int32))
@@ -558,8 +558,8 @@ def test_v1_dummy_runs_see_tables_that_own_no_rows():
 def test_an_unknown_fill_setting_is_refused_by_name(monkeypatch):
     """`TAPC_FILL` with a value it does not know (a typo) stops the hooks' setup with the
     variable and the values it takes, rather than running the default silently."""
-    from tapc.engine.fill import compiled_fill
-    from tapc.engine.layout import Layout
+    from tapc.worker.fill import compiled_fill
+    from tapc.worker.layout import Layout
     from tapc.errors import EngineError
 
     monkeypatch.setenv("TAPC_FILL", "compile")
@@ -574,7 +574,7 @@ def test_an_unknown_fill_setting_is_refused_by_name(monkeypatch):
 def test_the_step_events_setting_is_read_from_the_environment_and_a_bad_one_refused(monkeypatch):
     """`TAPC_STEP_EVENTS` (whose events a direct step's copy-out records, an A/B's setting):
     the driver's unless it says `torch`; anything else stops the setup with the variable's name."""
-    from tapc.engine import buffers
+    from tapc.worker import buffers
     from tapc.errors import EngineError
 
     monkeypatch.setattr(buffers.DriverEvents, "load", classmethod(lambda cls: "the driver's"))
@@ -594,7 +594,7 @@ def test_the_direct_copy_bound_is_read_from_the_environment_and_a_bad_one_refuse
     """`TAPC_DIRECT_KIB` (the copy-out's bound for skipping the snapshot, an A/B's setting) in
     KiB; unset or empty, the default; anything but a whole number stops the setup with the
     variable's name."""
-    from tapc.engine.buffers import DIRECT_BYTES, direct_bytes
+    from tapc.worker.buffers import DIRECT_BYTES, direct_bytes
     from tapc.errors import EngineError
 
     monkeypatch.delenv("TAPC_DIRECT_KIB", raising=False)

@@ -5,19 +5,19 @@ import pytest
 import torch
 from engine_toy import HIDDEN, INTER, toy_plan
 
-from tapc.engine.config import WORKER, engine_kwargs
-from tapc.engine.fill import Repeat, fill_step, tapped_of
+from tapc.wire.engine_args import WORKER, engine_kwargs
+from tapc.worker.fill import Repeat, fill_step, tapped_of
 from tapc.kernels.capture import PHASES
-from tapc.engine.layout import Layout
-from tapc.engine.memcpy import copy_segments
-from tapc.engine.positions import expected_rows, interval, select
-from tapc.engine.protocol import WireRequest
-from tapc.engine.records import Record
-from tapc.engine.requests import TapRequest, check
-from tapc.engine.slots import Slots
-from tapc.engine.step import StepBatch
-from tapc.engine.storage import Store
-from tapc.errors import EngineError, RequestError
+from tapc.worker.layout import Layout
+from tapc.worker.memcpy import copy_segments
+from tapc.wire.positions import expected_rows, interval, select
+from tapc.wire.protocol import WireRequest
+from tapc.worker.records import Record
+from tapc.api.requests import TapRequest, check
+from tapc.worker.slots import Slots
+from tapc.worker.step import StepBatch
+from tapc.worker.storage import Store
+from tapc.errors import EngineError, RequestError, TapcError
 
 PLAN_TAPS = ["model.layers.*.resid", "model.layers.1.mlp.up_proj.output",
              "model.layers.2.resid | add(steer, alpha=a)", "model.layers.0.resid | set([1, 2], 1.5)",
@@ -74,7 +74,7 @@ def test_expected_rows_counts_what_select_covers():
 def device_step(layout: Layout, table: np.ndarray, padded: int, pools: list[torch.Tensor],
                 acts: list[torch.Tensor]) -> None:
     """What the capture ops do with a filled table in a forward of `padded` rows: capture c puts
-    row r of its activation at row table[c, r] of its group's pool (kernels/capture.py); -1
+    row r of its activation at row table[c, r] of its group's pool (tapc/kernels/capture.py); -1
     skips the row."""
     for c in range(len(layout.captures)):
         rows = np.flatnonzero(table[c, :padded] >= 0)
@@ -93,8 +93,8 @@ def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_t
     of the fill's paths (`fill.FEW`: whole-batch arrays, or request by request; the compiled
     fill, fill_jit.py, as the runner calls it, fill.py's taking the steps it returns None for:
     those with a list of positions)."""
-    from tapc.engine import fill
-    from tapc.engine.fill_jit import CompiledFill
+    from tapc.worker import fill
+    from tapc.worker.fill_jit import CompiledFill
 
     if few == "compiled":
         compiled, ran = CompiledFill(Layout(toy_plan(PLAN_TAPS, rows=256))), []
@@ -353,7 +353,7 @@ def test_rings_reach_the_workers_in_the_plans_config_which_vllm_hashes(monkeypat
     monkeypatch.setenv("TAPC_RINGS", "0")
     assert "rings" not in engine_kwargs(plan, {})["additional_config"]["tapc"]
     monkeypatch.setenv("TAPC_RINGS", "yes")
-    with pytest.raises(EngineError, match="TAPC_RINGS='yes': 1 \\(the default\\) or 0"):
+    with pytest.raises(TapcError, match="TAPC_RINGS='yes': 1 \\(the default\\) or 0"):
         engine_kwargs(plan, {})
 
 
@@ -382,13 +382,13 @@ def test_v1_runner_is_allowed(monkeypatch):
     """VLLM_USE_V2_MODEL_RUNNER=0 (vLLM's V1 runner, as for MoE models) reaches the worker, which
     instruments V1 (runner_v1.py)."""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    assert engine_kwargs(toy_plan(PLAN_TAPS), {})["worker_cls"] == "tapc.engine.worker.TapWorker"
+    assert engine_kwargs(toy_plan(PLAN_TAPS), {})["worker_cls"] == "tapc.worker.worker.TapWorker"
 
 
 def test_another_runner_is_refused_by_the_worker():
     from engine_toy import ToyRunner
 
-    from tapc.engine.worker import runner_adapter
+    from tapc.worker.worker import runner_adapter
 
     with pytest.raises(EngineError, match=r"V2 \(vllm/v1/worker/gpu/\) and V1 .* but this engine runs engine_toy.ToyRunner"):
         runner_adapter(ToyRunner(None))
@@ -403,7 +403,7 @@ def test_the_compiled_fill_writes_what_numpys_writes_on_plans_of_one_kind(taps):
     """The compiled fill (TAPC_FILL=compiled) on a plan without edits and on one without
     captures: the same tables, segments, pool rows used and next positions as numpy's fill,
     step after step (chunked prefill, decode, shuffled batches, untapped requests)."""
-    from tapc.engine.fill_jit import CompiledFill
+    from tapc.worker.fill_jit import CompiledFill
 
     plan = toy_plan(taps, rows=256)
     layout = Layout(plan)
@@ -459,8 +459,8 @@ def test_a_rings_fill_leaves_each_block_room_for_its_phases_and_marks_its_rows(p
     leaves the ring row -1. An untapped request between them is left alone. On each of the
     fill's paths: request by request (a few requests), whole-batch arrays (`fill.FEW` 0: the
     path of a batch of 64), the compiled fill (fill_jit.py)."""
-    from tapc.engine import fill
-    from tapc.engine.fill_jit import CompiledFill
+    from tapc.worker import fill
+    from tapc.worker.fill_jit import CompiledFill
 
     plan = toy_plan(["model.layers.*.resid", "model.layers.1.mlp.up_proj.output"], rows=256)
     layout = Layout(plan)

@@ -3,9 +3,9 @@ and (GPU) a captured graph whose replay runs graph, block, graph on fresh inputs
 import pytest
 import torch
 
-from tapc.engine import graphs
-from tapc.engine.graphs import SegmentedGraph, breaking
-from tapc.engine.patches import capture_patch
+from tapc.worker import graphs
+from tapc.worker.graphs import SegmentedGraph, breaking
+from tapc.worker.patches import capture_patch
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from test_engine_cpu import TAPS, reference
 from tapc.cli import main
 from tapc.data import Shards
 from tapc.errors import TapcError
-from tapc.corpus import read_prompts
-from tapc.harvest import harvest
+from tapc.harvest.corpus import read_prompts
+from tapc.harvest.run import harvest
 
 LENS = [5, 17, 3, 9, 30, 1, 12]
 
@@ -140,8 +140,8 @@ def test_the_writer_makes_the_same_files_whether_or_not_it_sized_the_last_shard(
 
     from safetensors.torch import load_file
 
-    from tapc.feed import Done, Window
-    from tapc.writer import Layout, Writer
+    from tapc.harvest.feed import Done, Window
+    from tapc.harvest.writer import Layout, Writer
 
     lens = [5, 17, 3, 9, 30, 1, 12]
     rng = np.random.default_rng(0)
@@ -273,14 +273,14 @@ def test_a_harvest_killed_mid_shard_goes_on_to_the_same_files(tmp_path, kill_at,
 
 
 def test_two_worker_processes_harvest_one_split_input_into_one_manifest(tmp_path):
-    """tapc.fleet: two processes (as two GPUs would be), prompt i on rank i mod 2, merged: the
+    """tapc.harvest.fleet: two processes (as two GPUs would be), prompt i on rank i mod 2, merged: the
     same rows per request as one process's harvest, the statistics over both."""
     import sys
     from pathlib import Path
 
     import harvest_child
 
-    from tapc import fleet
+    from tapc.harvest import fleet
 
     child = str(Path(__file__).parent / "harvest_child.py")
     fleet.launch([[sys.executable, child, str(fleet.part(tmp_path / "two", r)), "--rank", str(r), "2"] for r in (0, 1)])

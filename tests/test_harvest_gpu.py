@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @shares("tapped llama v2")
 def test_harvest_shards_equal_hf(tmp_path, checkpoints, tapped_engine):
     from tapc.data import Shards
-    from tapc.harvest import harvest
+    from tapc.harvest.run import harvest
 
     path = checkpoints("llama")
     llm = tapped_engine("llama")
@@ -43,7 +43,7 @@ def test_cli_harvest_writes_what_the_api_does(tmp_path, checkpoints, monkeypatch
 
     import yaml
 
-    from tapc.api import VLLM
+    from tapc.api.llm import VLLM
     from tapc.cli import main
     from tapc.data import Shards
 

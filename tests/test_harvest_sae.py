@@ -8,7 +8,7 @@ import torch
 from engine_toy import Req, next_token, toy_vllm
 from test_engine_cpu import reference
 
-from tapc.harvest import harvest
+from tapc.harvest.run import harvest
 
 datasets = pytest.importorskip("datasets", reason="the arrow format needs the [data] extra (pyarrow, datasets)")
 

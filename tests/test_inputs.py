@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from tapc.cli import main
-from tapc.plan import TapPlan
+from tapc.plan.tapplan import TapPlan
 
 from conftest import CONFIGS
 
@@ -124,7 +124,7 @@ def test_size_flags_apply_to_a_spec(capsys, tmp_path):
     rc, out, _ = explain(capsys, path, "--json", "--max-num-batched-tokens", "100")
     plan = TapPlan.from_json(out)
     assert rc == 0 and (plan.max_num_batched_tokens, plan.max_num_seqs) == (100, 32)
-    from tapc.sizing import tap_bytes
+    from tapc.plan.sizing import tap_bytes
 
     assert plan.taps[0].buffer_bytes == tap_bytes(plan.taps, 100, 32)[0], "buffers sized for the flag's rows"
     assert tap_bytes(plan.taps, 100, 32) != tap_bytes(plan.taps, 2048, 32)
@@ -170,8 +170,8 @@ def test_explain_notes_what_a_glob_skipped_and_what_output_means(capsys):
 
 
 def test_the_table_fits_the_width_without_breaking_names():
-    from tapc.explain import render
-    from tapc.planner import build_plan
+    from tapc.plan.explain import render
+    from tapc.plan.planner import build_plan
 
     plan = build_plan(LLAMA, ["model.layers[0:2].self_attn.source.qkv_split_0.output[0]",
                               "model.layers.3.mlp.act_fn.output | zero([1, 2], at=generated)"])

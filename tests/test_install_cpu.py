@@ -1,4 +1,4 @@
-"""Tap ops patched into a forward (engine/install.py), compiled as vLLM compiles them.
+"""Tap ops patched into a forward (tapc/worker/install.py), compiled as vLLM compiles them.
 
 vLLM traces the model with Dynamo and functionalizes it with auto_functionalized v1
 (`enable_auto_functionalized_v2: False` in its compilation config): an op's written arguments
@@ -26,8 +26,8 @@ def test_both_elements_of_a_calls_tuple_are_captured_in_a_compiled_forward(pools
     width) they run as two captures; into two (an MoE router's weights and ids) as one paired
     launch. Either way, compiled, every row lands where its table says."""
     import tapc.kernels  # noqa: F401  (registers torch.ops.tapc, as install() does)
-    from tapc.engine.install import _Capture, _patch
-    from tapc.plan import Point
+    from tapc.worker.install import _Capture, _patch
+    from tapc.plan.tapplan import Point
 
     norm = Norm()
     tables = {"d0": torch.tensor([0, 1, -1, 2], dtype=torch.int32), "d1": torch.tensor([3, -1, 4, 5], dtype=torch.int32),

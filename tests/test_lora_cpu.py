@@ -5,8 +5,8 @@ import pytest
 from conftest import CONFIGS
 
 from tapc.errors import ResolveError
-from tapc.planner import build_plan
-from tapc.tree import load_tree
+from tapc.plan.planner import build_plan
+from tapc.plan.tree import load_tree
 
 LLAMA = str(CONFIGS / "llama")
 LORA = {"enable_lora": True}

@@ -6,7 +6,7 @@ Needs peft on the GPU machine (`TAPC_GPU_EXTRA="peft accelerate" bash ../shared/
 .gpu` if the image lacks it). The session's random Llama checkpoint (tests/gpu_engines.py); a
 rank-8 adapter on every linear layer, made with peft and given random B matrices (peft starts
 them at zero, which would change nothing). vLLM wraps those layers for LoRA at load; the plan
-is built on the tree with its wrappers (tapc/tree.py), so `mlp.down_proj.output` is the
+is built on the tree with its wrappers (tapc/plan/tree.py), so `mlp.down_proj.output` is the
 adapted output. Both model runners.
 """
 import pytest
@@ -93,7 +93,7 @@ def test_captures_under_an_adapter_equal_hf_peft_and_plain_requests_stay_plain(e
     adapter changed the activations (so a request that got the other's would be caught)."""
     from vllm.lora.request import LoRARequest
 
-    from tapc.api import TapRequest
+    from tapc.api.llm import TapRequest
 
     runner, llm = engine
     lora = LoRARequest("tapc-test", 1, adapter[1])

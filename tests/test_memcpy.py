@@ -7,9 +7,9 @@ import pytest
 import torch
 from engine_toy import host_batch
 
-from tapc.engine.fill import Segment
-from tapc.engine.memcpy import BatchCopy, DriverEvents, Repeated, copy_segments, repeating
-from tapc.engine.storage import Store
+from tapc.worker.step import Segment
+from tapc.worker.memcpy import BatchCopy, DriverEvents, Repeated, copy_segments, repeating
+from tapc.worker.storage import Store
 
 
 def cpu_alloc(rows, caps, width, dtype):

@@ -9,7 +9,7 @@ import pytest
 from conftest import CONFIGS
 
 from tapc.errors import ResolveError
-from tapc.planner import build_plan
+from tapc.plan.planner import build_plan
 
 PREFILL = CONFIGS.parent / "mla_prefill"   # the GPU test's MLA prefill stand-in (torch_mla_prefill.py)
 
@@ -99,7 +99,7 @@ def test_mla_refusals_say_why_and_what_to_tap(tap, words):
 
 
 def test_explain_lists_mla_points_and_the_grouped_router(trees):
-    from tapc.explain import render_points
+    from tapc.plan.explain import render_points
 
     text = render_points(trees("deepseek_v3"), width=400)
     row = next(line for line in text.splitlines() if "mla_attn.mla_attn " in line)
@@ -110,7 +110,7 @@ def test_explain_lists_mla_points_and_the_grouped_router(trees):
 
 
 def test_explain_sizes_mla_source_ops_and_names_each_layer_once(trees):
-    from tapc.explain import source_lines
+    from tapc.plan.explain import source_lines
 
     c = config("deepseek_v3")
     lines = source_lines(trees("deepseek_v3"))

@@ -11,11 +11,11 @@ import torch
 from conftest import CONFIGS
 from engine_toy import HIDDEN, VOCAB, Linear, Req, ToyModel, collect, hooks_for, run, toy_tree, wire_for
 
-from tapc.engine.requests import TapRequest
+from tapc.api.requests import TapRequest
 from tapc.errors import ResolveError
-from tapc.planner import build_plan
-from tapc.session import TapSession
-from tapc.tree import Node
+from tapc.plan.planner import build_plan
+from tapc.api.session import TapSession
+from tapc.plan.tree import Node
 
 EXPERTS, TOP_K, LAYERS = 6, 2, 2
 
@@ -80,7 +80,7 @@ def test_a_block_at_mixtrals_gate_is_planned_it_runs_in_the_graph():
 
 
 def test_explain_lists_the_router_and_marks_the_fused_op(trees):
-    from tapc.explain import render_points
+    from tapc.plan.explain import render_points
 
     text = render_points(trees("qwen3_moe"), width=400)
     row = next(line for line in text.splitlines() if "mlp.experts.router " in line)
@@ -300,8 +300,8 @@ def test_a_monolithic_expert_kernel_refuses_the_routing_tap_at_install():
     would stay empty, so the engine refuses it when it installs (the gate's logits still work)."""
     from types import SimpleNamespace as NS
 
-    from tapc.engine.install import install
-    from tapc.engine.layout import Layout
+    from tapc.worker.install import install
+    from tapc.worker.layout import Layout
     from tapc.errors import EngineError
     from engine_toy import ToyBuffers
 
@@ -339,7 +339,7 @@ def test_one_module_under_two_paths_gets_the_taps_of_both():
 
 
 def test_explain_notes_say_what_a_routers_output_is(trees):
-    from tapc.resolve import notes
+    from tapc.plan.resolve import notes
 
     tree = trees("qwen3_moe")
     p = build_plan(str(CONFIGS / "qwen3_moe"), ["model.layers.*.mlp.experts.router.output", "model.layers.*.output"],
@@ -356,8 +356,8 @@ def test_neighbouring_captures_of_a_tuples_elements_run_as_one_launch():
     become one `capture_pair` launch; an edit between two captures, a module's plain output or a
     third capture stay as they are; elements with rows of their own fall back to two launches."""
     import tapc.kernels  # noqa: F401  (registers torch.ops.tapc, as install() does)
-    from tapc.engine.install import _Capture, _Pair, _paired
-    from tapc.plan import Point
+    from tapc.worker.install import _Capture, _Pair, _paired
+    from tapc.plan.tapplan import Point
 
     module = torch.nn.Module()
     for name, t in {"d0": torch.tensor([1, -1, 0], dtype=torch.int32), "d1": torch.tensor([0, 1, -1], dtype=torch.int32),

@@ -327,39 +327,3 @@ def test_compiled_module_replays_from_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert_same_step(result, want, tables, want_t, dtype, f"compiled replay {step}")
-
-
-def test_the_checkouts_kernels_folder_hands_a_top_level_import_to_the_installed_kernels(tmp_path):
-    """From a checkout's root (`python -m pytest` puts it first on sys.path), `import kernels`
-    finds the folder of tapc's Triton kernels before Hugging Face's `kernels` package, which
-    transformers >= 5.25 requires and imports (a fresh CI install broke so). The folder hands
-    that import to the package installed further along sys.path (a stand-in on PYTHONPATH, then
-    whatever this environment has), and where there is none it stays itself, inert;
-    `tapc.kernels` still registers its ops in the same process."""
-    import importlib.metadata
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(tapc.kernels.__file__).resolve().parent.parent
-    (tmp_path / "kernels").mkdir()
-    (tmp_path / "kernels" / "__init__.py").write_text("")
-    try:
-        importlib.metadata.distribution("kernels")
-        installed = True
-    except importlib.metadata.PackageNotFoundError:
-        installed = False
-    code = ("import kernels, tapc.kernels, torch; "
-            "print(kernels.__file__, kernels is not tapc.kernels, hasattr(torch.ops.tapc, 'capture'))")
-    ours = str(root / "kernels" / "__init__.py")
-    for path in (str(tmp_path), ""):
-        env = dict(os.environ, PYTHONPATH=path)
-        got = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
-        assert got.returncode == 0, got.stderr[-2000:]
-        where, apart, ops = got.stdout.split("\n")[-2].rsplit(" ", 2)
-        assert (apart, ops) == ("True", "True"), got.stdout
-        if path:
-            assert where == str(tmp_path / "kernels" / "__init__.py"), where
-        else:
-            assert (where != ours) == installed, (where, installed)

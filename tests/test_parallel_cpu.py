@@ -16,19 +16,19 @@ import torch
 from engine_toy import over_the_wire, wire_for
 
 from conftest import CONFIGS
-from tapc.engine.arena import Arena
-from tapc.engine.buffers import ParamTables
-from tapc.engine.layout import Layout
-from tapc.engine.positions import expected_rows
-from tapc.engine.protocol import Chunk, CollectReply, Result, StoreResult
-from tapc.engine.requests import TapRequest
+from tapc.wire.arena import Arena
+from tapc.worker.buffers import ParamTables
+from tapc.worker.layout import Layout
+from tapc.wire.positions import expected_rows
+from tapc.wire.protocol import Chunk, CollectReply, Result, StoreResult
+from tapc.api.requests import TapRequest
 from tapc.errors import PlanError, ProtocolError, ResolveError
-from tapc.plan import READ, TapPlan
-from tapc.planner import build_plan
-from tapc.ranks import rank_taps
-from tapc.session import TapSession
-from tapc.sharding import ModelDims, global_columns, shard_points
-from tapc.sizing import ITEMSIZE, ROW_ENTRY
+from tapc.plan.tapplan import READ, TapPlan
+from tapc.plan.planner import build_plan
+from tapc.plan.ranks import rank_taps
+from tapc.api.session import TapSession
+from tapc.plan.sharding import ModelDims, global_columns, shard_points
+from tapc.plan.sizing import ITEMSIZE, ROW_ENTRY
 
 LLAMA = str(CONFIGS / "llama")       # 8 heads, 4 kv heads, head_dim 32, 4 layers, hidden 256
 ROWS, SEQS = 64, 4
@@ -253,7 +253,7 @@ def test_explain_shows_layout_stage_and_bytes_per_gpu(capsys):
                  str(ROWS), "--max-num-seqs", str(SEQS)]) == 0
     text = capsys.readouterr().out
     plan = plan_for(["model.layers.*.resid", "model.layers.1.mlp.act_fn.output"], tp=2, pp=2)
-    from tapc.explain import human_bytes
+    from tapc.plan.explain import human_bytes
 
     for tap in plan.taps:
         row = next(line for line in text.splitlines() if line.startswith(f"│ {tap.key} "))

@@ -3,13 +3,13 @@ import torch
 import pytest
 from engine_toy import ToyBuffers, ToyModel, ToyRunner, ToyRunnerV1, toy_plan
 
-from tapc.engine import patches
-from tapc.engine.arena import Arena
-from tapc.engine.points import EnginePoints
-from tapc.engine.runner import RunnerHooks
-from tapc.engine.runner_v1 import V1Adapter
-from tapc.engine.runner_v2 import V2Adapter
-from tapc.engine.layout import Layout
+from tapc.worker import patches
+from tapc.wire.arena import Arena
+from tapc.worker.points import EnginePoints
+from tapc.worker.runner import RunnerHooks
+from tapc.worker.runner_v1 import V1Adapter
+from tapc.worker.runner_v2 import V2Adapter
+from tapc.worker.layout import Layout
 from tapc.kernels import ops
 
 
@@ -49,7 +49,7 @@ def test_undo_restores_every_original(runner_cls, adapter_cls):
     for call in (lambda: sampler(logits, None), lambda: sampler(logits=logits, sampling_metadata=None)):
         assert torch.equal(call().sampled_token_ids, logits.argmax(dim=-1, keepdim=True)), "either runner's call"
     assert ops._boundary_handler is not None
-    from tapc.engine.graphs import SegmentedGraph
+    from tapc.worker.graphs import SegmentedGraph
 
     assert runner.capture_model() is SegmentedGraph, "FULL graphs captured breakable"
     assert torch.cuda.CUDAGraph is before[3], "the class swap lasts only as long as the capture"

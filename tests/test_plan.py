@@ -4,8 +4,8 @@ import dataclasses
 import pytest
 
 from tapc.errors import PlanError, ResolveError, TapcError
-from tapc.plan import BLOCK, EDIT, ENGINE, READ, TapPlan
-from tapc.planner import build_plan
+from tapc.plan.tapplan import BLOCK, EDIT, ENGINE, READ, TapPlan
+from tapc.plan.planner import build_plan
 
 
 def plan(trees, arch, taps, **kw):
@@ -213,7 +213,7 @@ def test_qwen3_qk_norms_run_per_head_and_are_refused(trees):
 
 
 def test_a_star_skips_children_its_point_does_not_apply_to_and_says_so(trees):
-    from tapc.resolve import notes
+    from tapc.plan.resolve import notes
 
     tree = trees("llama")
     p = plan(trees, "llama", ["model.layers.0.self_attn.*.output", "model.layers.*.input_layernorm.output[1]"])
@@ -228,7 +228,7 @@ def test_a_star_skips_children_its_point_does_not_apply_to_and_says_so(trees):
 
 
 def test_decoder_layer_output_means_both_tensors_for_captures(trees):
-    from tapc.resolve import notes
+    from tapc.plan.resolve import notes
 
     p = plan(trees, "llama", ["model.layers[1:3].output"])
     assert [(t.key, t.width) for t in p.taps] == [(f"model.layers.{i}.output[{k}]", 256) for i in (1, 2) for k in (0, 1)]
@@ -238,7 +238,7 @@ def test_decoder_layer_output_means_both_tensors_for_captures(trees):
 
 
 def test_unknown_model_is_a_clear_error(tmp_path):
-    from tapc.tree import load_tree
+    from tapc.plan.tree import load_tree
 
     with pytest.raises(ResolveError, match="no such directory"):
         load_tree(str(tmp_path / "nope"))
@@ -259,7 +259,7 @@ BAD_CONFIGS = [
 def test_bad_model_config_fails_fast_naming_file_and_field(tmp_path, text, words):
     import time
 
-    from tapc.tree import load_tree
+    from tapc.plan.tree import load_tree
 
     cfg = tmp_path / "config.json"
     cfg.write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -272,7 +272,7 @@ def test_bad_model_config_fails_fast_naming_file_and_field(tmp_path, text, words
 
 
 def test_an_architecture_vllm_lacks_is_one_line(tmp_path):
-    from tapc.tree import load_tree
+    from tapc.plan.tree import load_tree
 
     (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLN"], "model_type": "llama"}')
     with pytest.raises(ResolveError) as info:

@@ -5,12 +5,12 @@ import numpy as np
 import torch
 from engine_toy import VOCAB, ToyBuffers, over_the_wire, toy_plan
 
-from tapc.engine.layout import Layout
-from tapc.engine.patches import sampler_patch
-from tapc.engine.points import EnginePoints
-from tapc.engine.protocol import Result, WireRequest
-from tapc.engine.requests import TapRequest, check
-from tapc.engine.step import StepBatch
+from tapc.worker.layout import Layout
+from tapc.worker.patches import sampler_patch
+from tapc.worker.points import EnginePoints
+from tapc.wire.protocol import Result, WireRequest
+from tapc.api.requests import TapRequest, check
+from tapc.worker.step import StepBatch
 
 
 class GreedySampler:

@@ -1,4 +1,4 @@
-"""Prefix caching on a tapped engine (tapc/prefix.py): which requests read cached KV, and which
+"""Prefix caching on a tapped engine (tapc/api/prefix.py): which requests read cached KV, and which
 share what they leave. The toy engine plays vLLM's prefix cache (engine_toy.ToyLLM, `block=`):
 a cached prefix is never run, so a capture behind it would come back short."""
 from types import SimpleNamespace as NS
@@ -9,9 +9,9 @@ import torch
 from engine_toy import HIDDEN, LAYERS, toy_plan, toy_vllm
 from test_engine_cpu import check as check_rows
 
-from tapc.engine.protocol import Ask
-from tapc.engine.requests import TapRequest, check
-from tapc.prefix import PrefixPolicy, salted
+from tapc.wire.protocol import Ask
+from tapc.api.requests import TapRequest, check
+from tapc.api.prefix import PrefixPolicy, salted
 
 STEER = "model.layers.1.resid | add(steer, alpha=2.0)"
 TAPS = ["model.layers.*.resid", STEER]
@@ -107,7 +107,7 @@ def test_salts_say_what_changes_the_kv():
 def test_a_batchs_requests_each_get_their_own_asks_salt():
     """generate's requests: a TapRequest shared by prompts is checked (and salted) once; each
     request still gets the salt of its own ask, alternating or not."""
-    from tapc.session import TapSession
+    from tapc.api.session import TapSession
 
     plan = toy_plan(TAPS)
     session = TapSession(plan)

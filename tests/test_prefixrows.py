@@ -1,4 +1,4 @@
-"""Captured rows of shared prompt blocks kept by the worker (tapc/engine/prefixrows.py): a
+"""Captured rows of shared prompt blocks kept by the worker (tapc/worker/prefixrows.py): a
 capture of prompt rows reads vLLM's prefix cache as far as they go, and still has every row.
 
 The toy engine plays vLLM's prefix cache (engine_toy.ToyKVCache) behind the worker's own
@@ -11,9 +11,9 @@ from engine_toy import HIDDEN, toy_plan, toy_vllm
 from test_engine_cpu import check as check_rows
 from test_prefix_cpu import as_req, params, prompt
 
-from tapc.engine.config import engine_kwargs
-from tapc.engine.prefixrows import PrefixRows
-from tapc.engine.requests import TapRequest
+from tapc.wire.engine_args import engine_kwargs
+from tapc.worker.prefixrows import PrefixRows
+from tapc.api.requests import TapRequest
 from tapc.errors import EngineError
 
 STEER = "model.layers.1.resid | add(steer, alpha=2.0)"
@@ -175,7 +175,7 @@ def test_a_slow_write_of_kept_rows_is_waited_for_and_a_failed_one_fails_its_capt
     not leave them so."""
     import time
 
-    from tapc.engine import prefixrows
+    from tapc.worker import prefixrows
 
     fill = prefixrows._fill
     llm, hooks = toy_vllm(TAPS, block=BLOCK, prefix_rows=1 << 20)

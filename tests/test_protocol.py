@@ -5,11 +5,11 @@ import pytest
 import torch
 from engine_toy import HIDDEN, Req, ToyModel, collect, hooks_for, over_the_wire, run, toy_plan, wire_for
 
-from tapc.engine.protocol import VERSION, Ask, BlockFailure, Chunk, CollectReply, Result, StoreResult, TensorData, \
+from tapc.wire.protocol import VERSION, Ask, BlockFailure, Chunk, CollectReply, Result, StoreResult, TensorData, \
     WireRequest, encode_value
-from tapc.engine.requests import TapRequest, check
+from tapc.api.requests import TapRequest, check
 from tapc.errors import ProtocolError, RequestError
-from tapc.session import TapSession
+from tapc.api.session import TapSession
 
 TAPS = ["model.layers.*.resid", "model.layers.1.resid | add(steer, alpha=a)", "model.layers.0.resid | zero(cols)",
         "logits", "samples"]

@@ -1,9 +1,9 @@
 """Boundary blocks on CPU: per-request views, in-place edits, saved values, failures isolated."""
 import torch
 
-from tapc.engine.protocol import decode_value
+from tapc.wire.protocol import decode_value
 from tapc.errors import BlockFailed
-from tapc.runtime import BlockPoint, BlockRuntime, Span
+from tapc.worker.runtime import BlockPoint, BlockRuntime, Span
 
 
 def slab(rows=10, width=6, seed=0):

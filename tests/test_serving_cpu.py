@@ -20,10 +20,10 @@ from test_engine_cpu import check as check_rows
 
 from tapc.cli import main
 from tapc.errors import TapcError
-from tapc.plan import TapPlan
+from tapc.plan.tapplan import TapPlan
 from tapc.serving.launch import ENTRY, serve_argv, serve_env
 from tapc.serving.saving import SaveFolder
-from tapc.session import TapSession
+from tapc.api.session import TapSession
 
 TAPS = ["model.layers.*.resid", "model.layers.1.resid | add(steer, alpha=2.0)"]
 LLAMA = str(CONFIGS / "llama")
@@ -49,7 +49,7 @@ def test_the_serve_command_is_what_vllms_parser_reads_as_the_plans_engine(cpu_pl
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[1:])
     plan = TapPlan.from_json(args.additional_config["tapc"]["plan"])
     assert [t.source for t in plan.taps][-1] == "model.layers.1.resid | add(steer)" and plan.max_num_seqs == 16
-    assert args.worker_cls == "tapc.engine.worker.TapWorker" and args.max_num_seqs == 16 and args.port == 8123
+    assert args.worker_cls == "tapc.worker.worker.TapWorker" and args.max_num_seqs == 16 and args.port == 8123
     assert args.max_num_batched_tokens == plan.max_num_batched_tokens
 
 
@@ -148,7 +148,7 @@ def stand_in_app(taps=TAPS, api_key=None, blocks=None, shared=None, save=None, p
 
         app.add_middleware(AuthenticationMiddleware, tokens=[api_key])
     if blocks:
-        from tapc.blockpaths import import_blocks
+        from tapc.lang.blockpaths import import_blocks
 
         hooks.points.runtime.register(import_blocks(blocks, "the engine's plan"))
     app.state.tapc = TapcServer(toy, TapSession(plan, params, blocks=blocks or (), prefix_rows=prefix_rows), shared=shared,
@@ -340,7 +340,7 @@ def test_vllms_api_key_guards_tapc_routes():
 
 
 def test_the_python_client_registers_completes_and_fetches():
-    from tapc.client import TapcClient
+    from tapc.serving.client import TapcClient
     from tapc.errors import RequestError
 
     app, _ = stand_in_app()
@@ -364,7 +364,7 @@ def test_a_client_on_the_servers_host_reads_results_where_they_are_and_gives_the
     own, removed with the give-back. The Python client does both in one `with`."""
     import torch
 
-    from tapc.client import TapcClient, shared_views
+    from tapc.serving.client import TapcClient, shared_views
 
     taps = [*TAPS, "model.layers.0.resid -> probe"]
     app, hooks = stand_in_app(taps, blocks={"probe": "test_serving_cpu:saving_probe"})
@@ -425,7 +425,7 @@ def test_lent_results_not_given_back_are_dropped_after_the_keep_time():
 def test_with_several_api_server_processes_results_are_lent_from_their_shared_folder(tmp_path):
     """A result finished on one process is lent by another (its file in the folder they share,
     tensor by tensor), once, and given back through either; nothing is left behind."""
-    from tapc.client import shared_views
+    from tapc.serving.client import shared_views
 
     a, _ = stand_in_app(shared=str(tmp_path))
     b, _ = stand_in_app(shared=str(tmp_path))
@@ -445,8 +445,8 @@ def test_with_several_api_server_processes_results_are_lent_from_their_shared_fo
 
 
 def test_the_wire_as_text_round_trips_and_refuses_blocks():
-    from tapc.engine.protocol import WireRequest
-    from tapc.engine.requests import TapRequest, check
+    from tapc.wire.protocol import WireRequest
+    from tapc.api.requests import TapRequest, check
     from tapc.errors import ProtocolError
 
     plan = toy_plan(TAPS)
@@ -762,7 +762,7 @@ def test_results_too_large_to_come_inline_wait_for_their_fetch(monkeypatch):
     """Over the inline limit the response says why and where they are; the Python client
     fetches them, so `tc.inline` reads either kind."""
     import tapc.serving.server as server
-    from tapc.client import TapcClient
+    from tapc.serving.client import TapcClient
 
     app, _ = stand_in_app()
     prompt = [5, 3, 5, 8, 9, 7, 9, 3]
@@ -789,7 +789,7 @@ def test_saved_requests_are_written_to_the_save_folder_as_a_harvest(tmp_path):
     import time
 
     from tapc.data import Shards
-    from tapc.harvest import Manifest
+    from tapc.harvest.run import Manifest
 
     folder = tmp_path / "acts"
     save = {"folder": str(folder), "shard_tokens": 16, "positions": "all"}
@@ -814,7 +814,7 @@ def test_saved_requests_are_written_to_the_save_folder_as_a_harvest(tmp_path):
                 tokens, got = r.json()["choices"][0]["tokens"], r.json()["tapc"]
             assert got == {"id": r.headers["x-tapc-id"], "saved": k}, got
             sent.append((prompt, tokens, ask))
-        from tapc.client import TapcClient
+        from tapc.serving.client import TapcClient
 
         tc = TapcClient("http://testserver/v1", http_client=c)
         prompt = rng.integers(0, 50, 7).tolist()

@@ -1,4 +1,4 @@
-"""tapc.sharding against fake shards: per-rank weights sliced the way vLLM 0.26's weight
+"""tapc.plan.sharding against fake shards: per-rank weights sliced the way vLLM 0.26's weight
 loaders slice them, a decoder layer run rank by rank the way vLLM's sharded layers run it
 (local heads, GQA on local kv heads, row-parallel partial sums added as the all-reduce), each
 rank's local tensors placed with the map's runs, compared with the single-GPU layer."""
@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from tapc.errors import PlanError
-from tapc.plan import Point
-from tapc.sharding import REFUSED, REPLICATED, ModelDims, gather_index, global_columns, local_columns, \
+from tapc.plan.tapplan import Point
+from tapc.plan.shards import REFUSED, REPLICATED
+from tapc.plan.sharding import ModelDims, gather_index, global_columns, local_columns, \
     local_vector, parse_key, pp_stages, shard_points
-from tapc.tree import ModuleTree, Node, SourceOp, load_tree
+from tapc.plan.tree import ModuleTree, Node, SourceOp, load_tree
 
 from conftest import CONFIGS
 
@@ -48,7 +49,7 @@ def models(tmp_path_factory):
 
 
 def _llama_tree(c: dict) -> ModuleTree:
-    """Layer 0 of vLLM's Llama tree (as `tapc.tree` records it) for the config `c`."""
+    """Layer 0 of vLLM's Llama tree (as `tapc.plan.tree` records it) for the config `c`."""
     H, I, q, kv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"] * c["head_dim"], \
         c["num_key_value_heads"] * c["head_dim"]
     split = SourceOp("qkv_split_0", "qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)", 1, (q, kv, kv),
@@ -372,7 +373,7 @@ def test_sizes_vllm_refuses_are_refused_by_name(models):
 
 
 def test_local_widths_are_each_gpus_share(models):
-    """What tapc/sizing.py sizes each GPU's buffers by (gpu_bytes is tested in test_parallel_cpu)."""
+    """What tapc/plan/sizing.py sizes each GPU's buffers by (gpu_bytes is tested in test_parallel_cpu)."""
     tree, _, dims = models["llama"]  # 8 heads, 4 kv heads, head_dim 32, intermediate 704
     keys = [f"{LAYER}.self_attn.qkv_proj.output", f"{LAYER}.mlp.act_fn.output", f"{LAYER}.resid"]
     for tp in (1, 2, 8):
@@ -495,7 +496,7 @@ def test_a_block_at_a_sharded_point_sees_whole_rows_and_each_gpu_keeps_its_colum
     GPU's columns end as the block's result's (replicated kv heads on both)."""
     import threading
 
-    from tapc.runtime import BlockPoint, BlockRuntime, Sharded, Span
+    from tapc.worker.runtime import BlockPoint, BlockRuntime, Sharded, Span
 
     tree, _, dims = models[name]
     key = f"{LAYER}.{site}"

@@ -1,4 +1,4 @@
-"""tapc.sharding against vanilla vLLM 0.26 on two GPUs: each rank's local tensors, read with
+"""tapc.plan.sharding against vanilla vLLM 0.26 on two GPUs: each rank's local tensors, read with
 forward hooks in the workers (eager), placed with the map's runs, equal the same points at
 tensor_parallel_size=1 on the same weights; pipeline stages hold the layers the map says."""
 import os
@@ -36,7 +36,7 @@ def write_checkpoint(path, arch: str, **override) -> str:
 
 def _install_hooks(worker, keys):
     """In a worker: record the first call's tensor at each key (float32, on the CPU)."""
-    from tapc.sharding import parse_key
+    from tapc.plan.sharding import parse_key
 
     model = worker.model_runner.get_model()
     worker._tapc_seen = seen = {}
@@ -83,8 +83,8 @@ def _run(path, tokens, keys, tp):
 
 @pytest.mark.parametrize("arch,kv", [("llama", 4), ("llama", 1), ("qwen3", 4)])
 def test_tp2_shards_placed_by_the_map_equal_tp1(tmp_path, arch, kv):
-    from tapc.sharding import ModelDims, shard_points
-    from tapc.tree import load_tree
+    from tapc.plan.sharding import ModelDims, shard_points
+    from tapc.plan.tree import load_tree
 
     path = write_checkpoint(tmp_path / arch, arch, num_key_value_heads=kv)
     keys = KEYS + (QWEN3_KEYS if arch == "qwen3" else [])
@@ -106,7 +106,7 @@ def test_tp2_shards_placed_by_the_map_equal_tp1(tmp_path, arch, kv):
 def test_pp2_stages_hold_the_layers_the_map_says(tmp_path, monkeypatch, partition):
     from vllm import LLM
 
-    from tapc.sharding import pp_stages
+    from tapc.plan.sharding import pp_stages
 
     if partition:
         monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", partition)

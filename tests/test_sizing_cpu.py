@@ -4,11 +4,11 @@ import pytest
 import torch
 from engine_toy import HIDDEN, VOCAB, toy_plan, toy_tree
 
-from tapc.edits import EDITS
-from tapc.engine.buffers import Buffers
-from tapc.engine.layout import Layout
-from tapc.planner import build_plan
-from tapc.sizing import param_slots
+from tapc.lang.edits import EDITS
+from tapc.worker.buffers import Buffers
+from tapc.worker.layout import Layout
+from tapc.plan.planner import build_plan
+from tapc.plan.sizing import param_slots
 
 TAPS = [
     "model.layers.*.resid",                                   # one pool, three captures
@@ -73,7 +73,7 @@ def test_parameter_tables_are_shared_by_name_and_hold_the_literals(cpu_uva):
 
 
 def test_a_request_value_goes_into_its_slot_as_the_op_reads_it(cpu_uva):
-    from tapc.engine.requests import TapRequest, check
+    from tapc.api.requests import TapRequest, check
 
     plan = toy_plan(TAPS, rows=16, slots=3)
     layout = Layout(plan)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from engine_toy import HALF, HIDDEN, INTER, Req, ToyModel, collect, hooks_for, run, toy_plan, wire_for
 
-from tapc.engine.requests import TapRequest
+from tapc.api.requests import TapRequest
 from tapc.errors import EngineError
-from tapc.session import TapSession
-from tapc.tree import forward_calls
+from tapc.api.session import TapSession
+from tapc.plan.tree import forward_calls
 
 
 def test_names_match_the_plan():
@@ -80,7 +80,7 @@ def test_source_edit_reaches_the_rest_of_the_forward():
 def test_a_call_the_model_lacks_is_a_clear_error():
     import dataclasses
 
-    from tapc.plan import Point
+    from tapc.plan.tapplan import Point
 
     plan = toy_plan(["model.layers.1.mlp.source.self_up_proj_0.output"])
     tap = dataclasses.replace(plan.taps[0], point=Point("model.layers.1.mlp", "source", op="self_gate_proj_0"))

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tapc.errors import PlanError, TapcError, TapSyntaxError
-from tapc.spec import Action, Param, Pick, Slice, Star, parse_tap, parse_taps
+from tapc.lang.syntax import Action, Param, Pick, Slice, Star, parse_tap, parse_taps
 
 GOOD = [
     ("model.layers.*.output[0]", dict(path=("model", "layers", Star()), site="output", element=0)),

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import save_file
 
 from tapc.errors import RequestError, SpecError, TapSyntaxError
-from tapc.specfile import TensorFile, load_spec, load_tensor
+from tapc.api.specs import spec_plan
+from tapc.lang.specfile import TensorFile, load_spec, load_tensor
 
 from conftest import CONFIGS
 
@@ -45,8 +46,8 @@ def test_full_spec(tmp_path):
     assert isinstance(spec.params["refusal"], TensorFile)
     # planning checks the values as the engine will: it refuses parameters no tap names
     with pytest.raises(RequestError, match=r"params: parameter 'refusal' is not named by any tap"):
-        spec.plan()
-    plan = dataclasses.replace(spec, params={k: spec.params[k] for k in ("steer", "alpha")}).plan()
+        spec_plan(spec)
+    plan = spec_plan(dataclasses.replace(spec, params={k: spec.params[k] for k in ("steer", "alpha")}))
     assert plan.max_num_batched_tokens == 1024 and plan.max_num_seqs == 8
     assert plan.taps[0].dtype == "float32"
 
@@ -101,7 +102,7 @@ def test_missing_spec_file(tmp_path):
 def test_blocks_by_import_path(tmp_path):
     """`blocks:` names each block's function by import path; VLLM.from_spec imports them (in
     this process) and a path that does not lead to a function is an error naming the block."""
-    from tapc.api import spec_arguments
+    from tapc.api.llm import spec_arguments
     from tapc.errors import TapcError
 
     spec = load_spec(write(tmp_path, f"""

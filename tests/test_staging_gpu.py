@@ -1,11 +1,11 @@
-"""Parameter rows go up through two halves of pinned memory (engine/buffers.py `Staging`): rows
+"""Parameter rows go up through two halves of pinned memory (tapc/worker/buffers.py `Staging`): rows
 written while the device is still busy with earlier work, through several turns of both halves,
 each land in their place with their own values."""
 import numpy as np
 import pytest
 import torch
 
-from tapc.engine.buffers import Staging
+from tapc.worker.buffers import Staging
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -1,4 +1,4 @@
-"""Which tap kernels a step runs (tapc/engine/switch.py), on the CPU stand-in.
+"""Which tap kernels a step runs (tapc/worker/switch.py), on the CPU stand-in.
 
 On a GPU a kernel whose taps the step's requests do not ask for is a disabled graph node, and
 outside graphs (batches larger than vLLM's largest graph) its op launches nothing. Here the toy
@@ -14,12 +14,13 @@ import torch
 from engine_toy import HIDDEN, Req, ToyModel, collect, hooks_for, run, toy_plan, wire_for
 from test_engine_cpu import TAPS, check, make_requests, run_and_check
 
-from tapc.engine.requests import TapRequest
-from tapc.engine.switch import ALL, Switch, SwitchedGraph, switching
+from tapc.api.requests import TapRequest
+from tapc import settings
+from tapc.worker.switch import ALL, Switch, SwitchedGraph
 from tapc.kernels import capture as kcapture
 from tapc.kernels import edit as kedit
 from tapc.kernels import ops
-from tapc.session import TapSession
+from tapc.api.session import TapSession
 
 # What the ops call (the Triton kernels, in the interpreter here, or the torch references).
 CALLS = [(kcapture, "capture"), (kcapture, "capture_pair"), (kcapture, "capture_trio"), (kcapture, "capture_sum"),
@@ -225,7 +226,7 @@ def test_taps_of_maps_table_views_to_their_rows():
 
 
 def test_the_capture_patch_swaps_in_switched_graphs_and_the_observer_only_while_capturing():
-    from tapc.engine.patches import Patch, capture_patch
+    from tapc.worker.patches import Patch, capture_patch
 
     switch = Switch(None, torch.zeros(2, 4, dtype=torch.int32), ops.KERNELS)
     seen = []
@@ -246,9 +247,9 @@ def test_the_capture_patch_swaps_in_switched_graphs_and_the_observer_only_while_
 
 def test_the_environment_can_keep_every_tap_kernel_in_every_replay(monkeypatch):
     monkeypatch.delenv("TAPC_SWITCH_GRAPHS", raising=False)
-    assert switching()
+    assert settings.TAPC_SWITCH_GRAPHS
     monkeypatch.setenv("TAPC_SWITCH_GRAPHS", "0")
-    assert not switching()
+    assert not settings.TAPC_SWITCH_GRAPHS
 
 
 def test_each_op_hands_the_launch_observer_the_row_tables_it_read():

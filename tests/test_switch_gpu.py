@@ -1,11 +1,11 @@
-"""A captured CUDA graph's tap kernels switched off and on between replays (tapc/engine/switch.py),
+"""A captured CUDA graph's tap kernels switched off and on between replays (tapc/worker/switch.py),
 with tapc's real kernels and the CUDA driver, against the same computation in plain torch."""
 import pytest
 import torch
 
-from tapc.engine.patches import Patch
-from tapc.engine.cugraph import Driver
-from tapc.engine.switch import ALL, Switch, SwitchedGraph
+from tapc.worker.patches import Patch
+from tapc.worker.cugraph import Driver
+from tapc.worker.switch import ALL, Switch, SwitchedGraph
 from tapc.kernels import ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

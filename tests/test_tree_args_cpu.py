@@ -1,7 +1,8 @@
 """The module tree is built for the engine arguments that change it, and cached by them."""
 
 from conftest import CONFIGS
-from tapc.tree import CACHE_DIR, load_tree, tree_args
+from tapc.installed import cache_dir
+from tapc.plan.tree import load_tree, tree_args
 
 LLAMA = str(CONFIGS / "llama")
 
@@ -15,12 +16,12 @@ def test_tree_args_pick_the_ones_that_change_the_tree():
 def test_lora_engines_get_their_own_tree_and_cache_entry(trees):
     plain = trees("llama")
     lora = load_tree(LLAMA, {"enable_lora": True, "max_num_seqs": 4})
-    cached = set(CACHE_DIR.glob("*.json"))
+    cached = set(cache_dir().glob("*.json"))
     assert lora != plain, "vLLM's LoRA wrappers are in the LoRA engine's tree (tests/test_lora_cpu.py)"
     assert {n.path for n in lora.nodes} >= {n.path for n in plain.nodes if n.path.startswith("model.layers.0.")}
     # each from its own cache entry, whichever was built first; max_num_seqs plays no part
     assert load_tree(LLAMA, {"enable_lora": True}) == lora and load_tree(LLAMA) == plain
-    assert set(CACHE_DIR.glob("*.json")) == cached
+    assert set(cache_dir().glob("*.json")) == cached
 
 
 def test_several_gpus_get_the_single_gpu_tree(trees):

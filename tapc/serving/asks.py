@@ -15,7 +15,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tapc.engine.requests import TapRequest
+from tapc.api.requests import TapRequest
 from tapc.errors import RequestError
 
 FIELDS = ("capture", "positions", "params", "inline", "save")

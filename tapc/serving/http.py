@@ -58,10 +58,10 @@ class TapcEndpoints:
 def server_for(engine_client, args):
     """The TapcServer of a `vllm serve` whose `--additional-config` holds tapc's plan (and the
     spec its engine-wide parameters come from), or None where there is none."""
-    from tapc.plan import TapPlan
+    from tapc.api.session import TapSession
+    from tapc.plan.tapplan import TapPlan
     from tapc.serving.results import shared_folder
     from tapc.serving.server import TapcServer
-    from tapc.session import TapSession
 
     config = args.additional_config
     config = json.loads(config) if isinstance(config, str) else (config or {})
@@ -71,7 +71,7 @@ def server_for(engine_client, args):
         return None
     params = None
     if tapc.get("spec"):
-        from tapc.specfile import load_spec
+        from tapc.lang.specfile import load_spec
 
         params = load_spec(tapc["spec"]).param_values() or None
     # several API server processes (`--api-server-count`) share vectors and results through a folder

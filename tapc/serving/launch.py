@@ -5,7 +5,7 @@
 
 builds the plan (as `VLLM(...)` does, no GPU needed), then runs `vllm serve MODEL` with the
 engine arguments the plan needs (tapc's worker class, the plan and its digest in
-`--additional-config '{"tapc": {...}}'`, batch sizes, splitting ops: engine/config.py), the
+`--additional-config '{"tapc": {...}}'`, batch sizes, splitting ops: tapc/wire/engine_args.py), the
 spec's own engine arguments, then the options given here (vLLM parses them; a clash with what
 the plan needs is refused by it, e.g. another --max-num-seqs). `VLLM_PLUGINS` gets `tapc`, so
 vLLM loads tapc's endpoint plugin (http.py); where tapc is not installed (a source checkout on
@@ -30,10 +30,10 @@ def serve_argv(model: str, taps: list[str], *, capture_dtype: str | None = None,
     """`vllm serve`'s arguments (after the program name) for this plan. `blocks`: the plan's
     Python blocks by import path ('package.module:function'); each worker imports them. `save`:
     the save folder's settings (saving.py: `folder`, `shard_tokens`, `positions`)."""
-    from tapc.api import plan_for
-    from tapc.engine.config import engine_kwargs
-    from tapc.blockpaths import import_blocks
-    from tapc.session import plan_blocks
+    from tapc.api.llm import plan_for
+    from tapc.api.session import plan_blocks
+    from tapc.lang.blockpaths import import_blocks
+    from tapc.wire.engine_args import engine_kwargs
 
     plan, kwargs = plan_for(model, taps, capture_dtype, dict(engine or {}))
     args = engine_kwargs(plan, kwargs)
@@ -45,7 +45,7 @@ def serve_argv(model: str, taps: list[str], *, capture_dtype: str | None = None,
         plan_blocks(plan, import_blocks(blocks, "tapc serve"))
         args["additional_config"]["tapc"]["blocks"] = dict(blocks)
     if save:
-        from tapc.harvest import harvest_keys
+        from tapc.harvest.run import harvest_keys
 
         harvest_keys(plan)   # a plan with nothing to save is said now, not at the server's start
         args["additional_config"]["tapc"]["save"] = {**save, "folder": os.path.abspath(save["folder"])}

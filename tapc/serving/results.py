@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tapc.engine.arena import shm_directory
 from tapc.errors import RequestError
-from tapc.shardfiles import SAFETENSORS_DTYPES, tensor_bytes, write_tensors
+from tapc.harvest.shardfiles import SAFETENSORS_DTYPES, tensor_bytes, write_tensors
+from tapc.wire.arena import shm_directory
 
 CHUNK = 1 << 20   # bytes handed to the transport at a time (it buffers what the socket has not taken)
 

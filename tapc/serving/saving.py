@@ -26,12 +26,12 @@ import logging
 from pathlib import Path
 from types import SimpleNamespace as NS
 
-from tapc.engine.requests import TapRequest
+from tapc.api.requests import TapRequest
 from tapc.errors import RequestError, TapcError
-from tapc.feed import Done, Window
-from tapc.harvest import open_folder
+from tapc.harvest.feed import Done, Window
+from tapc.harvest.run import open_folder
+from tapc.harvest.writer import ShardRecord, Writer
 from tapc.serving.asks import HttpAsk
-from tapc.writer import ShardRecord, Writer
 
 log = logging.getLogger("tapc")
 
@@ -110,7 +110,7 @@ class SaveFolder:
         self.manifest.finish()
         self.manifest.write(self.folder)
         if self.layout.format == "arrow":
-            from tapc.shardfiles import write_dataset_files
+            from tapc.harvest.shardfiles import write_dataset_files
 
             write_dataset_files(self.folder, self.layout.columns(), [s.file for s in self.manifest.shards],
                                 self.manifest.plan_digest)

@@ -4,7 +4,7 @@
 - `admit(body)`: a `/v1/completions` or `/v1/chat/completions` JSON body with
   `vllm_xargs["tapc"]` (asks.py) is checked against the plan (`RequestError`: HTTP 400 with
   the same words), given its tapc id and its wire (`WireRequest.to_text`, in `vllm_xargs`,
-  whence vLLM copies it into `SamplingParams.extra_args`), its `cache_salt` (tapc/prefix.py;
+  whence vLLM copies it into `SamplingParams.extra_args`), its `cache_salt` (tapc/api/prefix.py;
   a capture of prompt rows gets a salt of its own, since `skip_reading_prefix_cache` cannot be
   set through the OpenAI API) and, when streamed, `stream_options.include_usage` (the usage
   chunk tells the server how many tokens the request has).
@@ -33,14 +33,14 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pybase64
 
-from tapc.async_engine import Collector
-from tapc.engine.protocol import WireRequest
+from tapc.api.async_llm import Collector
+from tapc.api.prefix import salted
+from tapc.api.session import TapSession
 from tapc.errors import RequestError
-from tapc.prefix import salted
 from tapc.serving.asks import HttpAsk, parse_ask
 from tapc.serving.results import FolderResults, MemoryResults, Reply, Stored, safetensors_bytes
 from tapc.serving.saving import SaveFolder
-from tapc.session import TapSession
+from tapc.wire.protocol import WireRequest
 
 log = logging.getLogger("tapc")
 

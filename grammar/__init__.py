@@ -1,1 +1,0 @@
-"""The tap DSL grammar (Lark), shipped as package data."""

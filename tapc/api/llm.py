@@ -1,0 +1,110 @@
+"""`VLLM(model, taps=[...])`: a vLLM engine with taps compiled into its graphs.
+
+    llm = VLLM("path/to/model", taps=["model.layers.*.resid", "model.layers.10.resid | add(steer, alpha=4.0)"])
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32),
+                        taps=TapRequest(capture=["model.layers.*.resid"], params={"steer": v}))
+    outs[0].taps["model.layers.3.resid"]     # [rows, hidden] on the CPU, rows as `positions` says,
+                                             # a view of shared memory (no copy; see docs/engine.md)
+
+`generate` takes and returns what vLLM's `LLM.generate` does; each RequestOutput gets a
+`taps` dict (empty when the request captured nothing). See docs/engine.md.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tapc.api.requests import TapRequest
+from tapc.api.session import Taps, TapSession
+from tapc.lang.blockpaths import import_blocks
+from tapc.plan.planner import build_plan
+from tapc.plan.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from tapc.plan.tapplan import TapPlan
+from tapc.wire.engine_args import engine_kwargs, require_cuda
+
+__all__ = ["VLLM", "TapRequest", "Taps"]
+
+
+class VLLM:
+    """vLLM's `LLM` with taps. `taps`: tap strings (see `tapc explain`); `blocks`: Python blocks
+    by name (docs/blocks.md); `params`: engine-wide parameter values, used by every request that
+    does not pass its own; `capture_dtype`: dtype captures are stored in (default: the model's);
+    `capture_memory_gib`: host memory for captures each GPU makes and pins at start (default 0:
+    as requests need it, which stalls the step that first needs each GiB for about a second;
+    docs/engine.md); `prefix_rows_gib`: host memory for captured rows of shared prompt blocks, which
+    lets captures of prompt rows read the prefix cache (default 0: they compute every prompt row;
+    one GPU; tapc/worker/prefixrows.py). Other keyword arguments go to `vllm.LLM`. Prefix caching stays as vLLM sets it: requests that
+    capture prompt rows or edit are kept apart from cached KV by tapc/api/prefix.py."""
+
+    def __init__(self, model: str, taps: Sequence[str], *, blocks: dict | None = None, params: dict | None = None,
+                 capture_dtype: str | None = None, **kwargs):
+        from vllm import LLM
+
+        self.plan, self.session, engine_args = setup(model, taps, blocks, params, capture_dtype, kwargs)
+        self.llm = LLM(model=model, **engine_args)
+        if blocks:
+            import cloudpickle
+
+            self.llm.collective_rpc("tapc_set_blocks", args=(cloudpickle.dumps(dict(blocks)),))
+
+    @classmethod
+    def from_spec(cls, spec, **overrides) -> "VLLM":
+        """An engine from a YAML spec (a path or a loaded `Spec`): its model, engine arguments,
+        taps, parameters (tensors loaded from their files) and capture dtype. `overrides` are
+        more keyword arguments (e.g. blocks=, attention_backend=)."""
+        model, taps, kwargs = spec_arguments(spec, overrides)
+        return cls(model, taps, **kwargs)
+
+    def generate(self, prompts, sampling_params=None, *, taps: TapRequest | Sequence[TapRequest | None] | None = None,
+                 **kwargs) -> list:
+        """vLLM's `generate`, with `taps`: one `TapRequest` for every prompt, or one per prompt
+        (None: untapped). A request asking for something the plan lacks raises `RequestError`
+        before anything is submitted (as vLLM does for a bad prompt). What fails once requests
+        run (no room for a request's captures, a raising block) fails that request only: its
+        `out.error` says why, and every other request's results come back."""
+        prompts, prepared = self.session.prepare_batch(prompts, sampling_params, taps)
+        self._give_back()
+        outs = self.llm.generate(prompts, [p.params for p in prepared], **kwargs)
+        wanted = self.session.wanted(prepared)
+        # one reply per worker (several under tensor / pipeline parallelism): the session merges them
+        replies = self.llm.collective_rpc("tapc_collect", args=(wanted,)) if wanted else None
+        return self.session.finish_batch(outs, prepared, replies)
+
+    def _give_back(self) -> None:
+        """Tell the worker which capture chunks the caller has dropped since the last call."""
+        chunks = self.session.released()
+        if chunks:
+            self.llm.collective_rpc("tapc_release", args=(chunks,))
+
+
+def setup(model: str, taps: Sequence[str], blocks: dict | None, params: dict | None, capture_dtype: str | None,
+          kwargs: dict) -> tuple[TapPlan, TapSession, dict]:
+    """What a tapped engine (offline or async) needs before vLLM starts: the plan, the session
+    (blocks= and params= checked against the plan) and vLLM's engine arguments."""
+    require_cuda()
+    plan, kwargs = plan_for(model, taps, capture_dtype, kwargs)
+    args = engine_kwargs(plan, kwargs)
+    rows = bool(args["additional_config"]["tapc"].get("prefix_rows"))
+    return plan, TapSession(plan, params, blocks or {}, prefix_rows=rows), args
+
+
+def plan_for(model: str, taps: Sequence[str], capture_dtype: str | None, kwargs: dict) -> tuple[TapPlan, dict]:
+    """The plan of an engine with vLLM arguments `kwargs` (no GPU needed), and those arguments
+    with the batch sizes the plan is built for."""
+    kwargs = dict(kwargs)
+    kwargs.setdefault("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    kwargs.setdefault("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
+    plan = build_plan(model, list(taps), max_num_batched_tokens=kwargs["max_num_batched_tokens"],
+                      max_num_seqs=kwargs["max_num_seqs"], capture_dtype=capture_dtype, engine_args=kwargs)
+    return plan, kwargs
+
+
+def spec_arguments(spec, overrides: dict) -> tuple[str, list[str], dict]:
+    """(model, taps, keyword arguments) of an engine from a YAML spec (a path or a `Spec`)."""
+    from tapc.lang.specfile import Spec, load_spec
+
+    spec = spec if isinstance(spec, Spec) else load_spec(spec)
+    params = spec.param_values()
+    blocks = import_blocks(spec.blocks, f"{spec.path}: blocks") or None   # blocks= in overrides wins
+    return spec.model, [t.text for t in spec.taps], {"params": params or None, "capture_dtype": spec.capture.dtype,
+                                                     "capture_memory_gib": spec.capture.memory_gib,
+                                                     "blocks": blocks, **spec.engine, **overrides}

@@ -1,0 +1,151 @@
+"""What one request asks of a tapped engine, checked against the plan before it is submitted.
+
+A `TapRequest` names the captures it wants (point keys, tap lines of the plan, or "*"), which
+positions to capture, and values for the plan's named parameters. `check` checks it and
+turns it into an `Ask` (protocol.py: plain data, lists, numbers, strings, bytes), which travels
+to the engine-core process in `SamplingParams.extra_args["tapc"]` under the id the session
+gives each submitted request; anything wrong is a `RequestError` for that request, raised
+before the engine sees it.
+
+Which rows `positions` covers is tapc/wire/positions.py.
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tapc.errors import RequestError
+from tapc.lang.edits import EDITS, POSITIONS, check_param, set_lengths
+from tapc.plan.tapplan import TapPlan
+from tapc.wire.protocol import Ask
+
+ENGINE_POINTS = ("logits", "samples")
+
+
+@dataclass(frozen=True)
+class TapRequest:
+    """One request's taps: what to capture, where, and the values of named edit parameters.
+
+    capture:   point keys (`model.layers.3.resid`), tap lines of the plan (a glob line means all
+               its points), or "*" for every capture point of the plan.
+    positions: "all" | "prompt" | "generated" | "last", or a list of absolute positions.
+    params:    parameter name -> value: a vector (list, numpy array or tensor) for `vector`
+               parameters, a number for `scalar`, column indices for `columns`, a number or a
+               list (one per column) for `values`. An edit tap applies to a request that binds
+               all of its parameters; edits without parameters apply to every request.
+    blocks:    block name -> a function `f(ctx, x)` run for this request instead of the engine's
+               block of that name (see tapc.worker.runtime); it is pickled to the worker.
+    """
+
+    capture: str | Sequence[str] = ()
+    positions: str | Sequence[int] = "all"
+    params: Mapping[str, Any] = field(default_factory=dict)
+    blocks: Mapping[str, Any] = field(default_factory=dict)
+
+
+def check(plan: TapPlan, req: TapRequest, where: str) -> Ask:
+    """Check `req` against `plan`; what the engine's workers read. `where` names the request in
+    error messages (e.g. "request 3")."""
+    keys = _capture_keys(plan, req.capture, where)
+    positions = _positions(req.positions, where)
+    return Ask(capture=tuple(k for k in keys if k not in ENGINE_POINTS),
+               engine=tuple(k for k in keys if k in ENGINE_POINTS),
+               positions=positions if isinstance(positions, str) else tuple(positions),
+               params=_params(plan, req.params, where), blocks=_blocks(plan, req.blocks, where))
+
+
+def _blocks(plan: TapPlan, blocks: Mapping[str, Any], where: str) -> bytes | None:
+    """Per-request blocks, cloudpickled (they travel in extra_args to the worker process)."""
+    if not blocks:
+        return None
+    names = {t.block for t in plan.taps if t.action == "block"}
+    for name, fn in blocks.items():
+        if name not in names:
+            raise RequestError(f"{where}: block {name!r} is not named by any tap of this engine's plan "
+                               f"(its blocks: {', '.join(sorted(names)) or 'none'})")
+        if not callable(fn):
+            raise RequestError(f"{where}: block {name!r} must be a function f(ctx, x), got {type(fn).__name__}")
+    import cloudpickle
+
+    return cloudpickle.dumps(dict(blocks))
+
+
+def _capture_keys(plan: TapPlan, capture, where: str) -> list[str]:
+    items = [capture] if isinstance(capture, str) else list(capture)
+    reads = [t for t in plan.taps if t.action == "capture"]
+    keys: dict[str, None] = {}
+    for item in items:
+        if item == "*":
+            keys.update(dict.fromkeys(t.key for t in reads))
+            continue
+        matched = [t.key for t in reads if item in (t.key, t.source)]
+        if not matched:
+            known = list(dict.fromkeys([t.key for t in reads] + [t.source for t in reads]))
+            near = difflib.get_close_matches(item, known, n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(map(repr, near))}?" if near else ""
+            listing = ", ".join(dict.fromkeys(t.source for t in reads)) or "none"
+            raise RequestError(f"{where}: {item!r} is not a capture of this engine's plan{hint} "
+                               f"The plan captures: {listing}")
+        keys.update(dict.fromkeys(matched))
+    return list(keys)
+
+
+def _positions(positions, where: str):
+    if isinstance(positions, str):
+        if positions not in POSITIONS:
+            raise RequestError(f"{where}: positions {positions!r}: use one of {', '.join(POSITIONS)} "
+                               "or a list of token positions")
+        return positions
+    out = [int(p) for p in positions]
+    if any(p < 0 for p in out) or len(set(out)) != len(out):
+        raise RequestError(f"{where}: positions must be distinct non-negative token positions, got {out}")
+    return sorted(out)
+
+
+def check_engine_params(plan: TapPlan, params: Mapping[str, Any], where: str) -> None:
+    """Engine-wide parameter values (`VLLM(params=...)`, a spec's `params:`), each checked as a
+    request's would be; a tap may take its other parameters from each request."""
+    _params(plan, params, where, partial=True)
+
+
+def _params(plan: TapPlan, params: Mapping[str, Any], where: str, partial: bool = False) -> dict:
+    specs = {p.name: p for p in plan.params}
+    out = {}
+    for name, value in params.items():
+        if name not in specs:
+            known = ", ".join(specs) or "none"
+            raise RequestError(f"{where}: parameter {name!r} is not named by any tap of this engine's plan "
+                               f"(its parameters: {known})")
+        out[name] = _value(plan, specs[name], value, where)
+    for tap in (t for t in plan.taps if t.action in EDITS):   # in the graphs and on the logits
+        names = [a.param for a in tap.args if a.param is not None]
+        given = [n for n in names if n in out]
+        if given and len(given) != len(names) and not partial:
+            missing = [n for n in names if n not in out]
+            raise RequestError(f"{where}: `{tap.source}` needs {', '.join(map(repr, names))}; the request "
+                               f"binds {', '.join(map(repr, given))} but not {', '.join(map(repr, missing))}")
+        _check_set_lengths(tap, out, where)
+    return out
+
+
+def _value(plan: TapPlan, spec, value, where: str):
+    width = spec.width if spec.kind == "vector" else \
+        min(t.width for t in plan.taps if any(a.param == spec.name for a in t.args))
+    try:
+        return check_param(spec.kind, value, width)
+    except ValueError as e:
+        raise RequestError(f"{where}: parameter {spec.name!r} ({spec.kind}) {e}") from None
+
+
+def _check_set_lengths(tap, bound: dict, where: str) -> None:
+    """set(cols, value): a list of values needs one value per column."""
+    if tap.action != "set":
+        return
+    args = {a.name: a for a in tap.args}
+    cols = bound.get(args["cols"].param) if args["cols"].param else args["cols"].value
+    vals = bound.get(args["value"].param) if args["value"].param else args["value"].value
+    why = set_lengths(cols, vals)
+    if why:
+        raise RequestError(f"{where}: `{tap.source}` {why}")

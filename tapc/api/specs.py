@@ -1,0 +1,20 @@
+"""YAML specs (tapc.lang.specfile) turned into what the engine and `tapc explain` need."""
+from __future__ import annotations
+
+from tapc.api.requests import check_engine_params
+from tapc.lang.specfile import Spec
+from tapc.plan.planner import build_plan
+from tapc.plan.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from tapc.plan.tapplan import TapPlan
+
+
+def spec_plan(spec: Spec) -> TapPlan:
+    """The spec's plan, with its `params:` checked as the engine will check them (the engine's
+    own checker), so that `tapc explain` refuses what the GPU machine would."""
+    engine = spec.engine
+    plan = build_plan(spec.model, spec.taps, capture_dtype=spec.capture.dtype,
+                      max_num_batched_tokens=int(engine.get("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)),
+                      max_num_seqs=int(engine.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)), engine_args=engine)
+    if spec.params:
+        check_engine_params(plan, spec.param_values(), f"{spec.path}: params")
+    return plan

@@ -1,0 +1,62 @@
+"""What the installed vLLM offers, read once per vLLM version and cached on disk (importing vLLM
+costs seconds; `tapc explain` and spec checks stay off it), and the cache folder tapc keeps such
+facts in (module trees too: tapc.plan.tree)."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+from tapc import settings
+
+
+def cache_dir() -> Path:
+    """The folder of cached trees and names (`TAPC_CACHE`/trees)."""
+    return settings.TAPC_CACHE / "trees"
+
+
+def vllm_version() -> str:
+    from importlib.metadata import version
+
+    return version("vllm")
+
+
+def vllm_names() -> dict[str, list[str]]:
+    """Names tapc checks input against, read from the installed vLLM once per vLLM version and
+    cached beside the trees (importing vLLM costs seconds; `tapc explain` stays off it):
+    "engine_args", EngineArgs' fields (a spec's `engine:` keys), and "architectures", the model
+    classes vLLM has (a config's `architectures`). Empty when vLLM is not installed."""
+    try:
+        version = vllm_version()
+    except Exception:  # importlib.metadata.PackageNotFoundError: no vLLM here
+        return {}
+    cached = cache_dir() / f"vllm-names-{version}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    with status("reading vLLM's engine arguments and model classes (once per vLLM version; cached)"):
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.model_executor.models import ModelRegistry
+
+        names = {"engine_args": [f.name for f in dataclasses.fields(EngineArgs)],
+                 "architectures": sorted(ModelRegistry.get_supported_archs())}
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(names))
+    tmp.replace(cached)
+    return names
+
+
+@contextlib.contextmanager
+def status(what: str):
+    """Say on stderr what a slow first step is doing: a spinner on a terminal, one line elsewhere."""
+    if not sys.stderr.isatty():
+        print(f"tapc: {what} ...", file=sys.stderr, flush=True)
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(f"tapc: {what}"):
+        yield

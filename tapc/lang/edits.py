@@ -1,0 +1,208 @@
+"""The edit ops in one table: arguments and kinds, value checks, slot tables, kernel.
+
+Everything that knows what an edit means reads this module: the parser (literals),
+the resolver (literals against the point's width), the request check (parameter values), the
+engine's parameter tables (their sizes, and how a value is written into a request's slot) and
+the op an edit calls, in the graph and on the logits. It imports neither torch nor vLLM, so
+that `tapc explain` stays light; each kernel's torch reference is `tapc.kernels.edit.<kernel>_ref`.
+
+An edit's op is `torch.ops.tapc.<kernel>(x, b, slot, *tables)`: `slot[i]` names the request
+slot of row i (-1: leave the row alone) and each table is `[slots, ...]`, one row per slot
+(docs/kernels.md). A table holds one argument's value: a literal in every slot, or the value a
+request binds in that request's slot.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+REQUIRED = object()
+# Which rows of its request an edit (or a capture) covers; docs/engine.md.
+POSITIONS = ("all", "prompt", "generated", "last")
+# Per-request column lists (set/zero with a `columns` parameter) fill a fixed-width slot table.
+MAX_COLUMNS = 64
+
+# Every edit also takes `at=`: which rows of its request to edit.
+AT = ("at", "positions", "all")
+
+
+@dataclass(frozen=True)
+class EditOp:
+    """One edit: its arguments ((name, kind, default), in positional order), the `tapc::` op it
+    runs, the arguments whose values fill that op's tables (in the op's order), and constants
+    for tables no argument fills."""
+
+    name: str
+    args: tuple[tuple[str, str, object], ...]
+    kernel: str
+    tables: tuple[str, ...]
+    constants: tuple[tuple[str, float], ...] = ()
+    unit: bool = False            # vectors are normalised to unit length when written
+
+    def kinds(self) -> dict[str, str]:
+        return {name: kind for name, kind, _ in self.args + (AT,)}
+
+
+EDITS: dict[str, EditOp] = {
+    "add": EditOp("add", (("vector", "vector", REQUIRED), ("alpha", "scalar", 1.0)), "add_", ("vector", "alpha")),
+    "scale": EditOp("scale", (("factor", "scalar", REQUIRED),), "scale_", ("factor",)),
+    "set": EditOp("set", (("cols", "columns", REQUIRED), ("value", "values", REQUIRED)), "set_cols_",
+                  ("cols", "value")),
+    "zero": EditOp("zero", (("cols", "columns", REQUIRED),), "set_cols_", ("cols", "value"),
+                   constants=(("value", 0.0),)),
+    "project_out": EditOp("project_out", (("direction", "vector", REQUIRED),), "project_out_", ("direction",),
+                          unit=True),
+}
+# op -> ((argument, kind, default), ...), as the parser binds them.
+SIGNATURES = {op: e.args for op, e in EDITS.items()}
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_literal(kind: str, value):
+    """A literal as written in a tap (not a parameter name), checked by kind; returns it in its
+    plan form. Raises ValueError with what is wrong (the caller names the tap and argument)."""
+    if kind == "positions":
+        if value not in POSITIONS:
+            raise ValueError(f"must be one of {', '.join(POSITIONS)}")
+        return value
+    if kind == "scalar" and not isinstance(value, (int, float)):
+        raise ValueError("must be a number or a parameter name")
+    if kind == "columns":
+        value = value if isinstance(value, tuple) else (value,)
+        if not value or not all(isinstance(v, int) and v >= 0 for v in value):
+            raise ValueError("must be column indices (a non-negative integer or a list of them) or a parameter name")
+        if len(set(value)) != len(value):
+            raise ValueError("names a column twice")
+    if kind == "values" and isinstance(value, tuple) and not all(isinstance(v, (int, float)) for v in value):
+        raise ValueError("must be a number, a list of numbers, or a parameter name")
+    if kind == "vector" and not (isinstance(value, tuple) and value and all(isinstance(v, (int, float)) for v in value)):
+        raise ValueError("must be a parameter name (a vector bound per request or per engine) or a list of numbers")
+    return value
+
+
+def check_at_point(op: str, literals: dict, width: int) -> None:
+    """An edit's literal arguments (name -> value; parameters left out) against the width of the
+    point it edits. Raises ValueError naming the op and argument."""
+    kinds = EDITS[op].kinds()
+    for name, value in literals.items():
+        kind = kinds[name]
+        if kind == "vector" and len(value) != width:
+            raise ValueError(f"{op}() {name} has {len(value)} numbers but the point is {width} wide")
+        if kind == "columns":
+            over = [c for c in value if c >= width]
+            if over:
+                raise ValueError(f"{op}() columns {over} are past the point's width {width}")
+    why = set_lengths(literals.get("cols"), literals.get("value"))
+    if why:
+        raise ValueError(f"{op}() {why}")
+
+
+def set_lengths(cols, values) -> str | None:
+    """set(cols, value): a list of values needs one value per column. None when fine or unknown."""
+    if cols is None or values is None or isinstance(values, (int, float)):
+        return None
+    if len(values) not in (1, len(cols)):
+        return f"gives {len(values)} values for {len(cols)} columns"
+    return None
+
+
+def check_param(kind: str, value, width: int):
+    """A value a request binds to a parameter of `kind` at a point `width` wide; returns its wire
+    form (vectors as float32 bytes: msgpack sends them as one binary field, not thousands of
+    Python floats). Raises ValueError with what is wrong."""
+    if kind == "vector":
+        arr = np.asarray(value.detach().float().cpu() if hasattr(value, "detach") else value, dtype=np.float64)
+        if arr.ndim != 1 or arr.shape[0] != width:
+            raise ValueError(f"must be {width} numbers, got shape {tuple(arr.shape)}")
+        if not np.isfinite(arr).all():
+            raise ValueError("has non-finite entries")
+        return arr.astype(np.float32).tobytes()
+    if kind == "scalar":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"must be a finite number, got {value!r}")
+        return float(value)
+    if kind == "columns":
+        cols = [value] if isinstance(value, int) else list(value)
+        if not cols or len(cols) > MAX_COLUMNS or len(set(cols)) != len(cols) or \
+                not all(isinstance(c, (int, np.integer)) and 0 <= c < width for c in cols):
+            raise ValueError(f"must be 1..{MAX_COLUMNS} distinct column indices in 0..{width - 1}, got {value!r}")
+        return [int(c) for c in cols]
+    vals = [value] if isinstance(value, (int, float)) else list(value)
+    if not vals or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in vals):
+        raise ValueError(f"must be a number or a list of numbers, got {value!r}")
+    return [float(v) for v in vals]
+
+
+# ----------------------------------------------------------------------------- slot tables
+
+
+@dataclass(frozen=True)
+class Table:
+    """One parameter table of an edit: `[slots, *shape]` of `dtype`.
+
+    share: tables of a named vector or scalar parameter are one table for every edit that uses
+    the name (a glob `add(steer)` over 32 layers holds one `steer` table): their key. None: the
+    edit's own table. literal: the tap fixes its value, written in every slot at allocation.
+    """
+
+    arg: str                        # the argument whose value it holds
+    shape: tuple[int, ...]
+    dtype: str                      # "float32" | "int32"
+    share: tuple | None
+    literal: bool
+
+    @property
+    def nbytes_per_slot(self) -> int:
+        return math.prod(self.shape) * 4   # float32 and int32 alike
+
+
+def tables(action: str, args, width: int) -> tuple[Table, ...]:
+    """The tables an edit reads, in its op's argument order. `args`: the tap's `Arg`s."""
+    op = EDITS[action]
+    by_name = {a.name: a for a in args}
+    kinds = op.kinds()
+    out = []
+    for name in op.tables:
+        arg = by_name.get(name)
+        param = arg.param if arg is not None else None
+        kind = kinds[name] if name in kinds else "values"
+        if kind == "vector":
+            shape: tuple[int, ...] = (width,)
+        elif kind == "scalar":
+            shape = ()
+        else:  # columns, and the values set writes there: a slot holds up to this many
+            cols = by_name["cols"]
+            shape = (MAX_COLUMNS if cols.param else len(cols.value),)
+        share = (param, op.unit) if param is not None and kind in ("vector", "scalar") else None
+        literal = param is None and (kind != "values" or by_name["cols"].param is None)
+        out.append(Table(name, shape, "int32" if kind == "columns" else "float32", share, literal))
+    return tuple(out)
+
+
+def slot_row(action: str, table: Table, values: dict) -> np.ndarray:
+    """What one slot of `table` holds, as a numpy array of its shape and dtype. `values`: the
+    edit's argument values by name (literals, and a request's wire values for its parameters)."""
+    op = EDITS[action]
+    value = values.get(table.arg, dict(op.constants).get(table.arg))
+    kind = op.kinds().get(table.arg, "values")
+    if kind == "vector":
+        v = np.frombuffer(value, dtype=np.float32) if isinstance(value, bytes) else np.asarray(value, np.float32)
+        norm = float(np.linalg.norm(v.astype(np.float64))) if op.unit else 0.0
+        return (v / norm).astype(np.float32) if norm > 0 else v.astype(np.float32)
+    if kind == "scalar":
+        return np.asarray(value, dtype=np.float32)
+    (n,) = table.shape
+    if kind == "columns":
+        cols = list(value)
+        return np.asarray(cols + [-1] * (n - len(cols)), dtype=np.int32)
+    # values: one per column; a single value is every column's (of the columns the edit names)
+    given = [value] if isinstance(value, (int, float)) else list(value)
+    cols = values.get("cols")
+    m = len(cols) if cols is not None else n
+    given = given * m if len(given) == 1 else given
+    return np.asarray(given + [0.0] * (n - len(given)), dtype=np.float32)
+

@@ -1,0 +1,215 @@
+"""A TapPlan for people: a table of taps, the graph as its pieces with the splits, totals; and,
+before any taps, a model's tap points (`tapc explain MODEL`)."""
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from io import StringIO
+
+from rich.console import Console
+from rich.table import Table
+
+from tapc.plan.sizing import host_row_bytes, param_slots
+from tapc.plan.tapplan import BLOCK, EDIT, READ, TapPlan
+from tapc.plan.tree import ModuleTree, Node
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _args(tap) -> str:
+    if tap.block:
+        return f"-> {tap.block}"
+    shown = []
+    for a in tap.args:
+        if a.name == "at" and a.value == "all":
+            continue
+        shown.append(f"{a.name}=${a.param}" if a.param else f"{a.name}={a.value}")
+    return ", ".join(shown)
+
+
+def taps_table(plan: TapPlan) -> Table:
+    table = Table(title=f"tapc plan {plan.digest} for {plan.model} ({plan.architecture})", title_justify="left")
+    longest = max(len(t.key) for t in plan.taps)
+    parallel = bool(plan.shards)   # several GPUs: each point's layout and stage, bytes on the most loaded GPU
+    cols = (("point", "left"), ("kind", "left"), ("action", "left"), ("per token", "right"))
+    cols += (("GPUs", "left"), ("per GPU", "right")) if parallel else (("buffer", "right"),)
+    for col, just in cols + (("from tap", "left"),):
+        # a point's name stays whole while the terminal has room for it; the others wrap at spaces
+        table.add_column(col, justify=just, overflow="fold", min_width=longest if col == "point" else None)
+    for tap in plan.taps:
+        action = tap.action + (f"({_args(tap)})" if tap.args else f" {_args(tap)}" if tap.block else "")
+        where = (f"{tap.layout}, stage {tap.stage}",) if parallel else ()
+        table.add_row(tap.key, tap.kind, action, f"{tap.width} x {tap.dtype}", *where,
+                      human_bytes(tap.buffer_bytes) if tap.buffer_bytes else "-", tap.source)
+    return table
+
+
+def graph_lines(plan: TapPlan) -> list[str]:
+    """The compiled forward as vLLM splits it: pieces between attention ops, blocks marked (✂)."""
+    blocks: dict[int | None, list[str]] = {}
+    for tap in plan.by_kind(BLOCK):
+        blocks.setdefault(tap.layer, []).append(f"{tap.key} -> {tap.block}")
+    lines = [f"graph: {plan.pieces_before} compiled pieces without the plan, {plan.pieces_after} with it"]
+    if plan.splitting_ops:
+        lines.append(f"splitting ops added: {', '.join(plan.splitting_ops)} (blocks run eagerly at every replay: "
+                     f"PIECEWISE graphs split there, and a FULL graph replays as "
+                     f"{plan.pieces_after - plan.pieces_before + 1} segments around them)")
+    lines.append(in_graph_line(plan))
+    body = ["  [piece 0] embeddings .. layer 0 attention"]
+    for layer in range(plan.num_layers):
+        last = layer == plan.num_layers - 1
+        body.append(f"   | attention, layer {layer} (vLLM split)")
+        body.append(f"  [piece {layer + 1}] layer {layer} after attention .. "
+                    + ("final norm" if last else f"layer {layer + 1} attention"))
+        body.extend(f"     ✂ boundary block {m}" for m in blocks.get(layer, []))
+    if plan.num_layers > 6 and not blocks:  # nothing to mark: keep the ends, fold the middle
+        body = body[:5] + [f"  ... {plan.num_layers - 4} more layers, same shape ..."] + body[-4:]
+    return lines + body
+
+
+def in_graph_line(plan: TapPlan) -> str:
+    """Which of the plan's in-graph tap kernels a replayed CUDA graph runs (tapc/worker/switch.py)."""
+    reads, edits = len(plan.by_kind(READ)), len(plan.by_kind(EDIT))
+    if not reads + edits:
+        return "tap kernels in the graphs: none"
+    head = f"tap kernels in the graphs: {reads} capture{'s' * (reads != 1)}, {edits} edit{'s' * (edits != 1)}; "
+    if plan.by_kind(BLOCK):
+        return head + "each runs at every step (graphs broken by blocks are not switched)"
+    return head + ("a step whose requests ask for none of them replays its graph without them, and one that "
+                   "asks for some runs the others' disabled")
+
+
+def totals(plan: TapPlan) -> list[str]:
+    row = host_row_bytes(plan.taps, plan.shard_map, plan.tensor_parallel_size, plan.pipeline_parallel_size)
+    where = "most loaded GPU" if plan.shards else "GPU"
+    kinds: dict[str, int] = {}
+    for tap in plan.taps:
+        kinds[tap.kind] = kinds.get(tap.kind, 0) + 1
+    params = ", ".join(f"{p.name} ({p.kind}{f' of {p.width}' if p.width else ''})" for p in plan.params)
+    return [
+        f"taps: {len(plan.taps)} ({', '.join(f'{n} {k}' for k, n in kinds.items())})",
+        f"parameters: {params or 'none'}",
+        *([f"GPUs: tensor_parallel_size={plan.tensor_parallel_size} x pipeline_parallel_size="
+           f"{plan.pipeline_parallel_size}; stages hold decoder layers "
+           + ", ".join(f"{a}..{b - 1}" for a, b in plan.pp_layers)] if plan.shards else []),
+        f"preallocated: {human_bytes(plan.total_buffer_bytes)} on the {'most loaded GPU' if plan.shards else 'device'}"
+        f" for {plan.max_num_batched_tokens} "
+        f"tokens per step and {plan.max_num_seqs} requests ({param_slots(plan.max_num_seqs)} parameter slots)",
+        *([f"captures in host memory: up to {human_bytes(row)} a token on the {where} (every capture asked; "
+           "capture_memory_gib pins room for them at start)"] if row else []),
+        f"digest: {plan.digest}",
+    ]
+
+
+def _console(out: StringIO, width: int | None) -> Console:
+    """The terminal's width on a terminal; elsewhere (a pipe, a file) as wide as the content needs."""
+    if width is None:
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else 1000
+    return Console(file=out, width=width, no_color=True, highlight=False, soft_wrap=False)
+
+
+def render(plan: TapPlan, notes: list[str] = (), width: int | None = None) -> str:
+    """The plan as `tapc explain` prints it; `notes` (tapc.plan.resolve.notes) go under the table."""
+    out = StringIO()
+    console = _console(out, width)
+    console.print(taps_table(plan))
+    for line in [f"note: {n}" for n in notes] + graph_lines(plan) + [""] + totals(plan):
+        console.print(line, markup=False)
+    return out.getvalue()
+
+
+# ----------------------------------------------------------------------------- a model's tap points
+
+_OUTPUTS = {
+    "tensor": "`.output`",
+    "linear": "`.output` (the out of (out, bias))",
+    "pair": "`.resid`, `.output[0]` hidden, `.output[1]` residual",
+    "norm": "`.output[0]` normed, `.output[1]` residual",
+    "heads": "per head: not tappable (tap the caller's `.source`)",
+    "tuple": "several tensors: tap the caller's `.source`",
+    "routing": "MoE router: `.output[0]` top-k weights (float32), `.output[1]` expert ids (int32)",
+    "none": "-",
+}
+# Added to a module's output column where it runs inside vLLM's fused-MoE op (tree.Node.in_moe_op).
+_IN_MOE_OP = " (inside the fused-MoE op: no Python blocks)"
+
+
+def _layer_pattern(node: Node) -> str:
+    """`model.layers.3.mlp` -> `model.layers.*.mlp`: one row stands for every layer."""
+    return node.path if node.layer is None else re.sub(rf"\.{node.layer}(?=\.|$)", ".*", node.path, count=1)
+
+
+def points_table(tree: ModuleTree) -> Table:
+    """Every module once (decoder layers folded into `*`), what can be tapped there and how wide."""
+    table = Table(title=f"tap points of {tree.model} ({tree.architecture}: {tree.num_layers} layers under "
+                        f"`{tree.layers_path}`, hidden {tree.hidden_size}, {tree.dtype})", title_justify="left")
+    for col in ("module", "class", "output", "width", "input"):
+        table.add_column(col, overflow="fold")
+    rows: dict[str, list[Node]] = {}
+    for node in tree.nodes:
+        rows.setdefault(_layer_pattern(node), []).append(node)
+    for path, nodes in rows.items():
+        kinds: dict[str, list[int]] = {}
+        for n in nodes:
+            kinds.setdefault(n.output, []).append(n.layer)
+        if len(kinds) == 1:
+            output = _OUTPUTS[nodes[0].output]
+        else:  # e.g. layer 0's input norm returns one tensor, the others (normed, residual)
+            output = "; ".join(f"layer{'s' if len(ls) > 1 else ''} {_span(ls)}: {_OUTPUTS[k]}" for k, ls in kinds.items())
+        n = nodes[0]
+        if n.why:   # called, but not on every row: why not, in short (the tap's error says it all)
+            output = f"not tappable: {n.why.split(', so ')[0].split('; ')[0]}"
+        if n.in_moe_op and n.output != "none":
+            output += _IN_MOE_OP
+        width = "-" if n.out_width is None or n.output in ("none", "tuple", "heads") else str(n.out_width)
+        table.add_row(path, n.cls, output, width, "-" if n.in_width is None else str(n.in_width))
+    table.add_row("logits", "(engine point)", "logits of each request's last token", f"{tree.vocab_size}", "-")
+    table.add_row("samples", "(engine point)", "the sampled token id", "1", "-")
+    return table
+
+
+def _span(layers: list[int]) -> str:
+    return f"{layers[0]}..{layers[-1]}" if len(layers) > 2 and layers[-1] - layers[0] == len(layers) - 1 \
+        else ", ".join(map(str, layers))
+
+
+def source_lines(tree: ModuleTree) -> list[str]:
+    """`.source` ops per module class (the same class has the same forward), with output widths."""
+    lines = ["`.source` ops tapc can size (`<module>.source.<op>.output`, `[k]` for one of several "
+             "tensors), per module class:"]
+    # one line per class and set of ops: a decoder layer's calls under `if residual is None:` run in layer 0 only
+    groups: dict[tuple, list[Node]] = {}
+    for node in tree.nodes:
+        if any(o.out_widths for o in node.source_ops):
+            groups.setdefault((node.cls, node.source_ops), []).append(node)
+    by_cls: dict[str, int] = {}
+    for cls, _ in groups:
+        by_cls[cls] = by_cls.get(cls, 0) + 1
+    for (cls, ops), nodes in groups.items():
+        sized = [o for o in ops if o.out_widths]
+        shown = ", ".join(f"{o.name} -> {' + '.join(map(str, o.out_widths))}" for o in sized)
+        at = _layer_pattern(nodes[0])
+        if by_cls[cls] > 1 and nodes[0].layer is not None:  # the layers this line is about, in tap syntax
+            layers = sorted({n.layer for n in nodes})   # a module under two names is one per layer
+            contiguous = layers[-1] - layers[0] == len(layers) - 1
+            at = at.replace(".*", f".{layers[0]}" if len(layers) == 1 else f"[{layers[0]}:{layers[-1] + 1}]"
+                            if contiguous else f"[{','.join(map(str, layers))}]", 1)
+        rest = len(ops) - len(sized)
+        lines.append(f"  {cls} (at `{at}`): {shown}" + (f" ({rest} more ops, unsized)" if rest else ""))
+    return lines
+
+
+def render_points(tree: ModuleTree, width: int | None = None) -> str:
+    out = StringIO()
+    console = _console(out, width)
+    console.print(points_table(tree))
+    for line in source_lines(tree):
+        console.print(line, markup=False)
+    return out.getvalue()

@@ -1,0 +1,112 @@
+"""Tap specs + vLLM's module tree -> a TapPlan (tapc/plan/tapplan.py): resolve, check, size, digest.
+
+Under tensor / pipeline parallelism (`engine_args` sizes above 1) the tree stays the single-GPU
+one; the plan records the sizes, the stages' layers and tapc/plan/sharding.py's map of every point,
+refuses what cannot run (the map's messages), and sizes each GPU's buffers at its local widths
+(tapc/plan/ranks.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+from tapc.errors import PlanError
+from tapc.lang.syntax import TapSpec, parse_taps
+from tapc.plan.resolve import resolve_tap
+from tapc.plan.sharding import ModelDims, pp_stages, shard_points
+from tapc.plan.shards import PointShard
+from tapc.plan.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS, gpu_bytes
+from tapc.plan.tapplan import BLOCK, READ, ParamSpec, PlannedTap, TapPlan, plan_digest
+from tapc.plan.tree import load_tree
+
+BOUNDARY_OP = "tapc::boundary"
+CAPTURE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def build_plan(model: str, taps, *, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+               max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, capture_dtype: str | None = None, tree=None,
+               engine_args: dict | None = None, dims: ModelDims | None = None) -> TapPlan:
+    """Resolve taps (strings, a text, or parsed `TapSpec`s) against `model`'s vLLM module tree, as
+    an engine with `engine_args` builds it (tree.py TREE_ENGINE_ARGS: LoRA), for its
+    `tensor_parallel_size` and `pipeline_parallel_size`. `dims`: the attention shape the
+    parallel layouts need (default: from the model's config.json)."""
+    specs = tuple(taps) if taps and all(isinstance(t, TapSpec) for t in taps) else parse_taps(taps)
+    if not specs:
+        raise PlanError("no taps: give at least one tap")
+    if max_num_batched_tokens < 1 or max_num_seqs < 1:
+        raise PlanError("max_num_batched_tokens and max_num_seqs must be positive")
+    tree = tree or load_tree(model, engine_args)
+    if capture_dtype is not None and capture_dtype not in CAPTURE_DTYPES:
+        raise PlanError(f"capture dtype {capture_dtype!r}: use one of {', '.join(CAPTURE_DTYPES)}")
+    planned: list[PlannedTap] = []
+    seen: dict[tuple, PlannedTap] = {}
+    for spec in specs:
+        for tap in resolve_tap(spec, tree):
+            if tap.kind == READ and capture_dtype:
+                tap = dataclasses.replace(tap, dtype=capture_dtype)
+            sig = (tap.key, tap.action, tap.args, tap.block)
+            if sig in seen:
+                raise PlanError(f"{tap.key} is tapped twice the same way: by `{seen[sig].source}` and `{tap.source}`")
+            seen[sig] = tap
+            planned.append(tap)
+    params = _collect_params(planned)
+    tp = int((engine_args or {}).get("tensor_parallel_size", 1))
+    pp = int((engine_args or {}).get("pipeline_parallel_size", 1))
+    shards = _parallel(model, tree, planned, dims, tp, pp) if tp * pp > 1 else {}
+    planned = [dataclasses.replace(t, layout=shards[t.key].layout, stage=shards[t.key].stage) if shards else t
+               for t in planned]
+    sizes, total = gpu_bytes(planned, shards, tp, pp, max_num_batched_tokens, max_num_seqs)
+    planned = [dataclasses.replace(t, buffer_bytes=n) for t, n in zip(planned, sizes)]
+    block_points = {t.key for t in planned if t.kind == BLOCK}
+    pieces = tree.num_layers + 1  # vLLM splits at each attention op: one compiled piece per gap
+    plan = TapPlan(
+        model=model, architecture=tree.architecture, num_layers=tree.num_layers, hidden_size=tree.hidden_size,
+        dtype=tree.dtype, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        taps=tuple(planned), params=params, splitting_ops=(BOUNDARY_OP,) if block_points else (),
+        pieces_before=pieces, pieces_after=pieces + len(block_points), total_buffer_bytes=total,
+        tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        pp_layers=pp_stages(tree.num_layers, pp) if shards else (), shards=tuple(shards.values()),
+    )
+    return dataclasses.replace(plan, digest=plan_digest(plan))
+
+
+def _collect_params(taps: list[PlannedTap]) -> tuple[ParamSpec, ...]:
+    """One entry per parameter name; a name must mean one kind (and one width for vectors)."""
+    found: dict[str, tuple[ParamSpec, PlannedTap]] = {}
+    for tap in taps:
+        for a in tap.args:
+            if a.param is None:
+                continue
+            if a.param in found:
+                first, where = found[a.param]
+                if first.kind != a.kind:
+                    raise PlanError(f"parameter {a.param!r} is a {first.kind} in `{where.source}` "
+                                    f"but a {a.kind} in `{tap.source}`")
+                if a.kind == "vector" and where.width != tap.width:
+                    raise PlanError(f"parameter {a.param!r} is a vector of {where.width} at {where.key} "
+                                    f"but of {tap.width} at {tap.key}: use two names")
+                continue
+            found[a.param] = (ParamSpec(a.param, a.kind, tap.width if a.kind == "vector" else None), tap)
+    return tuple(a for a, _ in found.values())
+
+
+def _parallel(model: str, tree, taps: list[PlannedTap], dims: ModelDims | None, tp: int,
+              pp: int) -> dict[str, PointShard]:
+    """The map of every tapped point; what cannot run at these sizes is refused, naming the tap."""
+    shards = shard_points(tree, [t.point for t in taps], dims or ModelDims.of_model(model), tp=tp, pp=pp)
+    layouts: dict[str, tuple[str, PlannedTap]] = {}
+    for tap in taps:
+        shard = shards[tap.key]
+        # Per-head points (the only ones the map sizes unlike the tap) never get here: resolve
+        # refuses them at any size (resolve.py `_point`, tree.py "heads").
+        assert not shard.sharded or shard.width == tap.width, (tap.key, shard.width, tap.width)
+        why = shard.refusal(tap.action)
+        if why is not None:
+            raise PlanError(f"`{tap.source}`: {why}")
+        for a in tap.args:   # a named vector is one table per GPU: one slicing for all its points
+            if a.param is None or a.kind != "vector":
+                continue
+            first = layouts.setdefault(a.param, (shard.layout, tap))
+            if first[0] != shard.layout:
+                raise PlanError(f"parameter {a.param!r} is a vector at {first[1].key} ({first[0]}) and at {tap.key} "
+                                f"({shard.layout}), which split differently across {tp} GPUs: use two names")
+    return {t.key: shards[t.key] for t in taps}
+
