@@ -85,7 +85,7 @@ def timed(generate, workload: str, seed: int):
 
 
 def tapc_variants(llm, workload: str):
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     if workload.startswith("harvest"):
         return {"tapc, nothing asked": None,
@@ -100,7 +100,7 @@ def tapc_variants(llm, workload: str):
 def ablation(llm, workload: str):
     """The ablating engine's one variant: every request projects a direction out of all 32
     layers' residual streams (the engine normalizes it)."""
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     direction = np.random.default_rng(1).standard_normal(4096).tolist()
     return {"tapc, project_out 32 layers": TapRequest(params={"refusal": direction})}

@@ -12,12 +12,11 @@ The pools and host storage live on the meta device and the copies are built as t
 builds them, one batch of addresses for the driver (`issued`), but not sent: on the GPU they
 are asynchronous and only their issue is host time. The last row is a served batch of
 bench_serve's default mix (`served_scenario`). A decode step that repeats the last one (the same requests, one position on) is not
-filled (tapc/worker/fill.py `Repeat`): the last column times those. Async scheduling overlaps this with the previous step on the GPU (about 12 ms at
+filled (tapc/worker/rings.py `Repeat`): the last column times those. Async scheduling overlaps this with the previous step on the GPU (about 12 ms at
 batch 64 for an 8B model, 4.6 ms at batch 1), beside vLLM's own host work.
 """
 import contextlib
 import functools
-import os
 import statistics
 import sys
 import time
@@ -31,10 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tapc.wire.protocol import WireRequest  # noqa: E402
 from tapc.api.requests import TapRequest, check  # noqa: E402
-from tapc.worker.fill import Repeat, fill_step, tapped_of  # noqa: E402
+from tapc.worker.fill import fill_step, tapped_of  # noqa: E402
 from tapc.worker.layout import Layout  # noqa: E402
 from tapc.worker.memcpy import Repeated, copy_segments  # noqa: E402
 from tapc.worker.records import Record  # noqa: E402
+from tapc.worker.rings import Repeat  # noqa: E402
 from tapc.worker.step import StepBatch  # noqa: E402
 from tapc.plan.planner import build_plan  # noqa: E402
 from tapc.plan.tree import ModuleTree, Node  # noqa: E402
@@ -114,7 +114,7 @@ class Stream:
 def time_step(layout, records, batch: StepBatch, repeats: int = 200, repeating: bool = False, fill=None) -> float:
     """Median host ms of one step's fill and copy-out bookkeeping. `repeating`: decode steps
     that each repeat the last (the runner's `Repeat`: no fill), one position on each time.
-    `fill`: the compiled fill (fill_jit.CompiledFill, the engine's default) in place of numpy's."""
+    `fill`: the compiled fill (fill_jit.CompiledFill, the engine's) in place of numpy's."""
     fill = fill or functools.partial(fill_step, layout)
     table = np.empty((layout.table_rows, ROWS), dtype=np.int32)
     pools = [torch.empty(len(g.caps) * ROWS, g.width, dtype=getattr(torch, g.dtype), device="meta")
@@ -186,16 +186,17 @@ class Contender:
 
 def device_main():
     """`--device`: the same steps on the path the worker runs on a GPU, each part timed on the
-    host: the fill, the table's upload (`Buffers.upload`) and the copy-out (`Buffers.copy_out`:
+    host: the fill, the table's upload (`Buffers.upload`) and the copy-out (`CopyOut.copy_out`:
     the snapshot, its events and the batched copy into pinned arena storage). The GPU has no
     forward to run between steps, so each part's time is its host work alone. Each case with
-    numpy's fill (TAPC_FILL=numpy) and with the compiled one (the default), and once with torch's
-    events for direct steps (TAPC_STEP_EVENTS=torch) where the others have the driver's (the
-    default); with `--contend`, again beside
+    numpy's fill and with the compiled one (the engine's), and once with torch's events for
+    direct steps (where the driver has none) where the others have the driver's (the
+    engine's); with `--contend`, again beside
     a `Contender` (torch's calls that reach the GPU let the GIL go); with `--busy`, again behind
     a long kernel, where a call that waits for the GPU takes the kernel's milliseconds."""
     from tapc.wire.arena import Arena
     from tapc.worker.buffers import Buffers
+    from tapc.worker.copyout import CopyOut
     from tapc.worker.fill_jit import CompiledFill
     from tapc.worker.worker import _register
 
@@ -218,7 +219,7 @@ def device_main():
                  ("decode 1, capture every layer", scenario(plan, layout, TapRequest(capture="model.layers.*.resid"),
                                                             1, 100, True, make=make))]
         # (label, a GIL-holding thread beside, a kernel of ~5 ms queued before each step, the
-        # fill, TAPC_STEP_EVENTS: the driver's, the engine's default, unless the label says torch's)
+        # fill, whose events a direct step records: the driver's, the engine's, unless the label says torch's)
         modes = [("", False, False, None, "driver"), (", compiled fill", False, False, CompiledFill(layout), "driver"),
                  (", torch's events", False, False, None, "torch")]
         if "--contend" in sys.argv[1:]:
@@ -226,22 +227,26 @@ def device_main():
             modes.append((", beside a GIL-holding thread, torch's events", True, False, None, "torch"))
         if "--busy" in sys.argv[1:]:   # a call that waits for the GPU takes the kernel's time
             modes.append((", the GPU busy", False, True, None, "driver"))
-        buffers = {}
+        buffers = Buffers(layout, ROWS, SEQS, 2, dev)
+        copy_out = {}
         for events in {m[-1] for m in modes}:
-            os.environ["TAPC_STEP_EVENTS"] = events   # read as Buffers are made
-            buffers[events] = Buffers(layout, ROWS, SEQS, 2, dev)
+            copy_out[events] = CopyOut(layout, buffers.pools, ROWS, SEQS, dev)
+            if events == "torch":
+                copy_out[events]._events = None   # as where the driver has none
         for name, (records, batch) in cases:
             for how, contend, busy, fill, events in modes:
                 with Contender() if contend else contextlib.nullcontext():
-                    parts, segs = time_device_step(layout, buffers[events], records, batch, busy=busy, fill=fill)
+                    parts, segs = time_device_step(layout, buffers, copy_out[events], records, batch, busy=busy,
+                                                   fill=fill)
                 cells = [f"{statistics.median(p[k] for p in parts) * 1e6:.0f} ({statistics.fmean(p[k] for p in parts) * 1e6:.0f})"
                          for k in range(3)]
                 print(f"| {layers} layers, {name}{how} | {' | '.join(cells)} | {segs} |", flush=True)
-        del buffers
+        del buffers, copy_out
         torch.cuda.synchronize()
 
 
-def time_device_step(layout, buffers, records, batch: StepBatch, repeats: int = 200, busy: bool = False, fill=None):
+def time_device_step(layout, buffers, copy_out, records, batch: StepBatch, repeats: int = 200, busy: bool = False,
+                     fill=None):
     """Each of `repeats` steps' (fill, upload, copy-out) host seconds, and the step's segments;
     `busy`: each step behind a kernel of about 5 ms, as a served step's calls are behind the
     forwards queued before them; `fill`: the compiled fill in place of numpy's."""
@@ -260,7 +265,7 @@ def time_device_step(layout, buffers, records, batch: StepBatch, repeats: int = 
         t1 = time.perf_counter()
         buffers.upload(batch.padded)
         t2 = time.perf_counter()
-        buffers.copy_out(*step)
+        copy_out.copy_out(*step)
         t3 = time.perf_counter()
         parts.append((t1 - t0, t2 - t1, t3 - t2))
         segs = len(step[0])
@@ -288,7 +293,7 @@ def main():
     from tapc.worker.fill_jit import CompiledFill
 
     compiled = CompiledFill(layout)
-    print("| step | host ms (median), numpy's fill (TAPC_FILL=numpy) | the fill compiled (the default) | repeating the last step |\n"
+    print("| step | host ms (median), numpy's fill | the fill compiled (the engine's) | repeating the last step |\n"
           "|---|---:|---:|---:|")
     for name, ask, n, plen, decode in cases:
         records, batch = scenario(plan, layout, ask, n, plen, decode)

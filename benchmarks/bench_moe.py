@@ -128,7 +128,7 @@ def main():
     from gpu_engines import model_runner, shutdown   # the tests' runner switch and engine stop
 
     from tapc import VLLM
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     repeats = 2 if args.quick else args.repeats
     shapes = workloads(args.quick, args.generate, [int(n) for n in args.batches.split(",")])

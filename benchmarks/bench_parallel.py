@@ -58,7 +58,7 @@ def taps_for(shape: str) -> list[str]:
 
 
 def variants(shape: str, hidden: int) -> dict:
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     every = TapRequest(capture="model.layers.*.resid")
     if shape == "70b":

@@ -79,7 +79,7 @@ def spread(samples: list[tuple[float, float]]) -> dict:
 class HookTimer:
     """Wall time and calls of tapc's per-step hooks (runner.py `RunnerHooks`) in a worker, by
     wrapping the bound methods the runner adapter calls, and of `end_step`'s parts: the copy-out
-    (buffers.py `copy_out`), its direct path (`_copy_direct`, small steps), the segments' copies
+    (copyout.py `copy_out`), its direct path (`_copy_direct`, small steps), the segments' copies
     (memcpy.py `copy_segments`: the host's address lists and the driver call) and the batched
     driver copy itself (memcpy.py `BatchCopy`), the step's event (`_recorded`, or the driver's,
     `DriverEvents.record`) and the table's upload (`upload`); what copy-out spends outside them is
@@ -90,29 +90,28 @@ class HookTimer:
 
     def __init__(self, hooks):
         self.hooks, self.spent = hooks, {}
-        import tapc.worker.buffers as buffers_module
+        import tapc.worker.copyout as copyout_module
 
-        buffers = hooks.buffers
-        wrapped = [(hooks, name) for name in self.HOOKS] + [(buffers, "copy_out"), (buffers, "_copy_direct"),
-                                                            (buffers_module, "copy_segments"), (buffers, "_recorded"),
-                                                            (buffers, "upload")]
+        out = hooks.tables.copy_out
+        wrapped = [(hooks, name) for name in self.HOOKS] + [(out, "copy_out"), (out, "_copy_direct"),
+                                                            (copyout_module, "copy_segments"), (out, "_recorded"),
+                                                            (hooks.buffers, "upload")]
         for part in ("_batch", "_events"):
-            if getattr(buffers, part, None) is not None:
-                wrapped.append((buffers, part) if part == "_batch" else (buffers._events, "record"))
+            if getattr(out, part, None) is not None:
+                wrapped.append((out, part) if part == "_batch" else (out._events, "record"))
         # what each object held under the name itself (None: the name was its class's method)
         self.own = [(obj, name, obj.__dict__.get(name)) for obj, name in wrapped]
         for obj, name in wrapped:
             self.spent[name] = [0, 0.0, []]
             setattr(obj, name, timed(self.spent[name], getattr(obj, name)))
-        # steps that repeated the last decode step (fill.Repeat: no fill, no upload)
-        self.repeated, repeat = 0, hooks._repeat
-        same = repeat.same
+        # steps that repeated the last decode step (rings.py `Repeat`: no fill, no upload)
+        self.repeated, repeat = 0, hooks.tables._repeat
+        advance = repeat.advance
 
-        def counted(batch):
-            got = same(batch)
-            self.repeated += got is not None
-            return got
-        repeat.same = counted
+        def counted(computed):
+            self.repeated += 1
+            return advance(computed)
+        repeat.advance = counted
         # the worker process's garbage collections meanwhile (vLLM freezes its startup heap; what
         # tapc allocates per step and per request is not frozen)
         self.gc = {g: [0, 0.0] for g in range(3)}
@@ -134,7 +133,7 @@ class HookTimer:
                 del obj.__dict__[name]
             else:
                 setattr(obj, name, own)
-        del self.hooks._repeat.__dict__["same"]
+        del self.hooks.tables._repeat.__dict__["advance"]
         gc.callbacks.remove(self._gc_seen)
         out = {name: {"calls": n, "us_per_call": s / n * 1e6 if n else 0.0, **spread(samples)}
                for name, (n, s, samples) in self.spent.items()}
@@ -202,7 +201,7 @@ def main():
     from gpu_engines import model_runner, shutdown
 
     from tapc import VLLM
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     import stacks
 

@@ -8,7 +8,8 @@ request is the model run on that request's tokens alone.
 `ToyRunner` plays vLLM's V2 runner (execute_model calls self.prepare_inputs; the worker's V2
 adapter, runner_v2.py, wraps both), `ToyRunnerV1` its V1 runner (a persistent batch in slot
 order, condensed when requests leave; execute_model calls self._model_forward; runner_v1.py),
-`ToyBuffers` plays `tapc.worker.buffers.Buffers` on the CPU, and `run` plays the
+`ToyCopyOut` plays the worker's copy-out on the CPU (the rest of the worker is its own, made
+as the worker makes it: `hooks_for`), and `run` plays the
 scheduler: a token budget per step (chunked prefill), decode one token per step, requests
 arriving late, finishing at max_tokens, and optionally one preemption (recompute from 0).
 """
@@ -25,8 +26,10 @@ from tapc import settings
 from tapc.wire.arena import Arena
 from tapc.wire.protocol import WireRequest
 from tapc.api.requests import TapRequest, check
-from tapc.worker.buffers import Buffers, ParamTables, Staging, _UvaTable
+from tapc.worker.buffers import Buffers
 from tapc.worker.runner import RunnerHooks
+from tapc.worker.slots import EditSlots
+from tapc.worker.tables import StepTables
 from tapc.worker.memcpy import Repeated, copy_segments
 from tapc.worker.runner_v1 import V1Adapter
 from tapc.worker.runner_v2 import V2Adapter
@@ -137,29 +140,23 @@ def host_batch(dsts, srcs, sizes, stream) -> bool:
     return True
 
 
-class ToyBuffers(Buffers):
-    """`Buffers` on the CPU: the same tables, pools and table upload; `slots` parameter slots;
-    copies done at once, by address as the GPU's batch makes them (with the repeated steps'
-    addresses, whatever the batch), with no streams."""
+def toy_buffers(layout, rows: int = 64, slots: int = 8) -> Buffers:
+    """The worker's `Buffers` on the CPU, `slots` parameter slots and as many requests a step."""
+    return Buffers(layout, rows, slots, 2, torch.device("cpu"), slots=slots)
 
-    def __init__(self, layout, rows: int, slots: int):
-        self.layout = layout
-        self.rows = rows
-        self.slots = slots
-        self.table = torch.full((layout.table_rows, rows), -1, dtype=torch.int32)
-        self._clean = rows
-        self._uva = [_UvaTable(layout.table_rows * rows, torch.device("cpu")) for _ in range(2)]
-        self._next = 0
-        self.pools = [torch.zeros(len(g.caps) * rows, g.width, dtype=getattr(torch, g.dtype)) for g in layout.groups]
-        self.staging = Staging(torch.device("cpu"))
-        self.params = ParamTables(layout.edits, slots, torch.device("cpu"), layout.localize, self.staging)
-        self.logit_params = ParamTables(layout.logit_edits, slots, torch.device("cpu"), staging=self.staging)
-        self.logit_rows = torch.full((len(layout.logit_edits), slots), -1, dtype=torch.int32)
+
+class ToyCopyOut:
+    """Copy-out on the CPU, with `CopyOut`'s methods (tapc/worker/copyout.py): copies done at
+    once, by address as the GPU's batch makes them (with the repeated steps' addresses, whatever
+    the batch), with no streams; `copies` counts the steps that copied out, `waited` the copies
+    (their number) a collect waited for."""
+
+    def __init__(self, pools: list[torch.Tensor]):
+        self.pools = pools
         self.nonfinite_values = 0
         self.counting = False
-        self.copies = 0                 # steps that copied captures out
-        self.waited: list[int] = []     # the steps (their copy number) a collect waited for
-        self.positions = None           # the runner's, set as the worker sets them
+        self.copies = 0
+        self.waited: list[int] = []
         self.repeated = Repeated()
         self.repeated.MANY = 1          # every repeated step by its kept addresses
 
@@ -176,6 +173,9 @@ class ToyBuffers(Buffers):
 
     def nonfinite(self):
         return self.nonfinite_values if self.counting else None
+
+    def tensors(self):
+        return []
 
 
 @dataclass
@@ -429,11 +429,13 @@ def run(runner, reqs: list[Req], budget: int) -> None:
 
 
 def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank: int = 0, stage: int = 0,
-              runner: str = "v2", inline: bool = False, switch: bool = False, prefix_rows: tuple | None = None):
+              runner: str = "v2", inline: bool = False, switch: bool = False, prefix_rows: tuple | None = None,
+              compiled: bool = True):
     """The toy runner of vLLM's `runner` ("v2" or "v1") with `plan` installed in `model`, as the
     worker installs it; and its hooks (`inline`: a worker on another node than the API; `switch`:
     with a `Switch` for the hooks to set, `hooks.switch`, without a driver: no graphs here;
-    `prefix_rows`: (block, budget bytes) of kept prefix rows, `hooks.prefix_rows`)."""
+    `prefix_rows`: (block, budget bytes) of kept prefix rows, `hooks.prefix_rows`; `compiled`
+    False: every step filled by the numpy reference, tapc/worker/fill.py)."""
     from tapc.worker.prefixrows import PrefixRows
     from tapc.worker.switch import Switch
     from tapc.kernels import ops
@@ -445,17 +447,19 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank
     from tapc.worker.points import EnginePoints
 
     layout = Layout(plan, tp_rank, stage)   # on several GPUs: this one's part of the plan
-    buffers = ToyBuffers(layout, rows, slots)
+    buffers = toy_buffers(layout, rows, slots)
     toy, adapter = {"v2": (ToyRunner, V2Adapter), "v1": (ToyRunnerV1, V1Adapter)}[runner]
     runner = toy(model, pad)
     buffers.positions = adapter.positions(runner) if settings.TAPC_RINGS else None   # as the plan's config tells the worker
     install(model, layout, buffers)
-    # as the worker does
+    # the components, as the worker makes them
     points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
     # Small arena segments, so a run spans several files and reuses freed space.
-    hooks = RunnerHooks(layout, buffers, Arena(segment_bytes=4096), points, inline=inline,
-                        switch=Switch(None, buffers.table, ops.KERNELS) if switch else None,
-                        prefix_rows=PrefixRows(layout, *prefix_rows) if prefix_rows else None)
+    arena = Arena(segment_bytes=4096)
+    tables = StepTables(layout, buffers, ToyCopyOut(buffers.pools), arena, compiled=compiled, inline=inline)
+    hooks = RunnerHooks(layout, arena, tables, EditSlots(buffers),
+                        prefix_rows=PrefixRows(layout, *prefix_rows) if prefix_rows else None,
+                        switch=Switch(None, buffers.table, ops.KERNELS) if switch else None, points=points)
     # with a switch, its idle check is patched into the ops process-wide: callers put it back
     patches.apply(runner, adapter(runner, hooks), points, switch=hooks.switch)
     return runner, hooks
@@ -591,7 +595,7 @@ class ToyLLM:
     def collective_rpc(self, method, args=()):
         self.rpcs.append(method)
         worker = {"tapc_collect": lambda ids, release=(): self.hooks.collect(ids, release).to_wire(), "tapc_release": self.hooks.release,
-                  "tapc_count_nonfinite": self.hooks.buffers.count_nonfinite}
+                  "tapc_count_nonfinite": self.hooks.tables.copy_out.count_nonfinite}
         return [over_the_wire(worker[method](*args))]
 
 

@@ -47,7 +47,7 @@ def hf_points(path, tokens) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_norm_elements_and_layer_outputs_equal_hf(checkpoints, arch):
     from tapc import VLLM
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
     from tapc.errors import ResolveError
 
     path = checkpoints(arch)

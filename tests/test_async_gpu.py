@@ -56,7 +56,7 @@ VECTORS = [np.random.default_rng(70 + k).standard_normal(SMALL["hidden_size"]).t
 def ask_of(i: int):
     """Untapped, every capture at each kind of positions, steered by one of three vectors
     (alone or with a capture after the edit)."""
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     return [None, TapRequest(capture="*"), TapRequest(capture="*", positions="generated"),
             TapRequest(params={"steer": VECTORS[i % 3]}), TapRequest(capture=KEY, params={"steer": VECTORS[i % 3]}),
@@ -104,7 +104,7 @@ def test_aborting_many_mid_stream_gives_everything_back(served):
     """96 requests capturing every point at every row and steered, 64 tokens each; a third
     aborted through the engine, a third cancelled (the client went away), after a few tokens
     each. The rest finish whole; then the workers hold nothing, and the engine serves on."""
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     path, engine, loop = served
 

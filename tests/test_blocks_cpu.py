@@ -150,9 +150,9 @@ def test_a_request_this_gpu_could_not_admit_keeps_the_groups_collectives_in_step
     steps = []
     begin = hooks.points.begin_step
 
-    def watch(records, batch, unadmitted=frozenset()):
-        begin(records, batch, unadmitted)
-        steps.append((tuple(batch.req_ids), hooks.points.runtime.elsewhere))
+    def watch(step):
+        begin(step)
+        steps.append((tuple(step.batch.req_ids), hooks.points.runtime.elsewhere))
 
     hooks.points.begin_step = watch
     schedule = hooks.schedule

@@ -83,7 +83,7 @@ def test_block_engine_splits_piecewise_and_breaks_full_graphs(engine):
 
 def test_block_input_equals_in_graph_capture(engine):
     """Under continuous batching (chunked prefill of a 300-token prompt, late decode joins)."""
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     outs = engine.generate(prompts(), sampling(), taps=TapRequest(capture="model.layers.1.resid"))
     for out in outs:
@@ -96,7 +96,7 @@ def test_block_input_equals_in_graph_capture(engine):
 
 def test_block_edit_equals_in_graph_edit(engine):
     """One batch, one prompt three times: steered in-graph, steered by the block, not steered."""
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     asks = [TapRequest(capture="model.layers.3.resid", params={"steer": STEER}),
             TapRequest(capture="model.layers.3.resid", blocks={"edit": steer_block}),
@@ -109,7 +109,7 @@ def test_block_edit_equals_in_graph_edit(engine):
 
 
 def test_a_raising_block_fails_only_its_request(engine):
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     asks = [TapRequest(), TapRequest(blocks={"edit": failing}), TapRequest(), TapRequest()]
     outs = engine.generate(prompts(4)[:4], sampling()[:4], taps=asks)
@@ -124,7 +124,7 @@ def test_a_raising_block_fails_only_its_request(engine):
 
 
 def test_logits_equal_reference_and_samples_are_the_tokens(engine, path):
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     outs = engine.generate(prompts(5)[:3], sampling()[:3], taps=TapRequest(capture=["logits", "samples"]))
     for i, out in enumerate(outs):
@@ -141,7 +141,7 @@ def test_logits_equal_reference_and_samples_are_the_tokens(engine, path):
 def test_forced_sample_is_returned_and_fed_back(engine):
     """The forced token comes back as generated token 0 and is the model's input at position P:
     its layer-1 activation equals that of the same token placed at the end of the prompt."""
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     p = same_prompt(1, 6)[0]["prompt_token_ids"]
     P = len(p)
@@ -168,7 +168,7 @@ def missing_key(ctx, x):
 def test_saved_values_and_errors_cross_the_process_boundary_without_pickle(engine):
     """Through the engine core's msgpack: tuples stay tuples, bf16 GPU tensors come back as CPU
     tensors of their rows, dicts as dicts; a builtin exception is itself again, with its args."""
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     outs = engine.generate(same_prompt(2, 5, length=9), greedy(2, 4),
                            taps=[TapRequest(blocks={"edit": structured}), TapRequest(blocks={"edit": missing_key})])

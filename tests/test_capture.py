@@ -7,7 +7,7 @@ from kernel_cases import (
 )
 
 from tapc.kernels.capture import (
-    PHASES, RING_STEPS, _ring_steps, capture, capture_pair, capture_pair_ref, capture_ref, capture_sum,
+    PHASES, capture, capture_pair, capture_pair_ref, capture_ref, capture_sum,
     capture_sum_ref, capture_trio, capture_trio_ref,
 )
 
@@ -280,14 +280,3 @@ def test_a_ring_needs_both_tables():
         capture(x, dst, out, ring, None, 2)
     with pytest.raises(ValueError, match="pos must be 1-D int32 or int64 with an entry per row"):
         capture(x, dst, out, ring, pos[:2], 2)
-
-
-def test_ring_steps_come_from_the_environment_as_a_power_of_two(monkeypatch):
-    monkeypatch.setenv(RING_STEPS, "32")
-    assert _ring_steps() == 32
-    monkeypatch.delenv(RING_STEPS)
-    assert _ring_steps() == 8
-    for bad in ("12", "1", "512", "eight", "-8"):
-        monkeypatch.setenv(RING_STEPS, bad)
-        with pytest.raises(ValueError, match=f"TAPC_RING_STEPS='{bad}': a power of two from 2 to 256"):
-            _ring_steps()

@@ -1,4 +1,4 @@
-"""Copy-out on the device (tapc/worker/buffers.py): a prompt step's captures still on their way to
+"""Copy-out on the device (tapc/worker/copyout.py): a prompt step's captures still on their way to
 host memory while decode steps copy theirs, through their own snapshot or (a step of few bytes)
 straight from the pools on the compute stream. Every row lands, the pools can be rewritten
 right after each step, and a step's event covers every earlier step."""
@@ -7,7 +7,8 @@ import pytest
 import torch
 from engine_toy import HIDDEN, LAYERS, toy_plan
 
-from tapc.worker.buffers import DIRECT_BYTES, Buffers
+from tapc.worker.buffers import Buffers
+from tapc.worker.copyout import DIRECT_BYTES, CopyOut
 from tapc.worker.step import Segment
 from tapc.worker.layout import Layout
 from tapc.worker.memcpy import FEW_COPIES, DriverEvent
@@ -34,9 +35,10 @@ def test_decode_steps_copy_out_while_a_prompt_steps_copies_run_and_every_row_lan
     layout = Layout(plan)
     dev = torch.device("cuda")
     buffers = Buffers(layout, ROWS, SEQS, 2, dev)
-    buffers.direct_bytes = direct
-    assert buffers._batch is not None, "the driver has no batched copy: the test would not test it"
-    buffers._batch.few = few
+    out = CopyOut(layout, buffers.pools, ROWS, SEQS, dev)
+    out.direct_bytes = direct
+    assert out._batch is not None, "the driver has no batched copy: the test would not test it"
+    out._batch.few = few
     (pool,) = buffers.pools
     caps = np.arange(LAYERS)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -46,10 +48,10 @@ def test_decode_steps_copy_out_while_a_prompt_steps_copies_run_and_every_row_lan
     stores = [Store(0, caps, HIDDEN, torch.float32, pinned, n + 64) for n in prompts]
     want = [[] for _ in stores]
     plan_steps = [prompts] + [[1] * SEQS] * 5 + [[ROWS // SEQS] * SEQS] + [[1] * SEQS] * 3
-    buffers.count_nonfinite(True)
+    out.count_nonfinite(True)
     nans = 0
     events = []
-    assert buffers._small is not None
+    assert out._small is not None
     for step, rows in enumerate(plan_steps):
         segs, start = [], 0
         for store, n in zip(stores, rows):
@@ -62,40 +64,46 @@ def test_decode_steps_copy_out_while_a_prompt_steps_copies_run_and_every_row_lan
             nans += 1
         for k, seg in enumerate(segs):
             want[k].append(pool[seg.start: seg.start + seg.rows * LAYERS].view(seg.rows, LAYERS, HIDDEN).cpu())
-        events.append(buffers.copy_out(segs, [start]))
+        events.append(out.copy_out(segs, [start]))
         # and the next forward rewrites it at once
         pool.fill_(-7.0)
     events[-1].synchronize()   # a collect waits for a request's last step only
-    assert (buffers._small.freed is None) == bool(direct), "the decode steps took the other path"
+    assert (out._small.freed is None) == bool(direct), "the decode steps took the other path"
     for store, rows in zip(stores, want):
         expect = torch.cat(rows)
         got = torch.cat([c.view(-1, LAYERS, HIDDEN) for c in store.chunks])[: store.rows]
         assert store.rows == len(expect)
         torch.testing.assert_close(got, expect, rtol=0, atol=0, equal_nan=True)
-    assert buffers.nonfinite() == nans
+    assert out.nonfinite() == nans
 
 
 @pytest.mark.parametrize("direct,events", [(0, "torch"), (DIRECT_BYTES, "torch"), (DIRECT_BYTES, "driver")],
                          ids=["snapshots", "direct", "direct, driver events"])
-def test_every_step_copies_through_one_snapshot_when_the_pools_are_decode_sized(direct, events, monkeypatch):
-    """`events`: TAPC_STEP_EVENTS, whose driver events a direct step's collect waits on."""
-    monkeypatch.setenv("TAPC_STEP_EVENTS", events)
+def test_every_step_copies_through_one_snapshot_when_the_pools_are_decode_sized(direct, events):
+    """`events`: whose events a direct step's collect waits on: the driver's, or torch's (where
+    the driver has none)."""
     plan = toy_plan(["model.layers.*.resid"], rows=SEQS, slots=SEQS)
-    buffers = Buffers(Layout(plan), SEQS, SEQS, 2, torch.device("cuda"))
-    buffers.direct_bytes = direct
-    assert buffers._small is None
+    layout, dev = Layout(plan), torch.device("cuda")
+    buffers = Buffers(layout, SEQS, SEQS, 2, dev)
+    out = CopyOut(layout, buffers.pools, SEQS, SEQS, dev)
+    out.direct_bytes = direct
+    if events == "torch":
+        out._events = None
+    else:
+        assert out._events is not None, "the driver has no events: the test would not test them"
+    assert out._small is None
     (pool,) = buffers.pools
     store = Store(0, np.arange(LAYERS), HIDDEN, torch.float32, pinned, 64)
     want = []
     for _ in range(4):
         pool[: SEQS * LAYERS].normal_()
         want.append(pool[: SEQS * LAYERS].view(SEQS, LAYERS, HIDDEN).cpu())
-        event = buffers.copy_out([Segment(store, 0, SEQS)], [SEQS * LAYERS])
+        event = out.copy_out([Segment(store, 0, SEQS)], [SEQS * LAYERS])
         pool.fill_(-7.0)
     assert isinstance(event, DriverEvent) == (bool(direct) and events == "driver")
     event.synchronize()
     assert event.query()
-    assert (buffers._big.freed is None) == bool(direct), "the steps took the other path"
+    assert (out._big.freed is None) == bool(direct), "the steps took the other path"
     torch.testing.assert_close(store.chunks[0][: store.rows].view(-1, LAYERS, HIDDEN), torch.cat(want), rtol=0, atol=0)
 
 

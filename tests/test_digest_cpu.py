@@ -3,7 +3,7 @@ import sys
 from pathlib import Path
 
 import torch
-from engine_toy import ToyBuffers, ToyModel, toy_plan
+from engine_toy import toy_buffers, ToyModel, toy_plan
 
 from tapc.wire.engine_args import digest, graph_code
 from tapc.worker.install import install
@@ -40,7 +40,7 @@ def tapc_files_run(fn) -> set[Path]:
 def test_every_file_that_reaches_the_graphs_is_in_the_digest():
     plan = toy_plan(TAPS)
     layout = Layout(plan)
-    buffers = ToyBuffers(layout, 64, 8)
+    buffers = toy_buffers(layout, 64, 8)
     model = ToyModel()
     ids, pos = torch.tensor([3, 1, 4, 1, 5]), torch.arange(5)
 

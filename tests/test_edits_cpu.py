@@ -74,7 +74,7 @@ def test_op_on_written_slots_equals_the_edits_meaning(action, params, values):
 
 def test_every_edit_op_lands_in_one_compiled_graph():
     """Dynamo inlines the patched forwards with each op the registry names, without a break."""
-    from engine_toy import ToyBuffers, ToyModel
+    from engine_toy import toy_buffers, ToyModel
 
     from tapc.worker.install import install
 
@@ -82,7 +82,7 @@ def test_every_edit_op_lands_in_one_compiled_graph():
                                                    "zero(c)", "project_out(v)")]
     plan = toy_plan(taps)
     layout = Layout(plan)
-    buffers = ToyBuffers(layout, 64, 8)
+    buffers = toy_buffers(layout, 64, 8)
     ask = check(plan, TapRequest(params={"v": V[:16], "a": 2.0, "w": [3.0, 4.0], "c": [0, 5]}), "r")
     buffers.params.write(1, list(range(len(layout.edits))), ask.params)
     buffers.table[len(layout.captures):, :5] = 1

@@ -179,7 +179,7 @@ def test_two_arenas_sweeping_one_dead_file_at_once_both_start(tmp_path, monkeypa
     (its sweep names only what it removed)."""
     import fcntl
 
-    from tapc.worker import arena as arena_module
+    from tapc.wire import arena as arena_module
 
     stale = tmp_path / "tapc-1-0123abcd-0"
     stale.write_bytes(b"x" * 4096)

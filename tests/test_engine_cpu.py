@@ -105,11 +105,10 @@ def test_captures_equal_reference_under_continuous_batching(compiled, fill, runn
     """Chunked prefill (budget 16 < a 25-token prompt), late arrivals, decode, padding to 8,
     a preemption with recompute, and five position options; on V1, requests in the persistent
     batch's slot order, which changes as requests leave. `fill`: the step fill by numpy, or as
-    one compiled call (fill_jit.py, the default; the list of positions keeps numpy's)."""
-    monkeypatch.setenv("TAPC_FILL", fill)
+    one compiled call (fill_jit.py, the engine's; the list of positions keeps numpy's)."""
     plan = toy_plan(TAPS)
     model = ToyModel()
-    runner, hooks = hooks_for(plan, model, runner=runner_kind)
+    runner, hooks = hooks_for(plan, model, runner=runner_kind, compiled=fill == "compiled")
     if compiled:  # Dynamo must inline the patched forwards and keep the ops, without breaks
         runner.model = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
     reqs = make_requests(plan)
@@ -153,11 +152,11 @@ def test_a_worker_on_another_node_sends_rows_not_places_and_frees_its_arena():
 @RUNNERS
 @pytest.mark.parametrize("compiled, many", [(False, 0), (True, 0), (False, 8)], ids=["eager", "compiled", "many"])
 def test_rings_hold_steady_decode_rows_and_copy_them_out_whole(runner_kind, compiled, many, monkeypatch):
-    """Steady decode runs in rings (fill.py `Repeat`): each step's rows land a phase on by the
+    """Steady decode runs in rings (rings.py): each step's rows land a phase on by the
     model's positions, and go out every PHASES steps or when the ring ends: an arrival, a
     preemption mid-ring, requests finishing, the collect. A request asking for part of a
     group's captures ("part") keeps the batch out of rings while it runs. With `many` more
-    capturing requests the batch is past `fill.FEW`, filled by whole-batch arrays. Every capture
+    capturing requests in the batch. Every capture
     equals the reference, row for row; and copies are far fewer than steps."""
     monkeypatch.setenv("TAPC_RINGS", "1")
     plan = toy_plan(TAPS)
@@ -180,7 +179,7 @@ def test_rings_hold_steady_decode_rows_and_copy_them_out_whole(runner_kind, comp
         if r.wire is not None:
             assert outs[r.rid].error is None
             check(r, dict(outs[r.rid].taps), r.wire.ask.positions)
-    assert hooks.steps > 40 and hooks.buffers.copies * 2 < hooks.steps, (hooks.buffers.copies, hooks.steps)
+    assert hooks.steps > 40 and hooks.tables.copy_out.copies * 2 < hooks.steps, (hooks.tables.copy_out.copies, hooks.steps)
     assert not hooks.by_id and not hooks.records
 
 
@@ -189,13 +188,12 @@ def test_rings_hold_steady_decode_rows_and_copy_them_out_whole(runner_kind, comp
 def test_steering_per_request_and_untouched_others(runner_kind, fill, monkeypatch):
     """Two requests with different vectors in one batch, one steered only while generating
     (a second tap on the same layer), one unsteered: each equals its own reference; the step
-    fill by numpy (TAPC_FILL=numpy), or as one compiled call (the default)."""
-    monkeypatch.setenv("TAPC_FILL", fill)
+    fill by numpy, or as one compiled call (the engine's)."""
     # Taps at one module run in plan order: the edits first, so layer 1's capture sees them.
     plan = toy_plan(["model.layers.1.resid | add(steer, alpha=2.0)",
                      "model.layers.1.resid | add(late, alpha=-1.5, at=generated)", "model.layers.*.resid"])
     model = ToyModel()
-    runner, hooks = hooks_for(plan, model, runner=runner_kind)
+    runner, hooks = hooks_for(plan, model, runner=runner_kind, compiled=fill == "compiled")
     rng = np.random.default_rng(1)
     v1, v2, v3 = (rng.standard_normal(HIDDEN) for _ in range(3))
     asks = {"s1": {"steer": v1}, "s2": {"steer": v2}, "plain": {}, "gen": {"late": v3}}
@@ -360,12 +358,12 @@ def test_a_collect_waits_for_its_requests_own_last_copies_not_the_newest_steps(r
     short = Req("a", rng.integers(0, 50, 5).tolist(), 2, wire_for(plan, TapRequest(capture="*"), "a"))
     long = Req("b", rng.integers(0, 50, 6).tolist(), 8, wire_for(plan, TapRequest(capture="*"), "b"))
     run(runner, [short, long], budget=64)   # both prefill in step 1; "a" finishes at step 2, "b" at 8
-    assert hooks.buffers.copies == (3 if rings == "1" else 8)
+    assert hooks.tables.copy_out.copies == (3 if rings == "1" else 8)
     got = collect(hooks, [short], TapSession(plan))
-    assert hooks.buffers.waited == [2], hooks.buffers.waited
+    assert hooks.tables.copy_out.waited == [2], hooks.tables.copy_out.waited
     check(short, got["a"].taps, "all")
     got = collect(hooks, [long], TapSession(plan))
-    assert hooks.buffers.waited == [2, 4 if rings == "1" else 8], hooks.buffers.waited
+    assert hooks.tables.copy_out.waited == [2, 4 if rings == "1" else 8], hooks.tables.copy_out.waited
     check(long, got["b"].taps, "all")
 
 
@@ -392,7 +390,7 @@ def test_a_request_failing_while_it_runs_fails_alone(no_room_past_8k):
     the failed request's first chunk, nor a record of the request that only steers."""
     from vllm import SamplingParams
 
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     steer = "model.layers.1.resid | add(steer, alpha=2.0)"
     llm, hooks = toy_vllm([steer, TAPS[3], *TAPS[:3]])   # the 24-wide group first
@@ -425,7 +423,7 @@ def test_a_capture_that_cannot_grow_fails_its_request_alone(no_room_past_8k, mon
     collect, with its chunks given back; the request beside it in the same steps is whole."""
     from vllm import SamplingParams
 
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
     from tapc.worker import records
 
     llm, hooks = toy_vllm(TAPS)
@@ -553,59 +551,3 @@ def test_v1_dummy_runs_see_tables_that_own_no_rows():
     assert (hooks.buffers.table >= 0).any(), "the last step's rows are still in the table"
     runner._dummy_run(8)
     assert runner.dummy_runs == 1 and not (hooks.buffers.table >= 0).any()
-
-
-def test_an_unknown_fill_setting_is_refused_by_name(monkeypatch):
-    """`TAPC_FILL` with a value it does not know (a typo) stops the hooks' setup with the
-    variable and the values it takes, rather than running the default silently."""
-    from tapc.worker.fill import compiled_fill
-    from tapc.worker.layout import Layout
-    from tapc.errors import EngineError
-
-    monkeypatch.setenv("TAPC_FILL", "compile")
-    with pytest.raises(EngineError, match="TAPC_FILL='compile': it is 'compiled' .* or 'numpy'"):
-        compiled_fill(Layout(toy_plan(TAPS)))
-    monkeypatch.setenv("TAPC_FILL", "numpy")
-    assert compiled_fill(Layout(toy_plan(TAPS))) is None
-    monkeypatch.delenv("TAPC_FILL")
-    assert compiled_fill(Layout(toy_plan(TAPS))) is not None   # the default
-
-
-def test_the_step_events_setting_is_read_from_the_environment_and_a_bad_one_refused(monkeypatch):
-    """`TAPC_STEP_EVENTS` (whose events a direct step's copy-out records, an A/B's setting):
-    the driver's unless it says `torch`; anything else stops the setup with the variable's name."""
-    from tapc.worker import buffers
-    from tapc.errors import EngineError
-
-    monkeypatch.setattr(buffers.DriverEvents, "load", classmethod(lambda cls: "the driver's"))
-    monkeypatch.delenv("TAPC_STEP_EVENTS", raising=False)
-    assert buffers.driver_events() == "the driver's"
-    for value in ("", "driver"):
-        monkeypatch.setenv("TAPC_STEP_EVENTS", value)
-        assert buffers.driver_events() == "the driver's"
-    monkeypatch.setenv("TAPC_STEP_EVENTS", "torch")
-    assert buffers.driver_events() is None
-    monkeypatch.setenv("TAPC_STEP_EVENTS", "cuda")
-    with pytest.raises(EngineError, match="TAPC_STEP_EVENTS='cuda': 'driver' \\(the default\\) or 'torch'"):
-        buffers.driver_events()
-
-
-def test_the_direct_copy_bound_is_read_from_the_environment_and_a_bad_one_refused(monkeypatch):
-    """`TAPC_DIRECT_KIB` (the copy-out's bound for skipping the snapshot, an A/B's setting) in
-    KiB; unset or empty, the default; anything but a whole number stops the setup with the
-    variable's name."""
-    from tapc.worker.buffers import DIRECT_BYTES, direct_bytes
-    from tapc.errors import EngineError
-
-    monkeypatch.delenv("TAPC_DIRECT_KIB", raising=False)
-    assert direct_bytes() == DIRECT_BYTES
-    monkeypatch.setenv("TAPC_DIRECT_KIB", "512")
-    assert direct_bytes() == 512 * 1024
-    monkeypatch.setenv("TAPC_DIRECT_KIB", "0")
-    assert direct_bytes() == 0
-    monkeypatch.setenv("TAPC_DIRECT_KIB", "")
-    assert direct_bytes() == DIRECT_BYTES
-    for bad in ("1M", "-1", "0.5"):
-        monkeypatch.setenv("TAPC_DIRECT_KIB", bad)
-        with pytest.raises(EngineError, match=f"TAPC_DIRECT_KIB={bad!r}: a whole number of KiB"):
-            direct_bytes()

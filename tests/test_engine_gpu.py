@@ -109,7 +109,7 @@ def tapped(request, checkpoints, tapped_engine):
 
 
 def test_captures_equal_hf_under_continuous_batching(tapped):
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     arch, path, llm = tapped
     positions = ["all", "prompt", "all", "generated", "last", "all"]
@@ -142,7 +142,7 @@ def test_captures_equal_hf_through_rings(tapped, many):
     Every row equals HF's, so none landed in another step's phase."""
     from vllm import SamplingParams
 
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     arch, path, llm = tapped
     rng = np.random.default_rng(5)
@@ -165,7 +165,7 @@ def test_steering_per_request(tapped, request):
     """Two steered requests with different vectors and two plain ones in one batch: the plain
     ones generate exactly what an untapped engine does; the steered ones change; the steered
     residual stream equals HF's with the same vector added."""
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     arch, path, llm = tapped
     if arch == "qwen3 v2":
@@ -193,7 +193,7 @@ def test_steering_per_request(tapped, request):
 
 
 def test_bad_request_fails_alone(tapped):
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
     from tapc.errors import RequestError
 
     arch, path, llm = tapped
@@ -209,7 +209,7 @@ def test_tap_kernels_switch_with_what_the_steps_ask(tapped):
     """Every FULL graph knows its tap kernels (tapc/worker/switch.py); batches that ask for
     nothing, for one key, then for every key, on one engine: each capture still equals HF's,
     so a kernel switched off for one batch is on again when a later one asks for its tap."""
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     arch, path, llm = tapped
     switched = llm.llm.collective_rpc("tapc_switched")[0]

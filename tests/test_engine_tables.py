@@ -6,7 +6,8 @@ import torch
 from engine_toy import HIDDEN, INTER, toy_plan
 
 from tapc.wire.engine_args import WORKER, engine_kwargs
-from tapc.worker.fill import Repeat, fill_step, tapped_of
+from tapc.worker.fill import fill_step, tapped_of
+from tapc.worker.rings import Repeat
 from tapc.kernels.capture import PHASES
 from tapc.worker.layout import Layout
 from tapc.worker.memcpy import copy_segments
@@ -81,18 +82,16 @@ def device_step(layout: Layout, table: np.ndarray, padded: int, pools: list[torc
         pools[int(layout.cap_group[c])][torch.from_numpy(table[c, rows].astype(np.int64))] = acts[c][rows]
 
 
-@pytest.mark.parametrize("few", [0, 8, "compiled"], ids=["whole-batch", "per-request", "compiled"])
+@pytest.mark.parametrize("few", ["numpy", "compiled"])
 @pytest.mark.parametrize("seed", range(4))
-def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_the_rows_at_covers(seed, few,
-                                                                                                   monkeypatch):
+def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_the_rows_at_covers(seed, few):
     """Random requests (capture subsets, positions, bound parameters, untapped ones) over
     random steps (chunked prefill, decode, batch order shuffled, padding): each request's host
     storage ends with the activations of its selected positions, in order, each once; and in
     every step an edit's table names the request's slot on exactly the rows its `at` covers,
-    for the requests that bind it (every request for a literal edit), and nothing else. Each
-    of the fill's paths (`fill.FEW`: whole-batch arrays, or request by request; the compiled
-    fill, fill_jit.py, as the runner calls it, fill.py's taking the steps it returns None for:
-    those with a list of positions)."""
+    for the requests that bind it (every request for a literal edit), and nothing else. Both
+    fills: numpy's (fill.py), and the compiled one (fill_jit.py) as the step tables call it,
+    fill.py's taking the steps it returns None for: those with a list of positions)."""
     from tapc.worker import fill
     from tapc.worker.fill_jit import CompiledFill
 
@@ -104,7 +103,6 @@ def test_fill_puts_every_selected_row_in_its_request_storage_and_edits_exactly_t
             ran.append(got is not None)
             return got or fill.fill_step(layout, table, tapped, batch)
     else:
-        monkeypatch.setattr(fill, "FEW", few)
         fill_step = fill.fill_step
     rng = np.random.default_rng(seed)
     plan = toy_plan(PLAN_TAPS, rows=256)
@@ -400,7 +398,7 @@ def test_another_runner_is_refused_by_the_worker():
                                    "model.layers.0.resid | set([1, 2], 1.5)"]],
                          ids=["captures only", "edits only"])
 def test_the_compiled_fill_writes_what_numpys_writes_on_plans_of_one_kind(taps):
-    """The compiled fill (TAPC_FILL=compiled) on a plan without edits and on one without
+    """The compiled fill on a plan without edits and on one without
     captures: the same tables, segments, pool rows used and next positions as numpy's fill,
     step after step (chunked prefill, decode, shuffled batches, untapped requests)."""
     from tapc.worker.fill_jit import CompiledFill
@@ -440,8 +438,7 @@ def test_the_compiled_fill_writes_what_numpys_writes_on_plans_of_one_kind(taps):
         assert got is not None
         assert (got_table[:, :batch.padded] == want_table[:, :batch.padded]).all(), steps
         assert got[1] == want[1]
-        # (in any order: numpy's few-request path lists them request by request, its other path and
-        # the compiled one group by group)
+        # (in any order)
         assert sorted((s.store.group, s.start, s.rows, s.store.caps_key) for s in got[0]) == \
             sorted((s.store.group, s.start, s.rows, s.store.caps_key) for s in want[0])
         assert [mine[r][0].next_pos for r in live] == [theirs[r][0].next_pos for r in live]
@@ -451,21 +448,18 @@ def test_the_compiled_fill_writes_what_numpys_writes_on_plans_of_one_kind(taps):
     assert steps > 3
 
 
-@pytest.mark.parametrize("path", ["each", "batch", "compiled"])
-def test_a_rings_fill_leaves_each_block_room_for_its_phases_and_marks_its_rows(path, monkeypatch):
-    """`fill_step(..., phases)` (a ring's first step, fill.py `Repeat`) lays each capturing
+@pytest.mark.parametrize("path", ["numpy", "compiled"])
+def test_a_rings_fill_leaves_each_block_room_for_its_phases_and_marks_its_rows(path):
+    """`fill_step(..., phases)` (a ring's first step, rings.py) lays each capturing
     request's block out as the plain fill does, `phases` times as far apart, and writes each
     captured row's position into the ring row (the capture kernels' phase 0); the plain fill
-    leaves the ring row -1. An untapped request between them is left alone. On each of the
-    fill's paths: request by request (a few requests), whole-batch arrays (`fill.FEW` 0: the
-    path of a batch of 64), the compiled fill (fill_jit.py)."""
+    leaves the ring row -1. An untapped request between them is left alone. On both fills:
+    numpy's (fill.py) and the compiled one (fill_jit.py)."""
     from tapc.worker import fill
     from tapc.worker.fill_jit import CompiledFill
 
     plan = toy_plan(["model.layers.*.resid", "model.layers.1.mlp.up_proj.output"], rows=256)
     layout = Layout(plan)
-    if path == "batch":
-        monkeypatch.setattr(fill, "FEW", 0)
     compiled = CompiledFill(layout) if path == "compiled" else None
 
     def fill_once(phases):

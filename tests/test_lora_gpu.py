@@ -93,7 +93,7 @@ def test_captures_under_an_adapter_equal_hf_peft_and_plain_requests_stay_plain(e
     adapter changed the activations (so a request that got the other's would be caught)."""
     from vllm.lora.request import LoRARequest
 
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     runner, llm = engine
     lora = LoRARequest("tapc-test", 1, adapter[1])

@@ -8,7 +8,7 @@ import torch
 from engine_toy import host_batch
 
 from tapc.worker.step import Segment
-from tapc.worker.memcpy import BatchCopy, DriverEvents, Repeated, copy_segments, repeating
+from tapc.worker.memcpy import BatchCopy, DriverEvents, Repeated, copy_segments
 from tapc.worker.storage import Store
 
 
@@ -128,13 +128,6 @@ def test_a_step_that_repeats_the_last_copies_to_each_stores_next_rows():
     assert len(a.chunks) == 2 and len(b.chunks) == 1
     copy_segments(segments, [pools[0].clone(), pools[1]], host_batch, STREAM, last)   # a pool elsewhere
     assert fast[-1] is False and a.rows == 8
-
-
-def test_repeated_copies_are_on_unless_the_environment_says_0(monkeypatch):
-    monkeypatch.delenv("TAPC_REPEAT_COPIES", raising=False)
-    assert repeating()
-    monkeypatch.setenv("TAPC_REPEAT_COPIES", "0")
-    assert not repeating()
 
 
 def test_the_batch_hands_the_driver_every_address_size_and_the_stream():

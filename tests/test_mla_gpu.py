@@ -80,7 +80,7 @@ def hf_reference(path: str, tokens: list[int]) -> dict[str, torch.Tensor]:
 def test_mla_captures_equal_hf_under_continuous_batching(mla_engine):
     from vllm import SamplingParams
 
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     arch, path, llm = mla_engine
     rng = np.random.default_rng(7)

@@ -303,18 +303,18 @@ def test_a_monolithic_expert_kernel_refuses_the_routing_tap_at_install():
     from tapc.worker.install import install
     from tapc.worker.layout import Layout
     from tapc.errors import EngineError
-    from engine_toy import ToyBuffers
+    from engine_toy import toy_buffers
 
     tree = toy_tree(moe_nodes, LAYERS, "ToyMoeForCausalLM")
     model = toy_moe()
     for layer in model.model.layers:
         layer.mlp.experts.routed_experts = NS(quant_method=NS(is_monolithic=True))
     ok = build_plan("toy", ["model.layers.0.mlp.gate.output"], max_num_batched_tokens=64, max_num_seqs=8, tree=tree)
-    install(model, Layout(ok), ToyBuffers(Layout(ok), 64, 8))
+    install(model, Layout(ok), toy_buffers(Layout(ok), 64, 8))
     routing = build_plan("toy", ["model.layers.1.mlp.experts.router.output"], max_num_batched_tokens=64,
                          max_num_seqs=8, tree=tree)
     with pytest.raises(EngineError, match="monolithic: it routes inside itself .* tap the gate's logits"):
-        install(model, Layout(routing), ToyBuffers(Layout(routing), 64, 8))
+        install(model, Layout(routing), toy_buffers(Layout(routing), 64, 8))
 
 
 def test_one_module_under_two_paths_gets_the_taps_of_both():

@@ -202,7 +202,7 @@ def test_moe_engine_runs_on_v1(moe_engine):
 
 
 def test_moe_captures_equal_hf_under_continuous_batching(moe_engine):
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     arch, path, llm = moe_engine
     moe = ARCHS[arch]
@@ -234,7 +234,7 @@ def test_steering_and_an_expert_ban_equal_hf_greedy(moe_engine):
     router logits, and the same prompts unedited. The banned expert is never chosen for its
     request (the unedited one does choose it); the edited tokens differ from the unedited ones
     and equal HF's greedy tokens under the same edit, and so do all their captures."""
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     arch, path, llm = moe_engine
     moe = ARCHS[arch]

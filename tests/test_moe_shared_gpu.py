@@ -15,7 +15,7 @@ TAPS = ["model.layers.*.resid", "model.layers.*.mlp.gate.output", "model.layers.
 
 def test_shared_expert_routing_and_moe_output_equal_hf(checkpoints):
     from tapc import VLLM
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     path = checkpoints("qwen2_moe")
     llm = VLLM(path, taps=TAPS, **engine_args())

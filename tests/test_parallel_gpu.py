@@ -109,7 +109,7 @@ def _record_and_steer(ctx, x):
 
 
 def _run(llm, params):
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     keys = list(llm.plan.capture_keys)
     return llm.generate(_prompts(), _sampling(), taps=TapRequest(capture=keys, params=params))
@@ -221,7 +221,7 @@ def _held(worker) -> int:
 
 
 def test_a_request_failing_on_one_gpu_fails_whole_and_the_others_return(llama_engines):
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     llm, ref_llm = llama_engines["tp2"], llama_engines["tp1"]
     ask = TapRequest(capture=[f"{L1}.mlp.act_fn.output", "model.layers.3.resid"])
@@ -252,7 +252,7 @@ def test_a_block_at_a_sharded_point_sees_whole_rows_and_its_edit_is_tp1s(llama_e
     """A block at L2's act_fn output (sharded by columns at TP=2): what it saw equals TP=1's
     block input, once per request (not once per GPU), and its in-place add gives the tokens of
     TP=1's in-graph `add(inner)` at the same point (near-ties aside)."""
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     ask = TapRequest(capture=["logits"], blocks={"inner_block": _record_and_steer})
     ref_block = llama_engines["tp1"].generate(_prompts(), _sampling(), taps=ask)

@@ -1,7 +1,7 @@
 """Every process-wide patch the worker makes is applied in one place and undone exactly."""
 import torch
 import pytest
-from engine_toy import ToyBuffers, ToyModel, ToyRunner, ToyRunnerV1, toy_plan
+from engine_toy import ToyCopyOut, ToyModel, ToyRunner, ToyRunnerV1, toy_buffers, toy_plan
 
 from tapc.worker import patches
 from tapc.wire.arena import Arena
@@ -9,6 +9,8 @@ from tapc.worker.points import EnginePoints
 from tapc.worker.runner import RunnerHooks
 from tapc.worker.runner_v1 import V1Adapter
 from tapc.worker.runner_v2 import V2Adapter
+from tapc.worker.slots import EditSlots
+from tapc.worker.tables import StepTables
 from tapc.worker.layout import Layout
 from tapc.kernels import ops
 
@@ -34,11 +36,13 @@ class RunnerV1(ToyRunnerV1):
 def test_undo_restores_every_original(runner_cls, adapter_cls):
     plan = toy_plan(["model.layers.0.resid -> look", "logits | add(bias)", "samples"])
     layout = Layout(plan)
-    buffers = ToyBuffers(layout, 64, 8)
+    buffers = toy_buffers(layout)
+    arena = Arena(segment_bytes=4096)
     runner = runner_cls(ToyModel())
     runner.sampler = sampler = Sampler()
     points = EnginePoints(layout, buffers)
-    adapter = adapter_cls(runner, RunnerHooks(layout, buffers, Arena(segment_bytes=4096), points))
+    tables = StepTables(layout, buffers, ToyCopyOut(buffers.pools), arena)
+    adapter = adapter_cls(runner, RunnerHooks(layout, arena, tables, EditSlots(buffers), points=points))
     before = (dict(vars(runner)), type(sampler), ops._boundary_handler, torch.cuda.CUDAGraph)
     assert runner.capture_model() is torch.cuda.CUDAGraph
 

@@ -3,13 +3,14 @@ from types import SimpleNamespace as NS
 
 import numpy as np
 import torch
-from engine_toy import VOCAB, ToyBuffers, over_the_wire, toy_plan
+from engine_toy import VOCAB, toy_buffers, over_the_wire, toy_plan
 
 from tapc.worker.layout import Layout
 from tapc.worker.patches import sampler_patch
 from tapc.worker.points import EnginePoints
 from tapc.wire.protocol import Result, WireRequest
 from tapc.api.requests import TapRequest, check
+from tapc.worker.component import Step
 from tapc.worker.step import StepBatch
 
 
@@ -21,7 +22,7 @@ class GreedySampler:
 def setup(taps, asks):
     plan = toy_plan(taps)
     layout = Layout(plan)
-    buffers = ToyBuffers(layout, plan.max_num_batched_tokens, plan.max_num_seqs)
+    buffers = toy_buffers(layout, plan.max_num_batched_tokens, plan.max_num_seqs)
     points = EnginePoints(layout, buffers)
     sampler = GreedySampler()
     sampler_patch(sampler, points).apply()
@@ -29,10 +30,11 @@ def setup(taps, asks):
     for slot, (rid, plen, ask) in enumerate(asks):
         wire = WireRequest(f"t-{rid}", check(plan, ask, rid))
         bound = [e for e, names in enumerate(layout.logit_edit_params) if names and all(n in wire.ask.params for n in names)]
-        rec = NS(id=wire.id, rid=rid, prompt_len=plen, params=wire.ask.params, slot=slot, logit_edits=bound)
+        rec = NS(id=wire.id, rid=rid, prompt_len=plen, ask=wire.ask, params=wire.ask.params, slot=slot,
+                 logit_edits=bound)
         buffers.logit_params.write(slot, bound, rec.params)   # as the runner does when it admits a request
         records[rid] = rec
-        points.admit(rec, wire)
+        points.admit(rec, 0)
     return points, sampler, records
 
 
@@ -49,7 +51,8 @@ def step(points, sampler, records, sched):
     qsl = np.concatenate([[0], np.cumsum([n for _, n, _ in sched])])
     computed = np.array([c for _, _, c in sched])
     plens = np.array([records[r].prompt_len for r, _, _ in sched])
-    points.begin_step(records, StepBatch([r for r, _, _ in sched], qsl, computed, plens, int(qsl[-1])))
+    batch = StepBatch([r for r, _, _ in sched], qsl, computed, plens, int(qsl[-1]))
+    points.begin_step(Step(batch, [], records, set()))
     logits = torch.randn(len(sched), VOCAB, generator=torch.Generator().manual_seed(int(qsl[-1])))
     expected = logits.clone()
     return sampler(logits, None).sampled_token_ids.reshape(-1), expected

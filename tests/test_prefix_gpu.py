@@ -39,7 +39,7 @@ def run(llm, prompt: list[int], ask=None, max_tokens: int = 8):
 
 
 def test_a_capture_of_prompt_rows_behind_a_cached_prefix_has_every_row_and_equals_the_uncached_one(llama):
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     path, llm = llama
     shared = tokens(1, 6 * BLOCK)
@@ -68,7 +68,7 @@ def test_a_capture_of_prompt_rows_behind_a_cached_prefix_has_every_row_and_equal
 
 
 def test_generated_and_last_captures_read_the_cache_and_are_whole(llama):
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     path, llm = llama
     prompt = tokens(4, 5 * BLOCK + 3)
@@ -85,7 +85,7 @@ def test_a_steered_request_never_reuses_unsteered_kv_nor_the_other_way_round(lla
     """Captures at generated rows only (they read the cache) after layer 2's steer: their
     values equal HF's under the request's own edit only if every KV it read was computed
     under that same edit."""
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     path, llm = llama
     rng = np.random.default_rng(11)
@@ -135,7 +135,7 @@ def test_kept_prefix_rows_let_a_capture_of_prompt_rows_read_the_cache_and_it_has
     """Two captures share a prefix: neither reads the cache (no rows kept yet), and the second
     makes its blocks shared, so their rows are kept; a third reads the cache over exactly those
     blocks (vLLM's lookup sees only their hashes), and each of its rows equals HF's."""
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     path, llm = keeping
     shared = tokens(7, 6 * BLOCK)

@@ -43,7 +43,7 @@ def test_engine_allocates_what_explain_says(engine):
 def test_capture_memory_asked_for_is_made_at_start_and_requests_within_it_do_not_grow_it(engine):
     from vllm import SamplingParams
 
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     before = engine.llm.collective_rpc("tapc_memory")[0]
     assert before["host"] == RESERVE_GIB * 2**30 and before["host_growth_s"] > 0
@@ -58,7 +58,7 @@ def test_capture_memory_asked_for_is_made_at_start_and_requests_within_it_do_not
 def test_logits_edits_apply_per_request_on_the_rows_they_bind(engine):
     from vllm import SamplingParams
 
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     rng = np.random.default_rng(3)
     prompt = {"prompt_token_ids": rng.integers(0, SMALL["vocab_size"], 17).tolist()}

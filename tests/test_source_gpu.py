@@ -30,7 +30,7 @@ def hf_points(path, tokens):
 @pytest.mark.parametrize("runner", ["v2", "v1"])
 def test_qkv_split_and_down_proj_input_equal_hf(checkpoints, runner):
     from tapc import VLLM
-    from tapc.api.llm import TapRequest
+    from tapc import TapRequest
 
     path = checkpoints("llama")
     with model_runner(runner):

@@ -13,7 +13,7 @@ residual stream) in one pass, adding in fp32; a column slice is a strided view o
 converts to out's dtype. `capture` takes integer rows too (an MoE router's expert ids, into
 their int32 pool): no cast kernel before it.
 
-A *ring* (`ring`, `pos`, `stride`; tapc/worker/fill.py `Repeat`) lets a steady decode write
+A *ring* (`ring`, `pos`, `stride`; tapc/worker/rings.py) lets a steady decode write
 `PHASES` steps' rows before the host copies them out, with no table upload between: where
 `ring[i] >= 0`, row i goes `((pos[i] - ring[i]) % PHASES) * stride` pool rows past `dst[i]`,
 `pos` being the model's positions (one more each decode step, on the device) and `ring[i]` the
@@ -21,7 +21,6 @@ position the ring started at. The host then issues one copy and one event every 
 steps, not one a step.
 """
 import itertools
-import os
 
 import torch
 import triton
@@ -37,24 +36,12 @@ from .common import (
     warps_for,
 )
 
-RING_STEPS = "TAPC_RING_STEPS"   # another ring length, for an A/B (benchmarks/calls/ab.sh)
-
-
-def _ring_steps() -> int:
-    """Steps a ring holds: 8, or `TAPC_RING_STEPS` from the engine's environment. A power of two:
-    the kernel takes the phase with a mask. A ring's copy-out is one copy a request and capture
-    group whatever its length, and at batch 64 on the MoE plan the driver took about 5 us of the
-    engine thread a copy (bench_moe, third session of 2026-12-03), so a longer ring divides that
-    by its steps (32: `end_step` a third, no ratio moved, as the step there waits for the GPU:
-    docs/engine.md, "The MoE gap, located"); the pools need room for all of them
-    (`Repeat.ring_fits`)."""
-    value = os.environ.get(RING_STEPS, "8")
-    if not (value.isdigit() and 2 <= int(value) <= 256 and int(value) & (int(value) - 1) == 0):
-        raise ValueError(f"{RING_STEPS}={value!r}: a power of two from 2 to 256 (8 when unset)")
-    return int(value)
-
-
-PHASES = _ring_steps()
+# Steps a ring holds. A power of two: the kernel takes the phase with a mask. A ring's copy-out
+# is one copy a request and capture group whatever its length; 32 steps cut the host's copy-out
+# time at batch 64 on the MoE shape to a third and moved no ratio (the step there waits for the
+# GPU: benchmarks/results-bench_moe-h200.md), so rings stay short, as their pools need room for
+# every step (rings.py `Repeat.ring_fits`).
+PHASES = 8
 
 
 @triton.jit

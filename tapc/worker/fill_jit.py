@@ -1,10 +1,9 @@
 """The step fill as one compiled call (numba, which vLLM 0.26 requires), for steps whose tapped
-requests all take a word of positions (the default; lists of positions keep fill.py's, and
-`TAPC_FILL=numpy` asks for it on every step).
+requests all take a word of positions (the engine's fill; lists of positions keep fill.py's).
 
 fill.py's numpy fill makes about 40 numpy calls a step on arrays of tens to hundreds of entries,
 each mostly call overhead: about 0.1 ms for bench_host's served batch on a 2-core Xeon, 0.30 ms
-on the H200 machine's host (third session of 2026-12-02), on the engine's one thread every step.
+on the H200 machine's host (bench_host, 2026-12-02), on the engine's one thread every step.
 Here each record's values are one row, made once (`Record.fill_row`), a step gathers them
 with a few calls, and one compiled loop writes the same tables, pool rows and segments (the
 fill's reference tests run both: tests/test_engine_tables.py, test_engine_cpu.py).
@@ -40,7 +39,7 @@ def _fill(table, padded, qsl, computed, plens, idx, next_pos, slot, rows, cap_gr
     """table[:, :padded] for one step; per tapped request i (its `Record.fill_row` in `rows`, its
     next position and slot): its first captured position (`first`), its rows captured
     (`counts`) and its first pool row in each group (`base`); `used` (rows of each group's pool)
-    moves on. `phases` > 1: a ring's first step (fill.py `Repeat`), each block room for that
+    moves on. `phases` > 1: a ring's first step (rings.py), each block room for that
     many steps and each captured row's position in table row `ring_row`."""
     table[:, :padded] = -1
     num_caps, groups = cap_group.shape[0], used.shape[0]

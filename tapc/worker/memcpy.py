@@ -18,7 +18,6 @@ from __future__ import annotations
 import array
 import ctypes
 import logging
-import os
 from operator import attrgetter
 from typing import TYPE_CHECKING, Callable
 
@@ -118,8 +117,8 @@ class DriverEvents:
     which keeps the GIL: torch's `Event.record` lets it go (THCPEvent_record), and under a
     served load another thread of the engine's process (vLLM's output thread) may take it then
     and hold the step until its burst ends; and in a running engine torch's took 17-21 us of the
-    engine thread's CPU a step (profile_step). A direct step's default (`TAPC_STEP_EVENTS=torch`
-    for torch's, buffers.py); the copies and their order are the same either way."""
+    engine thread's CPU a step (profile_step). A direct step's (copyout.py), where the driver has
+    them; the copies and their order are the same either way."""
 
     def __init__(self, keep, free):
         vp = ctypes.c_void_p
@@ -231,15 +230,9 @@ def copy_segments(segments: "list[Segment]", pools: list[torch.Tensor],
     _copy_on(stream, taken, pools)
 
 
-def repeating() -> bool:
-    """Whether copy-out reuses a repeated step's addresses (`Repeated`); TAPC_REPEAT_COPIES=0 in
-    the engine's environment: it does not (an A/B's setting, benchmarks/calls/ab.sh)."""
-    return os.environ.get("TAPC_REPEAT_COPIES", "1") != "0"
-
-
 class Repeated:
     """The last batched step's copies, for a step that repeats it. A decode step that repeats
-    the last (fill.py `Repeat`) hands copy-out the very list of segments the last one had: the
+    the last (rings.py `Repeat`) hands copy-out the very list of segments the last one had: the
     same stores, pool rows and sizes, and each store's next rows. So the sources and sizes are
     the same, and each destination moves on by what its store took. At batch 64 on the MoE
     plan, a step's 256 segments took 0.24 ms of a 2-core Xeon's host time to copy out, a tuple's

@@ -24,13 +24,13 @@ from tapc.errors import EngineError
 from tapc.lang.edits import EDITS
 from tapc.plan.sharding import gather_index
 from tapc.wire.positions import select
-from tapc.wire.protocol import BlockFailure, TensorData, WireRequest
+from tapc.wire.protocol import BlockFailure, TensorData
+from tapc.worker.component import Step, StepComponent
 from tapc.worker.layout import Layout
 from tapc.worker.runtime import BlockPoint, BlockRuntime, Sharded, Span
-from tapc.worker.step import StepBatch
 
 
-class EnginePoints:
+class EnginePoints(StepComponent):
     def __init__(self, layout: Layout, buffers, all_gather=None):
         """`all_gather`: the tensor-parallel group's all-gather on the last dim (worker.py),
         which blocks at sharded points need to see whole rows."""
@@ -45,16 +45,21 @@ class EnginePoints:
         self.wants: dict[str, tuple[str, ...]] = {}                 # tapc id -> engine captures
         self.rows: list[tuple] = []   # this step: (record, batch index, position) of real predictions
 
-    def admit(self, rec, wire: WireRequest) -> None:
+    def admit(self, rec, computed: int = 0) -> None:
+        if rec.id in self.wants:   # resumed after a preemption: its blocks and rows go on
+            return
         # Functions the offline API cloudpickled in the caller's process (protocol.Ask.blocks).
-        blocks = pickle.loads(wire.ask.blocks) if wire.ask.blocks else None
+        blocks = pickle.loads(rec.ask.blocks) if rec.ask.blocks else None
         self.runtime.admit(rec.id, rec.prompt_len, blocks, request_id=rec.rid)
         # logits / samples are kept by the GPU whose plan part captures them (tapc/plan/ranks.py)
-        self.wants[rec.id] = tuple(k for k in wire.ask.engine if k in self.captures)
+        self.wants[rec.id] = tuple(k for k in rec.ask.engine if k in self.captures)
         self.kept[rec.id] = {k: [] for k in self.wants[rec.id]}
 
-    def begin_step(self, records: dict, batch: StepBatch, unadmitted: set[str] = frozenset()) -> None:
-        """`unadmitted`: vLLM ids of tapped requests this GPU could not admit (runner.py)."""
+    def begin_step(self, step: Step) -> None:
+        """Each tapped request's rows of the step for the blocks, and the rows that predict a
+        real token for `logits` and `samples`. `step.unadmitted`: vLLM ids of tapped requests
+        this GPU could not admit (runner.py), whose blocks run elsewhere."""
+        records, batch, unadmitted = step.records, step.batch, step.unadmitted
         spans, self.rows = [], []
         qsl, computed = batch.query_start_loc, batch.num_computed
         for i, rid in enumerate(batch.req_ids):
@@ -68,6 +73,14 @@ class EnginePoints:
             if last >= rec.prompt_len - 1:   # the prompt is done: this row predicts a real token
                 self.rows.append((rec, i, last))
         self.runtime.begin_step(spans, elsewhere=bool(unadmitted) and any(rid in unadmitted for rid in batch.req_ids))
+
+    def end_step(self, step: Step | None) -> None:
+        self.runtime.begin_step([])   # boundary ops in later (dummy) forwards must see no rows
+
+    def collect(self, rec, out: dict) -> None:
+        engine, saved, block_error = self.take(rec.id)
+        if "error" not in out:   # a failed capture drops the rest
+            out.update(engine=engine, saved=saved, block_error=block_error)
 
     def on_logits(self, logits: torch.Tensor) -> None:
         self.logit_edits.apply(logits, self.rows)

@@ -41,6 +41,7 @@ import torch
 from tapc.errors import ProtocolError
 from tapc.wire.positions import ALWAYS_COMPUTED, select
 from tapc.wire.protocol import WireRequest
+from tapc.worker.component import StepComponent
 from tapc.worker.layout import Layout
 
 # Block hashes counted (how many requests had each): the most recent this many, a block seen
@@ -50,7 +51,7 @@ from tapc.worker.layout import Layout
 COUNTED = 1 << 18
 
 
-class PrefixRows:
+class PrefixRows(StepComponent):
     def __init__(self, layout: Layout, block: int, budget: int):
         self.layout = layout
         self.block = block                 # tokens a block (vLLM's cache_config.block_size)
@@ -111,7 +112,19 @@ class PrefixRows:
 
     # ---------------------------------------------------------------- the worker's side
 
-    def admitted(self, rec, computed: int) -> None:
+    def scheduled(self, finished_untapped) -> None:
+        for rid in finished_untapped:
+            self.forget(rid)
+        # after admissions, so what the scheduler allowed them is still kept
+        self.keep()
+        self.trim()
+
+    def collect(self, rec, out: dict) -> None:
+        # its copies are done (StepTables.collect): the last chance to keep its rows
+        self.keep([rec])
+        self.forget(rec.rid)
+
+    def admit(self, rec, computed: int) -> None:
         """`rec` starts at position `computed` (vLLM served the rest from its cache): its rows
         below that, from the kept ones, into its storage, as the step fill would have put them
         (their place taken now, written on the filler thread). A request that captures every

@@ -21,6 +21,7 @@ class Record:
         # hashable (a word or a tuple): the step fill groups requests by it
         self.positions = wire.ask.positions if isinstance(wire.ask.positions, str) else tuple(wire.ask.positions)
         self.span = interval(self.positions, prompt_len)   # [lo, hi) of a word's positions, None for a list
+        self.ask = wire.ask            # what it asked for (blocks, engine points: points.py)
         self.params = wire.ask.params
         wrong = [k for k in wire.ask.capture if k not in layout.plan_captures]
         if wrong:

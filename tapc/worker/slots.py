@@ -13,6 +13,8 @@ from collections import OrderedDict
 from collections.abc import Hashable
 
 from tapc.errors import EngineError
+from tapc.worker.component import StepComponent
+from tapc.worker.records import Record
 
 
 class Slots:
@@ -59,3 +61,25 @@ class Slots:
     def held(self) -> int:
         """Slots some request holds."""
         return len(self.holders)
+
+
+class EditSlots(StepComponent):
+    """The step loop's part of the edits: a request with edits holds a slot while vLLM runs it,
+    its values written into the device tables (Buffers.params, .logit_params) when the slot
+    does not hold them already; the step tables point its rows at that slot."""
+
+    def __init__(self, buffers):
+        self.buffers = buffers
+        self.slots = Slots(buffers.slots)
+
+    def admit(self, rec: Record, computed: int) -> None:
+        if (rec.edits or rec.logit_edits) and rec.slot < 0:
+            rec.slot, fresh = self.slots.take(rec.values)
+            if fresh:
+                self.buffers.params.write(rec.slot, rec.edits, rec.params)
+                self.buffers.logit_params.write(rec.slot, rec.logit_edits, rec.params)
+
+    def retire(self, rec: Record) -> None:
+        if rec.slot >= 0:
+            self.slots.give(rec.slot)
+            rec.slot = -1

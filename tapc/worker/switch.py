@@ -40,6 +40,7 @@ import logging
 import torch
 
 from tapc.errors import EngineError
+from tapc.worker.component import Step, StepComponent
 from tapc.worker.cugraph import Driver
 
 log = logging.getLogger("tapc")
@@ -47,10 +48,11 @@ log = logging.getLogger("tapc")
 ALL = -1                     # every tap: as a graph is captured, and where no step said otherwise
 
 
-class Switch:
+class Switch(StepComponent):
     """One worker's switch: which taps the next replay runs, and how a tap op's tables map to
     taps (`table`: Buffers.table, `[taps, rows]` int32, a tap's tables are views into its row).
-    Without a driver (the CPU stand-in) it only holds what the hooks want."""
+    Without a driver (the CPU stand-in) it only holds what the hooks want. As a step component
+    it takes each step's want from the step tables (`Step.taps`)."""
 
     def __init__(self, driver: Driver | None, table: torch.Tensor, kernels: frozenset[str]):
         self.driver = driver
@@ -62,6 +64,14 @@ class Switch:
         self._base = table.data_ptr()
         self._row_bytes = table.stride(0) * table.element_size()
         self._end = self._base + table.shape[0] * self._row_bytes
+
+    def begin_step(self, step: Step) -> None:
+        self.want = step.taps
+        self.stepping = True
+
+    def reset(self) -> None:
+        self.want = 0
+        self.stepping = False
 
     def taps_of(self, tables) -> int:
         """The bitmask of the taps whose rows of `table` these tensors start in (0 for others)."""

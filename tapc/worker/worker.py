@@ -26,6 +26,7 @@ from tapc.plan.tapplan import TapPlan
 from tapc.wire.arena import Arena
 from tapc.worker import patches
 from tapc.worker.buffers import Buffers
+from tapc.worker.copyout import CopyOut
 from tapc.worker.cugraph import Driver
 from tapc.worker.graphs import SegmentedGraph
 from tapc.worker.install import install
@@ -35,7 +36,9 @@ from tapc.worker.prefixrows import PrefixRows
 from tapc.worker.runner import RunnerHooks
 from tapc.worker.runner_v1 import V1Adapter
 from tapc.worker.runner_v2 import V2Adapter
+from tapc.worker.slots import EditSlots
 from tapc.worker.switch import Switch, SwitchedGraph
+from tapc.worker.tables import StepTables
 
 
 class TapWorker(Worker):
@@ -53,9 +56,10 @@ class TapWorker(Worker):
         before = torch.cuda.memory_allocated(self.device)
         buffers = Buffers(layout, runner.max_num_tokens, sched.max_num_seqs, self.vllm_config.max_concurrent_batches,
                           self.device)
+        copy_out = CopyOut(layout, buffers.pools, runner.max_num_tokens, sched.max_num_seqs, self.device)
         # What tapc took from the GPU, against what `tapc explain` said (tests/test_sizing_gpu.py).
         self.tapc_allocated = torch.cuda.memory_allocated(self.device) - before
-        # the ops read the runner's positions only where rings are on (fill.py `Repeat`)
+        # the ops read the runner's positions only where rings are on (rings.py)
         buffers.positions = adapter_cls.positions(runner) if config.get("rings") else None
         install(runner.get_model(), layout, buffers)
         points = EnginePoints(layout, buffers, _tp_all_gather) if layout.blocks or layout.engine else None
@@ -66,7 +70,8 @@ class TapWorker(Worker):
         arena.reserve(config.get("capture_memory", 0))   # capture_memory_gib: pinned now, not on a step's path
         # Graphs broken by blocks are not switched (switch.py), nor where the user said not to;
         # where the driver cannot, only the launches outside graphs are.
-        switch = Switch(Driver.load(), buffers.table, ops.KERNELS) if not layout.blocks and settings.TAPC_SWITCH_GRAPHS else None
+        switch = Switch(Driver.load(), buffers.table, ops.KERNELS) \
+            if not layout.blocks and settings.TAPC_SWITCH_GRAPHS else None
         rows = None
         if config.get("prefix_rows"):
             backend = self.vllm_config.parallel_config.distributed_executor_backend
@@ -74,8 +79,9 @@ class TapWorker(Worker):
                 raise EngineError(f"prefix_rows_gib: this engine runs vLLM's {backend!r} executor; the kept rows "
                                   "need its single-process one (\"uni\"), one GPU")
             rows = PrefixRows(layout, self.vllm_config.cache_config.block_size, config["prefix_rows"])
-        self.tapc = RunnerHooks(layout, buffers, arena, points, inline=not _on_api_node(), switch=switch,
-                                prefix_rows=rows)
+        tables = StepTables(layout, buffers, copy_out, arena, inline=not _on_api_node())
+        self.tapc = RunnerHooks(layout, arena, tables, EditSlots(buffers), prefix_rows=rows, switch=switch,
+                                points=points)
         self.tapc_adapter = adapter_cls(runner, self.tapc)
         self.tapc_patches = patches.apply(runner, self.tapc_adapter, points, breaks=bool(layout.blocks), switch=switch,
                                           prefix_rows=rows)
@@ -88,7 +94,7 @@ class TapWorker(Worker):
     def tapc_count_nonfinite(self, on: bool) -> None:
         """Count the NaN / inf values of the captures as they are copied out (a harvest's
         check), from 0, or stop; collect replies carry the count."""
-        self.tapc.buffers.count_nonfinite(on)
+        self.tapc.tables.copy_out.count_nonfinite(on)
 
     def tapc_release(self, chunks: list[tuple[str, int]]) -> None:
         self.tapc.release(chunks)
@@ -107,7 +113,7 @@ class TapWorker(Worker):
         `allocated`, what the allocator handed out while they were made. Host memory for
         captures: `host`, the arena's bytes (pinned), and `host_growth_s`, the seconds spent
         making and pinning them."""
-        tensors = self.tapc.buffers.tensors()
+        tensors = self.tapc.buffers.tensors() + self.tapc.tables.copy_out.tensors()
         arena = self.tapc.arena
         return {"owned": sum(t.nbytes for t in tensors), "tensors": len(tensors), "allocated": self.tapc_allocated,
                 "host": arena.size, "host_growth_s": arena.growth_s}

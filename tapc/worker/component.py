@@ -1,0 +1,60 @@
+"""The parts of the worker's step loop. Each feature is a `StepComponent`: the runner hooks
+(runner.py) call every component, in order, at the same few events, and a feature adds
+nothing to the loop but its component.
+
+The components, in the order the hooks call them (end_step in reverse):
+- `StepTables` (tables.py): the row tables that say which rows each capture and edit takes, a
+  repeated or ringed decode step (rings.py), and the captured rows' way out to host memory;
+- `EditSlots` (slots.py): each editing request's parameter slot in the device tables;
+- `PrefixRows` (prefixrows.py): captured rows of shared prompt blocks kept for later requests;
+- `Switch` (switch.py): which tap kernels the step's graphs run;
+- `EnginePoints` (points.py): `logits`, `samples` and Python blocks.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tapc.worker.records import Record
+from tapc.worker.step import Segment, StepBatch
+
+
+@dataclass
+class Step:
+    """One forward as the components see it. `StepTables` sets what the tables hold for it."""
+
+    batch: StepBatch
+    tapped: list[tuple[int, Record]]     # its tapped requests: (place in the batch, record), batch order
+    records: dict[str, Record]           # vLLM id -> record, every tapped request vLLM runs
+    unadmitted: set[str]                 # vLLM ids of tapped requests this GPU could not admit
+    segments: list[Segment] = field(default_factory=list)   # capture blocks to copy out after it
+    used: list[int] = field(default_factory=list)           # rows of each capture group's pool it takes
+    taps: int = 0                        # the taps with rows in it, as a mask (Layout.taps_mask)
+
+
+class StepComponent:
+    """One feature of the step loop. Every event is a no-op unless the feature needs it."""
+
+    def admit(self, rec: Record, computed: int) -> None:
+        """`rec` enters vLLM's batch, new or resumed after a preemption, with its first
+        `computed` tokens already in vLLM's cache."""
+
+    def retire(self, rec: Record) -> None:
+        """`rec` leaves vLLM's batch: finished, preempted, or collected before vLLM said it finished."""
+
+    def scheduled(self, finished_untapped: Sequence[str]) -> None:
+        """The scheduler's output is taken in (after the admissions); `finished_untapped`: vLLM
+        ids of requests without taps that finished."""
+
+    def begin_step(self, step: Step) -> None:
+        """Before the forward, with the batch's final row layout."""
+
+    def end_step(self, step: Step | None) -> None:
+        """After the forward is enqueued (`step` None: the runner ran no forward this time)."""
+
+    def collect(self, rec: Record, out: dict) -> None:
+        """`rec`'s results are taken: its part, as `protocol.Result` fields into `out`
+        (an `error` there means the request failed and nothing else is sent)."""
+
+    def reset(self) -> None:
+        """A dummy forward (profiling, warmup) comes: no request owns a row."""
