@@ -8,7 +8,7 @@ one-line error that names the variable.
 - `TAPC_SHM_DIR`: the tmpfs folder of the shared-memory arena captures come back through
   (default /dev/shm; tapc/wire/arena.py).
 - `TAPC_RINGS`: "0" turns rings off (steady decode steps writing several steps' rows before one
-  copy-out, tapc/worker/fill.py `Repeat`). Read in the API process; the choice reaches the
+  copy-out, tapc/worker/rings.py). Read in the API process; the choice reaches the
   workers in the plan's config, which vLLM hashes into its compile-cache key.
 - `TAPC_SWITCH_GRAPHS`: "0" turns the switch off (tapc/worker/switch.py): every tap kernel then
   runs at every replay, whether the step asks for it or not.

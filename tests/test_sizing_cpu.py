@@ -6,6 +6,7 @@ from engine_toy import HIDDEN, VOCAB, toy_plan, toy_tree
 
 from tapc.lang.edits import EDITS
 from tapc.worker.buffers import Buffers
+from tapc.worker.copyout import CopyOut
 from tapc.worker.layout import Layout
 from tapc.plan.planner import build_plan
 from tapc.plan.sizing import param_slots
@@ -46,8 +47,9 @@ def test_buffers_hold_exactly_what_the_plan_says(cpu_uva, dtype):
     rows, seqs = 37, 5
     plan = build_plan("toy", TAPS, max_num_batched_tokens=rows, max_num_seqs=seqs, tree=toy_tree(),
                       capture_dtype=dtype)
-    buffers = Buffers(Layout(plan), rows, seqs, 2, torch.device("cpu"))
-    tensors = buffers.tensors()
+    layout = Layout(plan)
+    buffers = Buffers(layout, rows, seqs, 2, torch.device("cpu"))
+    tensors = buffers.tensors() + CopyOut(layout, buffers.pools, rows, seqs, torch.device("cpu")).tensors()
     assert sum(t.nbytes for t in tensors) == plan.total_buffer_bytes == sum(t.buffer_bytes for t in plan.taps)
     assert len({t.data_ptr() for t in tensors}) == len(tensors), "a tensor counted twice"
 

@@ -1,6 +1,6 @@
 """What an engine allocates on the device for a plan: one account for the engine and for `explain`.
 
-The worker allocates, once, before vLLM's first forward (tapc/worker/buffers.py):
+The worker allocates, once, before vLLM's first forward (tapc/worker/buffers.py, tapc/worker/copyout.py):
 - per capture tap: its rows of its group's pool, `[rows, width]` of the capture dtype, and as
   much again for the pool's snapshot (copy-out reads the snapshot while the next step writes
   the pool), and `max_num_seqs` rows more for decode steps' own snapshot where that is fewer
@@ -44,7 +44,7 @@ def param_slots(max_num_seqs: int) -> int:
 
 
 def small_snapshot_rows(rows: int, max_num_seqs: int) -> int:
-    """Rows a capture of the decode steps' snapshot (tapc/worker/buffers.py), which lets a decode
+    """Rows a capture of the decode steps' snapshot (tapc/worker/copyout.py), which lets a decode
     step copy out while the prompt step before it still does; none when the pools are no larger."""
     return max_num_seqs if max_num_seqs < rows else 0
 

@@ -34,8 +34,9 @@ DIRECT_BYTES = 128 << 10
 
 class CopyOut:
     """Copy-out of `pools` (Buffers.pools) on `device`, with snapshots sized for `rows` rows a
-    capture and decode steps of up to `seqs` requests. A CUDA device only; tests on the CPU
-    stand in with an object of the same methods (tests/engine_toy.py)."""
+    capture and decode steps of up to `seqs` requests. It copies on a CUDA device; on the CPU it
+    is made only to count its memory (the toy engine's tests copy with an object of the same
+    methods, tests/engine_toy.py)."""
 
     def __init__(self, layout, pools: list[torch.Tensor], rows: int, seqs: int, device: torch.device):
         self.pools = pools
@@ -44,17 +45,18 @@ class CopyOut:
         small = small_snapshot_rows(rows, seqs)
         self._small = _Snapshot(pools, [len(g.caps) * small for g in layout.groups], device) \
             if small and pools else None
-        self._join = torch.cuda.Stream(device=device)
+        cuda = device.type == "cuda"
+        self._join = torch.cuda.Stream(device=device) if cuda else None
         self._row_bytes = [p.shape[1] * p.element_size() for p in pools]
         self.direct_bytes = DIRECT_BYTES
-        self._batch = BatchCopy.load()
+        self._batch = BatchCopy.load() if cuda else None
         self._repeated = Repeated()   # the last step's copies, for a step that repeats it
-        self._device = device.index if device.index is not None else torch.cuda.current_device()
+        self._device = pools[0].get_device() if pools else -1   # its index, for the compute stream's handle
         # the driver's events for direct steps, where it has them (torch's took 17-21 us of the
         # engine thread a step in a running engine: profile_step)
-        self._events = DriverEvents.load()
+        self._events = DriverEvents.load() if cuda else None
         self._nonfinite = torch.zeros((), dtype=torch.int64, device=device)
-        self._nonfinite_host = torch.zeros((), dtype=torch.int64, pin_memory=True)
+        self._nonfinite_host = torch.zeros((), dtype=torch.int64, pin_memory=cuda)
         self._counting = False
 
     def tensors(self) -> list[torch.Tensor]:

@@ -7,7 +7,7 @@ graphs read them on the device:
 - edit e (an EDIT tap): the slot of the request's parameters in the per-slot tables, -1 to
   leave the row alone;
 - and, where there are captures, one more (`ring_row`): the position a row's ring started at,
-  -1 for a row in none (tapc/kernels/capture.py, fill.py `Repeat`).
+  -1 for a row in none (tapc/kernels/capture.py, rings.py).
 
 Captures of one width and dtype share a pool (a *group*). A request's rows are laid out
 position-major, `[rows, its captures in the group, width]`, so that one step's block of one

@@ -15,7 +15,7 @@ request's storage before its first step, as if it had computed them.
   whose rows are kept for every capture it asks for, and no further. Its block hashes are kept
   for the worker, and every request's are counted: a block's rows are kept once a second
   request, tapped or not, has it (a shared prefix), not for every request's own prompt.
-- The worker (runner.py): `admitted` writes the kept rows of a request that starts past 0 into
+- The worker (a step component, component.py): `admit` writes the kept rows of a request that starts past 0 into
   its storage (or fails its captures, loudly, if they are gone): it takes their place in the
   storage at once, and the copy (megabytes: 16 MB for a 256-token prefix of 8 captures 4096
   wide, 12-60 ms of the engine's one thread the way it was first written, 0.38x vanilla under

@@ -16,7 +16,7 @@ cugraph.py), so:
 - once captured, a graph with tap nodes also gets a copy of itself without them (`bare`:
   cloned, the tap nodes taken out and their neighbours joined, instantiated);
 - before each forward the hooks say which taps the step's requests ask for (`Switch.want`, a
-  bitmask over the table rows, runner.py). A graph, when replayed, launches its bare copy where
+  bitmask over the table rows: `Step.taps`, which the step tables set, tables.py). A graph, when replayed, launches its bare copy where
   the step asks for no tap; otherwise it enables the nodes of the taps asked for and disables
   the others, calling the driver only for nodes whose state changes (none while the steps ask
   for the same taps). A disabled node is an empty node, which still costs the graph about
