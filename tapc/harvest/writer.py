@@ -28,7 +28,7 @@ from tapc.wire.positions import select
 # Threads that flush a shard's key columns side by side. On the 16-core GPU host one thread
 # writes fresh pages of one file at 2.4 GB/s (/dev/shm) to 3.3 GB/s (/tmp) and four threads no
 # faster (the file's lock), but each column's copy to contiguous memory and its statistics come
-# before its write, and those run side by side (benchmarks/probe_io.py, docs/harvest.md).
+# before its write, and those run side by side (benchmarks/probes/probe_io.py, docs/harvest.md).
 COLUMN_THREADS = 4
 
 

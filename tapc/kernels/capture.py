@@ -39,7 +39,7 @@ from .common import (
 # Steps a ring holds. A power of two: the kernel takes the phase with a mask. A ring's copy-out
 # is one copy a request and capture group whatever its length; 32 steps cut the host's copy-out
 # time at batch 64 on the MoE shape to a third and moved no ratio (the step there waits for the
-# GPU: benchmarks/results-bench_moe-h200.md), so rings stay short, as their pools need room for
+# GPU: benchmarks/results/bench_moe-h200.md), so rings stay short, as their pools need room for
 # every step (rings.py `Repeat.ring_fits`).
 PHASES = 8
 

@@ -22,7 +22,7 @@ admissions took 8 s), and growth happens while requests are admitted, on the ste
 request of the batch waits. It happens once per high-water mark, but a server's first burst or a
 harvest's first window pays it; `reserve` (the engine's `capture_memory_gib`) pays it at start.
 Pinning ahead on another thread would not help: `cudaHostRegister` holds up the launching
-thread's graph replays while it runs (benchmarks/probe_pin.py).
+thread's graph replays while it runs (benchmarks/probes/probe_pin.py).
 """
 from __future__ import annotations
 

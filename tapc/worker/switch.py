@@ -20,7 +20,7 @@ cugraph.py), so:
   the step asks for no tap; otherwise it enables the nodes of the taps asked for and disables
   the others, calling the driver only for nodes whose state changes (none while the steps ask
   for the same taps). A disabled node is an empty node, which still costs the graph about
-  half of what the kernel did (benchmarks/probe_nodes.py); the bare copy costs nothing a step
+  half of what the kernel did (benchmarks/probes/probe_nodes.py); the bare copy costs nothing a step
   but a graph's instantiation at start.
 
 A node is only off where no request of the step asks for its tap: its table owns no row then,

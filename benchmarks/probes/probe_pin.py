@@ -1,7 +1,7 @@
 """What making and pinning host memory for captures costs on this host, and how fast the GPU
 copies into it: the arena's way (tapc/wire/arena.py) beside ways that might pin faster.
 
-    python3 benchmarks/probe_pin.py --gib 2 --out probe_pin.md
+    python3 benchmarks/probes/probe_pin.py --gib 2 --out probe_pin.md
 
 Each case makes `--gib` GiB in /dev/shm (`TAPC_SHM_DIR`), maps it, optionally touches or
 advises it, registers it with CUDA (`cudaHostRegister`, as the worker does), then times one

@@ -1,7 +1,7 @@
 """How fast this host writes fresh pages: one thread or several, one file or one each, `pwrite`
 or a shared mapping, into /dev/shm and /tmp. What bounds a harvest's writer (docs/harvest.md).
 
-    python3 benchmarks/probe_io.py --gb 4
+    python3 benchmarks/probes/probe_io.py --gb 4
 
 Writes and removes `--gb` GB per case; no GPU, no vLLM.
 """

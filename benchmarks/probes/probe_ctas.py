@@ -1,6 +1,6 @@
 """Does a thread-block cluster close project_out_'s gap at few rows? (docs/kernels.md)
 
-    python3 benchmarks/probe_ctas.py --out probe.md
+    python3 benchmarks/probes/probe_ctas.py --out probe.md
 
 Below 512 rows one program per row moves its row at what one multiprocessor can move. With
 `num_ctas` > 1 on sm90, Triton splits each program's row over a cluster of CTAs, one a
@@ -10,6 +10,8 @@ reference first), timed in a CUDA graph beside a copy of the same bytes, as benc
 graph column. A configuration that fails to compile or to match is reported, not skipped.
 """
 import argparse
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,8 @@ import triton
 
 from tapc.kernels.edit import _project_out_kernel, project_out_config, project_out_ref
 
-from bench_kernels import graph_us
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))   # benchmarks/, for bench_kernels
+from bench_kernels import graph_us  # noqa: E402
 
 
 def run(x, b, slot, dirs, num_ctas):

@@ -1,6 +1,6 @@
 """What a tap op that selects no row costs a captured CUDA graph: inline, on a forked stream, switched off.
 
-    python3 benchmarks/probe_nodes.py --out probe_nodes.md
+    python3 benchmarks/probes/probe_nodes.py --out probe_nodes.md
 
 A stand-in decode forward (24 layers of 18 small ops: bf16 [bs, 2048] x [2048, 2048] matmuls and
 pointwise ops, about 2 ms a graph at batch 1, near the Qwen3-30B-A3B shape's decode step) is
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from tapc.worker.patches import Patch  # noqa: E402
 from tapc.worker.cugraph import Driver  # noqa: E402
 from tapc.worker.switch import ALL, Switch, SwitchedGraph  # noqa: E402
