@@ -1,12 +1,13 @@
 """Cost of Python blocks at graph boundaries, beside vanilla vLLM in the same process.
 
-    python3 benchmarks/bench_blocks.py [--shape 8b|1b] --out bench_blocks.md
+    python3 benchmarks/bench_blocks.py [--shape 8b|1b] [--variants one all batched] --out bench_blocks.md
 
 Engines (dummy weights, greedy, ignore_eos, token-id prompts; runs interleaved, the first round
 discarded as warmup): vanilla vLLM (defaults: compile, FULL_AND_PIECEWISE graphs); tapc with a
-no-op block on one layer (`model.layers.{L/2}.resid -> noop`); tapc with a no-op block on every
-layer. Block engines run PIECEWISE graphs split at each block. Decode at batch 1 and 64, 512
-prompt tokens, 128 generated; output tokens/s and the ratio to vanilla.
+no-op block on one layer (`model.layers.{L/2}.resid -> noop`, `one`); tapc with a no-op block on
+every layer, called per request (`all`) or batched, once per layer and step (`batched`). Block
+engines split their graphs at each block. Decode at batch 1 and 64, 512 prompt tokens, 128
+generated; output tokens/s and the ratio to vanilla.
 """
 import argparse
 import gc
@@ -18,6 +19,8 @@ import time
 
 from bench_engine import ENGINE, LLAMA_31_8B, timed, write_table
 
+from tapc import batched
+
 LLAMA_32_1B = {**LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
                "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True}
 SHAPES = {"8b": ("Llama-3.1-8B", LLAMA_31_8B), "1b": ("Llama-3.2-1B", LLAMA_32_1B)}
@@ -28,12 +31,18 @@ def noop(ctx, x):
     return None
 
 
+@batched
+def noop_batched(batch, x):
+    return None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=SHAPES, default="8b")
     ap.add_argument("--out", default="bench_blocks.md")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the first is warmup")
-    ap.add_argument("--one-layer-only", action="store_true", help="skip the engine with a block on every layer")
+    ap.add_argument("--variants", nargs="+", choices=("one", "all", "batched"), default=["one", "all", "batched"],
+                    help="the tapc engines beside vanilla")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -50,13 +59,15 @@ def main():
         json.dump(config, f)
     common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"), gpu_memory_utilization=0.28)
     engines = {}
-    for label, make in [
-        ("vanilla", lambda: LLM(model, **common)),
-        (f"tapc, no-op block on layer {layers // 2}",
-         lambda: VLLM(model, taps=[f"model.layers.{layers // 2}.resid -> noop"], blocks={"noop": noop}, **common)),
-        (f"tapc, no-op block on all {layers} layers",
-         lambda: VLLM(model, taps=["model.layers.*.resid -> noop"], blocks={"noop": noop}, **common)),
-    ][: 2 if args.one_layer_only else 3]:
+    variants = {
+        "one": (f"tapc, no-op block on layer {layers // 2}",
+                lambda: VLLM(model, taps=[f"model.layers.{layers // 2}.resid -> noop"], blocks={"noop": noop}, **common)),
+        "all": (f"tapc, no-op block on all {layers} layers",
+                lambda: VLLM(model, taps=["model.layers.*.resid -> noop"], blocks={"noop": noop}, **common)),
+        "batched": (f"tapc, batched no-op block on all {layers} layers",
+                    lambda: VLLM(model, taps=["model.layers.*.resid -> noop"], blocks={"noop": noop_batched}, **common)),
+    }
+    for label, make in [("vanilla", lambda: LLM(model, **common))] + [variants[v] for v in args.variants]:
         t0 = time.perf_counter()
         engines[label] = make()
         print(f"engine start {label}: {time.perf_counter() - t0:.0f} s", flush=True)

@@ -7,8 +7,9 @@ inside vLLM's workers, `tapc.wire` between them). docs/architecture.md walks the
 from __future__ import annotations
 
 from tapc.errors import TapcError
+from tapc.lang.blocks import batched
 
-__all__ = ["AsyncVLLM", "TapRequest", "TapcError", "VLLM"]
+__all__ = ["AsyncVLLM", "TapRequest", "TapcError", "VLLM", "batched"]
 
 
 def __getattr__(name):

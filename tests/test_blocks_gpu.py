@@ -14,6 +14,8 @@ import torch
 from gpu_engines import SMALL, engine_args, hf_forward, model_runner, shutdown
 from test_engine_gpu import assert_matches, prompts, sampling
 
+from tapc import batched
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 FORCED = 17
@@ -35,6 +37,18 @@ def steer_block(ctx, x):
 def failing(ctx, x):
     if ctx.step == 2:
         raise Unlucky(f"request {ctx.request_id} at step 2")
+
+
+@batched
+def steer_batched(batch, x):
+    x.add_(torch.from_numpy(STEER).to(x.device) * 8.0)
+
+
+@batched
+def failing_batched(batch, x):
+    if any(ctx.step == 2 for ctx in batch.requests):
+        x.mul_(100.0)   # made before the raise: must not reach the model
+        raise Unlucky(f"requests {batch.request_ids} at step 2")
 
 
 def force(ctx, ids):
@@ -106,6 +120,40 @@ def test_block_edit_equals_in_graph_edit(engine):
     assert tokens[0] == tokens[1], "the block's edit and the in-graph edit generate differently"
     assert tokens[0] != tokens[2], "steering changed nothing"
     assert_matches(outs[1].taps["model.layers.3.resid"], outs[0].taps["model.layers.3.resid"].float(), "block vs in-graph")
+
+
+def test_a_batched_block_edits_as_the_in_graph_edit(engine):
+    """One prompt four times in one batch: steered in-graph, steered by a batched block (two
+    requests, one call a step), not steered; the unsteered request's rows may sit between the
+    batched call's, which must leave them."""
+    from tapc import TapRequest
+
+    asks = [TapRequest(capture="model.layers.3.resid", params={"steer": STEER}),
+            TapRequest(capture="model.layers.3.resid", blocks={"edit": steer_batched}),
+            TapRequest(capture="model.layers.3.resid"),
+            TapRequest(capture="model.layers.3.resid", blocks={"edit": steer_batched})]
+    outs = engine.generate(same_prompt(4, 2), greedy(4), taps=asks)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    assert tokens[0] == tokens[1] == tokens[3], "the batched block's edit and the in-graph edit generate differently"
+    assert tokens[0] != tokens[2], "steering changed nothing"
+    for i in (1, 3):
+        assert_matches(outs[i].taps["model.layers.3.resid"], outs[0].taps["model.layers.3.resid"].float(),
+                       f"batched block vs in-graph, request {i}")
+    plain = engine.generate(same_prompt(1, 2), greedy(1), taps=TapRequest(capture="model.layers.3.resid"))
+    assert_matches(outs[2].taps["model.layers.3.resid"], plain[0].taps["model.layers.3.resid"].float(), "unsteered")
+
+
+def test_a_raising_batched_block_fails_the_requests_of_its_call_and_leaves_their_rows(engine):
+    from tapc import TapRequest
+
+    asks = [TapRequest(), TapRequest(blocks={"edit": failing_batched}), TapRequest(),
+            TapRequest(blocks={"edit": failing_batched})]
+    outs = engine.generate(prompts(4)[:4], sampling()[:4], taps=asks)
+    plain = engine.generate(prompts(4)[:4], sampling()[:4])
+    for i in (1, 3):
+        assert isinstance(outs[i].error, Unlucky) and "at step 2" in str(outs[i].error)
+    for i in range(4):   # the failed requests too: the call that raised wrote nothing back
+        assert list(outs[i].outputs[0].token_ids) == list(plain[i].outputs[0].token_ids), f"request {i}"
 
 
 def test_a_raising_block_fails_only_its_request(engine):

@@ -18,18 +18,26 @@ At a point sharded under tensor parallelism each GPU holds some of the columns: 
 all-gathers them into the single-GPU layout first (`Sharded`), every GPU runs the block on the
 same whole rows, and each takes its own columns of the result back.
 
-A block that raises, or returns the wrong shape, fails its own request only: the error (type,
-message, traceback) is kept for that request, its blocks stop running, and every other request
-in the batch goes on. Blocks run in the worker process: see docs/blocks.md for what a block may
+A batched block (`tapc.batched`, tapc/lang/blocks.py) is called once per point and step with the
+rows of every request that runs it, `fn(batch, x)`: `x` spans their rows of the slab (rows of
+other requests between them are left as they were), and `batch` (`BatchContext`) says whose
+each row is. It works on a copy of the rows, written back once it returns.
+
+A block that raises, or returns the wrong shape, fails its own request only (a batched one, the
+requests of that call, whose rows it leaves as they were): the error (type, message,
+traceback) is kept for that request, its blocks stop running, and every other request in the
+batch goes on. Blocks run in the worker process: see docs/blocks.md for what a block may
 close over.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable
 
 import torch
 
+from tapc.lang.blocks import is_batched
 from tapc.wire.protocol import BlockFailure, encode_value
 
 Block = Callable[["BlockContext", torch.Tensor], "torch.Tensor | None"]
@@ -91,6 +99,71 @@ class BlockContext:
         CPU now), None, a bool, int, float, str or bytes, or a list, tuple or dict (str keys) of
         these; anything else raises TypeError, which fails the request (docs/blocks.md)."""
         self.saved.setdefault(name, []).append(encode_value(value, f"ctx.save({name!r}, ...)"))
+
+
+class BatchContext:
+    """One call of a batched block: `x` holds rows `lo`.. of the step's slab, and `spans[i]` (rows
+    of `x`, [start, end)) are request i's. The tensors (`mask`, `request_index`, `positions`)
+    and the per-request contexts are made when first read."""
+
+    def __init__(self, point: str, key: int, lo: int, members: list[tuple[Span, "Request"]], device):
+        self.point = point
+        self.spans = [(span.start - lo, span.end - lo) for span, _ in members]
+        self._key, self._members, self._device = key, members, device
+        self._rows = members[-1][0].end - lo
+
+    def __len__(self) -> int:
+        """The requests of this call."""
+        return len(self._members)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return [req.rid for _, req in self._members]
+
+    @cached_property
+    def requests(self) -> list[BlockContext]:
+        """Each request's context, as a per-request block gets it (`ctx.save` works too)."""
+        return [BlockContext(req.rid, self.point, req.steps[self._key] - 1,
+                             range(span.first_pos, span.first_pos + span.end - span.start), req.prompt_len, req.saved)
+                for span, req in self._members]
+
+    @cached_property
+    def request_index(self) -> torch.Tensor:
+        """[rows of x] int64 on x's device: the request (index into `requests`) of each row, -1
+        for the rows of requests that do not run this block."""
+        index = torch.full((self._rows,), -1, dtype=torch.int64)
+        for i, (start, end) in enumerate(self.spans):
+            index[start:end] = i
+        return index.to(self._device, non_blocking=True)
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """[rows of x] bool: the rows of requests that run this block."""
+        return self.request_index >= 0
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """[rows of x] int64: each row's token position in its request (-1 where no request)."""
+        pos = torch.full((self._rows,), -1, dtype=torch.int64)
+        for (start, end), (span, _) in zip(self.spans, self._members):
+            pos[start:end] = torch.arange(span.first_pos, span.first_pos + end - start)
+        return pos.to(self._device, non_blocking=True)
+
+    def save(self, name: str, value: Any) -> None:
+        """Keep each request's part of `value` for its output (`out.saved[name]`, one entry per
+        call, as `ctx.save` keeps them): a tensor with a row of x's (rows first) gives each
+        request its rows; a list or tuple with one entry per request gives each its entry."""
+        if isinstance(value, torch.Tensor) and value.dim() and value.shape[0] == self._rows:
+            rows = value.detach().cpu()
+            parts = [rows[start:end] for start, end in self.spans]
+        elif isinstance(value, (list, tuple)) and len(value) == len(self._members):
+            parts = list(value)
+        else:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise TypeError(f"batch.save({name!r}, ...) takes a tensor of {self._rows} rows (x's) or a list of "
+                            f"{len(self._members)} values (one a request), got {shape}")
+        for (_, req), part in zip(self._members, parts):
+            req.saved.setdefault(name, []).append(encode_value(part, f"batch.save({name!r}, ...)"))
 
 
 class Request:
@@ -164,8 +237,18 @@ class BlockRuntime:
 
     def _run_spans(self, bp: BlockPoint, point: int, x: torch.Tensor, b: torch.Tensor | None,
                    spans: list[Span]) -> None:
-        live = [(span, req) for span in spans
-                if (req := self.requests.get(span.rid)) is not None and req.error is None]
+        live, groups = [], {}
+        for span in spans:
+            req = self.requests.get(span.rid)
+            if req is None or req.error is not None:
+                continue
+            fn = req.blocks.get(bp.block, self.blocks.get(bp.block))
+            if fn is not None and is_batched(fn):
+                groups.setdefault(id(fn), (fn, []))[1].append((span, req))
+            else:
+                live.append((span, req))
+        for fn, members in groups.values():
+            self._run_batched(fn, bp, point, x, b, members)
         for lo, hi, run in _adjacent(live):
             rows = x[lo:hi] if b is None else x[lo:hi] + b[lo:hi]
             for span, req in run:
@@ -179,6 +262,35 @@ class BlockRuntime:
                     req.error = BlockFailure.capture(bp.block, bp.key, exc)
             if b is not None:
                 x[lo:hi] = rows - b[lo:hi]
+
+    def _run_batched(self, fn: Callable, bp: BlockPoint, point: int, x: torch.Tensor, b: torch.Tensor | None,
+                     members: list[tuple[Span, Request]]) -> None:
+        """One call of a batched block on a copy of its requests' rows (at a `.resid` point,
+        hidden + residual), written back where it returns; where it raises, its requests fail
+        and their rows stay as they were."""
+        lo, hi = members[0][0].start, members[-1][0].end
+        rows = x[lo:hi] + b[lo:hi] if b is not None else x[lo:hi].clone()
+        for _, req in members:
+            req.steps[point] = req.steps.get(point, 0) + 1
+        batch = BatchContext(bp.key, point, lo, members, x.device)
+        try:
+            out = fn(batch, rows)
+            if out is not None:
+                if not isinstance(out, torch.Tensor) or out.shape != rows.shape:
+                    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                    raise ValueError(f"block `{bp.block}` returned {got}; return None (edit x in place) or a "
+                                     f"tensor of x's shape {tuple(rows.shape)}")
+                rows = out.to(rows.dtype)
+        except Exception as exc:  # the requests of this call fail; the batch goes on
+            failure = BlockFailure.capture(bp.block, bp.key, exc)
+            for _, req in members:
+                req.error = failure
+            return
+        new = rows if b is None else rows - b[lo:hi]
+        if sum(span.end - span.start for span, _ in members) == hi - lo:
+            x[lo:hi] = new
+        else:   # rows of requests without this block between them: theirs stay
+            x[lo:hi] = torch.where(batch.mask[:, None], new, x[lo:hi])
 
     def _run(self, fn: Block, point: int, req: Request, span: Span, view: torch.Tensor) -> None:
         bp = self.points[point]
