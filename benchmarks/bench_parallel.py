@@ -43,7 +43,7 @@ SHAPES = {
     "8b": (LLAMA_31_8B, {"decode bs1": (1, 512, 128), "decode bs64": (64, 512, 128)},
            dict(gpu_memory_utilization=0.42, max_num_seqs=256), True),
     # at most 16 sequences: both engines then capture CUDA graphs up to 32 tokens, not 512, which
-    # keeps two 80-layer starts inside one call's device time
+    # keeps each of the two 80-layer engine starts to a couple of minutes
     "70b": (LLAMA_31_70B, {"decode bs1": (1, 512, 128), "decode bs16": (16, 512, 128)},
             dict(gpu_memory_utilization=0.9, max_num_seqs=16), False),
 }

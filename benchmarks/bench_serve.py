@@ -15,8 +15,8 @@ server start, minutes of GPU time, for all), each with prompts of its own. Each 
 `--rounds` times on each server, the servers in turn (the other one first every other round),
 with new prompts every round: one 10-second load's reading moved by a fifth from run to run,
 so the table gives medians and each round's own ratio; `--check-rounds K` checks the answers
-of the first K rounds only (the check is the longest part of a round), so that a GPU call fits
-more timed rounds. `--inline S`: a
+of the first K rounds only (the check is the longest part of a round), so that a run of limited
+time holds more timed rounds. `--inline S`: a
 share S of the capturing requests ask for their captures in the response (checked the same way).
 `--block`: the tapc server also runs a Python block at a layer, named by import path and
 imported by each worker (`tapc serve --block`); the norms it saves are checked against HF's.
@@ -59,7 +59,7 @@ slower tapc step is vLLM's own work grown, and which is not vLLM's; with the GPU
 step (CUDA events) and Python's collections, each mix apart. `--kernels MD` records the GPU's
 kernel and copy times in both engine cores (CUPTI, devicetime.py), each mix apart: whether a
 slower tapc step is more GPU work, and which kernels. `--dummy-weights` serves a
-model too large to write in a GPU call with vLLM's own random weights on both servers (nothing
+model too large to write to disk quickly with vLLM's own random weights on both servers (nothing
 can be checked then: `--check-rounds 0`), and `--capture GLOB` sets what capturing requests
 ask for (e.g. one layer of 32, as an SAE harvest asks): the load where a step is the GPU's work
 rather than the host's.
@@ -486,7 +486,7 @@ _T0 = time.perf_counter()
 
 
 def progress(what: str) -> None:
-    """A line on stderr with the seconds since the start: a GPU call cut short by its time limit
+    """A line on stderr with the seconds since the start: a run cut short by a time limit
     shows how far the run got (the tables print only once a round is done)."""
     print(f"[bench_serve +{time.perf_counter() - _T0:.0f} s] {what}", file=sys.stderr, flush=True)
 
@@ -914,13 +914,13 @@ def main() -> int:
                          "(default 3, with --quick 1)")
     ap.add_argument("--check-rounds", type=int, default=None, metavar="K",
                     help="check the answers of each mix's first K rounds only (default: every round); the check "
-                         "takes longer than a round's two loads, so more rounds fit in a GPU call this way. Errors "
+                         "takes longer than a round's two loads, so more rounds fit in a run of limited time this way. Errors "
                          "and lost requests are counted in every round")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dummy-weights", action="store_true",
                     help="both servers make their own random weights (vLLM's --load-format dummy, the same on both): "
-                         "models too large to write in a GPU call (e.g. --hidden 4096 --layers 32, an 8B-sized body "
+                         "models too large to write to disk quickly (e.g. --hidden 4096 --layers 32, an 8B-sized body "
                          "whose steps are the GPU's, not the host's). There is no checkpoint for HF, so nothing is "
                          "checked: needs --check-rounds 0")
     ap.add_argument("--capture", default=Job.capture,

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One GPU call: one of benchmarks/*.py with its flags, run from the project root with the GPU
-# bundle (.gpu-serve, built as suite.sh says and sent along in the device tool's carry), e.g.
+# One benchmark run on a GPU machine: one of benchmarks/*.py with its flags, run from the project
+# root with the GPU bundle (.gpu-serve, built as suite.sh says), e.g.
 #     bash benchmarks/calls/bench.sh bench_moe.py --phases moe --repeats 5 --generate 512 --out "$OUT/moe.md"
 #     bash benchmarks/calls/bench.sh profile_step.py --shape moe --generate 512 --out "$OUT/profile.md"
-# Its output goes to $OUT/<script>.log (unbuffered: a call cut short keeps what was printed),
-# cut at ${LIMIT:-560} s so that the log comes back inside a 600 s call; the end is printed.
+# Its output goes to $OUT/<script>.log (unbuffered: a run cut short keeps what was printed),
+# cut at ${LIMIT:-560} s so that a run with a 600 s limit still returns its log; the end is printed.
 # `{LOG}` in a flag becomes the run's name (ab.sh's runs write apart: --out "$OUT/moe-{LOG}.md").
 script=$1; shift
 name=${LOG:-${script%.py}}
@@ -13,7 +13,7 @@ rm -rf /tmp/site   # the bundle installs afresh: a warm machine may hold another
 export VLLM_DISABLE_COMPILE_CACHE=1
 source .gpu-serve/activate
 out=${OUT:-/tmp/out}; mkdir -p "$out"
-log="$out/$name.log"   # LOG: another name, for a second run in the same call
+log="$out/$name.log"   # LOG: another name, for a second run on the same machine
 env | grep '^TAPC_' > "$log"   # the tapc settings of this run (ab.sh), if any
 timeout "${LIMIT:-560}" python3 -u "benchmarks/$script" "$@" >> "$log" 2>&1
 echo "rc=$?" >> "$log"

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# One GPU call: the whole GPU suite, on one H200 460-520 s from a cold start. From the project
-# root, with the bundle every script here uses built on this machine (MoE kernels, what
-# `vllm serve` needs beyond the bundle, pytest-xdist; docs/serving.md) and sent along (the device
-# tool's carry: .gpu-serve):
+# The whole GPU suite, on one H200 460-520 s from a machine's start. From the project root, with
+# the bundle every script here uses (MoE kernels, what `vllm serve` needs beyond the bundle,
+# pytest-xdist; docs/internals/testing.md) in .gpu-serve:
 #     TAPC_GPU_MOE=1 TAPC_GPU_EXTRA="uvicorn click h11 watchfiles model-hosting-container-standards \
 #         jmespath prometheus-fastapi-instrumentator pytest-xdist execnet" bash ../shared/gpu/make-bundle .gpu-serve
 #     bash benchmarks/calls/suite.sh          (on the GPU machine)
