@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from tapc.errors import PlanError
+from tapc.lang.schema import EngineArgs, checked
 from tapc.lang.syntax import TapSpec, parse_taps
 from tapc.plan.resolve import resolve_tap
 from tapc.plan.sharding import ModelDims, pp_stages, shard_points
@@ -24,15 +25,16 @@ CAPTURE_DTYPES = ("float32", "bfloat16", "float16")
 def build_plan(model: str, taps, *, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, capture_dtype: str | None = None, tree=None,
                engine_args: dict | None = None, dims: ModelDims | None = None) -> TapPlan:
-    """Resolve taps (strings, a text, or parsed `TapSpec`s) against `model`'s vLLM module tree, as
+    """Resolve taps (a text, or tap strings or parsed `TapSpec`s in any iterable) against `model`'s vLLM module tree, as
     an engine with `engine_args` builds it (tree.py TREE_ENGINE_ARGS: LoRA), for its
-    `tensor_parallel_size` and `pipeline_parallel_size`. `dims`: the attention shape the
+    `tensor_parallel_size` and `pipeline_parallel_size`; the sizes and the engine arguments tapc
+    reads are checked against tapc.lang.schema.EngineArgs. `dims`: the attention shape the
     parallel layouts need (default: from the model's config.json)."""
-    specs = tuple(taps) if taps and all(isinstance(t, TapSpec) for t in taps) else parse_taps(taps)
+    specs = _specs(taps)
     if not specs:
         raise PlanError("no taps: give at least one tap")
-    if max_num_batched_tokens < 1 or max_num_seqs < 1:
-        raise PlanError("max_num_batched_tokens and max_num_seqs must be positive")
+    sizes = checked(EngineArgs, {**(engine_args or {}), "max_num_batched_tokens": max_num_batched_tokens,
+                                 "max_num_seqs": max_num_seqs}, "", error=PlanError)
     tree = tree or load_tree(model, engine_args)
     if capture_dtype is not None and capture_dtype not in CAPTURE_DTYPES:
         raise PlanError(f"capture dtype {capture_dtype!r}: use one of {', '.join(CAPTURE_DTYPES)}")
@@ -48,8 +50,7 @@ def build_plan(model: str, taps, *, max_num_batched_tokens: int = DEFAULT_MAX_NU
             seen[sig] = tap
             planned.append(tap)
     params = _collect_params(planned)
-    tp = int((engine_args or {}).get("tensor_parallel_size", 1))
-    pp = int((engine_args or {}).get("pipeline_parallel_size", 1))
+    tp, pp = sizes.tensor_parallel_size, sizes.pipeline_parallel_size
     shards = _parallel(model, tree, planned, dims, tp, pp) if tp * pp > 1 else {}
     planned = [dataclasses.replace(t, layout=shards[t.key].layout, stage=shards[t.key].stage) if shards else t
                for t in planned]
@@ -66,6 +67,18 @@ def build_plan(model: str, taps, *, max_num_batched_tokens: int = DEFAULT_MAX_NU
         pp_layers=pp_stages(tree.num_layers, pp) if shards else (), shards=tuple(shards.values()),
     )
     return dataclasses.replace(plan, digest=plan_digest(plan))
+
+
+def _specs(taps) -> tuple[TapSpec, ...]:
+    """Parsed taps from a text, parsed `TapSpec`s, or tap strings in any iterable."""
+    if isinstance(taps, str):
+        return parse_taps(taps)
+    try:
+        items = list(taps)
+    except TypeError:
+        raise PlanError(f"taps: give tap strings (a list or any iterable of them) or one text of taps, "
+                        f"not {type(taps).__name__}") from None
+    return tuple(items) if items and all(isinstance(t, TapSpec) for t in items) else parse_taps(items)
 
 
 def _collect_params(taps: list[PlannedTap]) -> tuple[ParamSpec, ...]:
