@@ -26,3 +26,11 @@ def test_ci_runs_the_readme_test_command():
     ci = [line for line in ROOT.joinpath(".ci", "run").read_text().splitlines() if line and not line.startswith("#")]
     assert test_command in ci, ci
     assert ".[test]" in test_command, "CI installs everything the tests need"
+
+
+def test_the_main_job_installs_what_it_needs_not_the_test_extra():
+    main = next(c for c in setup_commands() if "pytest" not in c)
+    steps = [s.strip() for s in main.split("&&")]
+    assert ".venv/bin/pip install -e ." in steps, main
+    assert "[test]" not in main, "`tapc explain` needs tapc and vLLM, not the test extra"
+    assert steps[-1].startswith(".venv/bin/tapc "), main

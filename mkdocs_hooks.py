@@ -1,0 +1,25 @@
+"""mkdocs hooks (mkdocs.yml `hooks:`): the measurements in benchmarks/results/ become pages of
+the site under results/, so that the docs' links to them, written as they resolve in the
+repository (`../benchmarks/results/NAME.md`), resolve on the site too and `--strict` checks them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from mkdocs.structure.files import File
+
+BENCHMARKS = Path(__file__).parent / "benchmarks"
+
+
+def on_files(files, config):
+    for path in sorted((BENCHMARKS / "results").glob("*.md")):
+        files.append(File(f"results/{path.name}", str(BENCHMARKS), config["site_dir"], config["use_directory_urls"]))
+    return files
+
+
+def on_page_markdown(markdown, page, config, files):
+    if page.file.src_uri.startswith("results/"):
+        # a results file's links to the docs (../../docs/NAME.md) point one level up on the site
+        return markdown.replace("../../docs/", "../")
+    # docs/x.md links ../benchmarks/results/..., docs/internals/x.md ../../benchmarks/results/...:
+    # on the site both are one level up from where they point in the repository
+    return markdown.replace("../benchmarks/results/", "results/")
