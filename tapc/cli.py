@@ -10,9 +10,13 @@ import os
 import sys
 
 from tapc.errors import TapcError
+from tapc.lang.schema import EngineArgs, checked
 from tapc.plan.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 
 EXIT_SPEC_ERROR = 2
+EXIT_BROKEN_PIPE = 141   # as a tool that SIGPIPE ends: the reader (`| head`) went away
+# `tapc explain` flags that size the plan, as the engine arguments of the same names
+PLAN_FLAGS = ("max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "pipeline_parallel_size")
 DOCS = ("the tap language: docs/dsl.md; YAML specs and plans: docs/spec.md; harvests: docs/harvest.md; "
         "the engine: docs/engine.md; serving: docs/serving.md (in the tapc repository, and in README.md)")
 
@@ -24,8 +28,8 @@ def _explain(args) -> int:
     from tapc.plan.tree import load_tree
 
     after = ""
-    sizes = {k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
-                               ("max_num_seqs", args.max_num_seqs)) if v is not None}
+    flags = {k: getattr(args, k) for k in PLAN_FLAGS if getattr(args, k) is not None}
+    checked(EngineArgs, flags, "tapc explain", error=TapcError, label=lambda key: "--" + key.replace("_", "-"))
     if is_spec_path(args.target):
         if args.taps:
             raise TapcError(f"give taps either in {args.target} or on the command line, not both")
@@ -33,7 +37,7 @@ def _explain(args) -> int:
         from tapc.lang.specfile import load_spec
 
         spec = load_spec(args.target)
-        spec = dataclasses.replace(spec, engine={**spec.engine, **sizes})  # a flag given overrides the spec
+        spec = dataclasses.replace(spec, engine={**spec.engine, **flags})  # a flag given overrides the spec
         plan = spec_plan(spec)
         engine_args = spec.engine   # the tree the plan was resolved on is the engine's (LoRA: tree.py)
         if spec.output is not None and not args.json:
@@ -41,13 +45,17 @@ def _explain(args) -> int:
                      f"positions go to {spec.output.dir}, {spec.output.shard_tokens} rows per shard\n")
     else:
         if not args.taps:
+            if flags:   # the tree is the single-GPU one, whatever the engine's sizes
+                raise TapcError(f"tapc explain {args.target} lists the model's tap points, which no engine size "
+                                f"changes; {', '.join('--' + k.replace('_', '-') for k in flags)} size a plan: "
+                                "give taps too")
             if args.json:
                 print(load_tree(args.target).to_json())
             else:
                 print(render_points(load_tree(args.target)), end="")
             return 0
-        engine_args = {"tensor_parallel_size": args.tensor_parallel_size,
-                       "pipeline_parallel_size": args.pipeline_parallel_size}
+        engine_args = {k: v for k, v in flags.items() if k.endswith("parallel_size")}
+        sizes = {k: v for k, v in flags.items() if k not in engine_args}
         plan = build_plan(args.target, args.taps, **sizes, engine_args=engine_args)
     if args.json:
         print(plan.to_json(indent=2))
@@ -140,6 +148,8 @@ def _serve(args, rest: list[str]) -> int:
 
     from tapc.serving.launch import run, serve_argv, sizes
 
+    from tapc.wire.engine_args import require_cuda
+
     engine, rest = sizes(rest)   # the plan is built for these: they go to the plan, not past it
     if args.capture_memory_gib is not None:
         engine["capture_memory_gib"] = args.capture_memory_gib
@@ -152,6 +162,8 @@ def _serve(args, rest: list[str]) -> int:
         if args.tap or args.block:
             raise TapcError("tapc serve: give a spec or --tap/--block, not both (the spec's taps are the plan)")
         spec = load_spec(args.target)
+        if not args.print:   # a spec's errors are worth knowing on any machine; then, before the plan
+            require_cuda()
         model, taps, kwargs = spec_arguments(spec, engine)
         kwargs.pop("params")       # the server loads them from the spec
         kwargs.pop("blocks")       # each worker imports them, by the spec's paths
@@ -161,6 +173,8 @@ def _serve(args, rest: list[str]) -> int:
         if not args.tap:
             raise TapcError("tapc serve: give a spec .yaml, or a model and its taps (--tap ...)")
         blocks = dict(_named_block(b) for b in args.block)
+        if not args.print:
+            require_cuda()
         argv = serve_argv(args.target, args.tap, capture_dtype=args.capture_dtype, engine=engine, extra=rest,
                           blocks=blocks, save=_save_folder(args))
     if args.print:
@@ -184,9 +198,11 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"rows each buffer holds (default: the spec's, else {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
     ex.add_argument("--max-num-seqs", type=int, default=None,
                     help=f"request slots in parameter tables (default: the spec's, else {DEFAULT_MAX_NUM_SEQS})")
-    ex.add_argument("--tensor-parallel-size", type=int, default=1,
-                    help="GPUs per pipeline stage: shows each point replicated or sharded, bytes per GPU")
-    ex.add_argument("--pipeline-parallel-size", type=int, default=1, help="pipeline stages (each point's stage)")
+    ex.add_argument("--tensor-parallel-size", type=int, default=None,
+                    help="GPUs per pipeline stage: shows each point replicated or sharded, bytes per GPU "
+                         "(default: the spec's, else 1)")
+    ex.add_argument("--pipeline-parallel-size", type=int, default=None,
+                    help="pipeline stages: each point's stage (default: the spec's, else 1)")
     hv = sub.add_parser("harvest", help="run prompts through the spec's engine, write captures to shards (CUDA GPU)",
                         epilog=f"Docs: {DOCS}.")
     hv.add_argument("spec", help="a spec .yaml with an `output:` section")
@@ -233,10 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return _serve(args, rest)
-        return _explain(args) if args.command == "explain" else _harvest(args)
+        if args.command == "harvest":
+            return _harvest(args)
+        rc = _explain(args)
+        sys.stdout.flush()   # here, where a closed pipe can be caught, not at the interpreter's exit
+        return rc
     except TapcError as e:
         print(f"tapc: {type(e).__name__}: {e}", file=sys.stderr)
         return EXIT_SPEC_ERROR
+    except BrokenPipeError:
+        # what is left in stdout's buffer goes nowhere, so that Python's exit does not fail on it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -35,7 +35,13 @@ def vllm_names() -> dict[str, list[str]]:
         return {}
     cached = cache_dir() / f"vllm-names-{version}.json"
     if cached.is_file():
-        return json.loads(cached.read_text())
+        try:
+            names = json.loads(cached.read_text())
+        except ValueError:   # bad JSON or text: a write cut short, a disk error
+            names = None
+        if isinstance(names, dict) and all(isinstance(names.get(k), list) for k in ("engine_args", "architectures")):
+            return names
+        print(f"tapc: the cached vLLM names {cached} are damaged; reading them again", file=sys.stderr)
     with status("reading vLLM's engine arguments and model classes (once per vLLM version; cached)"):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.model_executor.models import ModelRegistry

@@ -13,7 +13,8 @@ ROOT = Path(__file__).parent.parent
 LLAMA = str(CONFIGS / "llama")
 
 
-def test_explain_table_graph_and_totals(capsys):
+def test_explain_table_graph_and_totals(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")   # a wide terminal: each row and line whole
     rc = main(["explain", LLAMA, "model.layers.*.resid", "model.layers.2.mlp.output -> probe",
                "model.layers[1:3].resid | add(steer, alpha=4, at=generated)", "--max-num-batched-tokens", "1024"])
     out = capsys.readouterr().out
@@ -34,7 +35,8 @@ def test_explain_table_graph_and_totals(capsys):
         lines.index("     ✂ boundary block model.layers.2.mlp.output -> probe")
 
 
-def test_explain_json_is_the_plan(capsys):
+def test_explain_json_is_the_plan(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
     assert main(["explain", LLAMA, "model.layers[0:2].resid"]) == 0
     assert "tap kernels in the graphs: 2 captures, 0 edits; a step whose requests ask for none of them replays " \
         "its graph without them" in capsys.readouterr().out

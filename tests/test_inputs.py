@@ -73,6 +73,8 @@ BAD_PARAMS = [  # (params section, files to write, the words of the message)
     ("params: {steer: {file: v.safetensors, key: v}}", {"v.safetensors": b"\x10\x00\x00\x00\x00\x00\x00\x00{\"v\": junk"},
      "params.steer.file: v.safetensors is not a readable .safetensors tensor file"),
     ("params: {steer: {file: v.pt, key: v}}", {"v.pt": b"not a pickle at all"}, "params.steer.file: v.pt is not a readable .pt tensor file"),
+    ("params: {alpha: hello}", {}, "params.alpha must be a number, a list of numbers or {file, key}, not 'hello'"),
+    ("params: {alpha: " + "9" * 400 + "}", {}, "parameter 'alpha' (scalar) must be a finite number"),
 ]
 
 
@@ -132,6 +134,108 @@ def test_size_flags_apply_to_a_spec(capsys, tmp_path):
     assert TapPlan.from_json(out).max_num_batched_tokens == 2048
 
 
+# ----------------------------------------------------------------------------- flags
+
+def test_parallel_flags_apply_to_a_spec_and_a_size_the_model_cannot_run_is_refused(capsys, tmp_path):
+    path = spec(tmp_path, "engine: {tensor_parallel_size: 2}\ntaps: [model.layers.1.resid]\n")
+    rc, out, err = explain(capsys, path, "--json")
+    assert rc == 0 and TapPlan.from_json(out).tensor_parallel_size == 2, err
+    rc, out, err = explain(capsys, path, "--json", "--tensor-parallel-size", "1", "--pipeline-parallel-size", "2")
+    plan = TapPlan.from_json(out)
+    assert rc == 0 and (plan.tensor_parallel_size, plan.pipeline_parallel_size) == (1, 2), err
+    for target in (path, LLAMA):   # 8 heads do not split 3 ways
+        rc, out, err = explain(capsys, target, *([] if target == path else ["model.layers.1.resid"]),
+                               "--tensor-parallel-size", "3")
+        assert rc == 2 and out == "" and "tensor_parallel_size=3 does not divide the 8 attention heads" in err, err
+
+
+BAD_FLAGS = [
+    (["--tensor-parallel-size", "0"], "tapc: TapcError: tapc explain: --tensor-parallel-size must be >= 1, not 0"),
+    (["--pipeline-parallel-size", "-2"], "tapc: TapcError: tapc explain: --pipeline-parallel-size must be >= 1, not -2"),
+    (["--max-num-batched-tokens", "99999999999999999999"],
+     "tapc: TapcError: tapc explain: --max-num-batched-tokens must be <= 16777216, not 99999999999999999999"),
+    (["--max-num-seqs", "0"], "tapc: TapcError: tapc explain: --max-num-seqs must be >= 1, not 0"),
+]
+
+
+@pytest.mark.parametrize("flags,line", BAD_FLAGS, ids=[f[0] for f, _ in BAD_FLAGS])
+def test_flags_out_of_bounds_are_refused_in_one_line(capsys, tmp_path, flags, line):
+    for target in ([LLAMA, "model.layers.1.resid"], [spec(tmp_path, "taps: [model.layers.1.resid]\n")]):
+        rc, out, err = explain(capsys, *target, *flags)
+        assert rc == 2 and out == "" and err == line + "\n", err
+
+
+def test_size_flags_that_a_list_of_tap_points_ignores_are_refused(capsys):
+    rc, out, err = explain(capsys, LLAMA, "--max-num-seqs", "4")
+    assert rc == 2 and out == "" and "lists the model's tap points, which no engine size changes; --max-num-seqs " \
+        "size a plan: give taps too" in err, err
+
+
+def test_build_plan_takes_sizes_that_are_integers_in_bounds_and_taps_from_any_iterable():
+    from tapc.errors import PlanError
+    from tapc.plan.planner import build_plan
+
+    with pytest.raises(PlanError, match="^max_num_batched_tokens must be an integer, not nan$"):
+        build_plan(LLAMA, ["model.layers.1.resid"], max_num_batched_tokens=float("nan"))
+    with pytest.raises(PlanError, match="^tensor_parallel_size must be an integer, not 2.5$"):
+        build_plan(LLAMA, ["model.layers.1.resid"], engine_args={"tensor_parallel_size": 2.5})
+    with pytest.raises(PlanError, match="^taps: give tap strings .* not int$"):
+        build_plan(LLAMA, 3)
+    plan = build_plan(LLAMA, (f"model.layers.{i}.resid" for i in range(2)))
+    assert [t.key for t in plan.taps] == ["model.layers.0.resid", "model.layers.1.resid"]
+
+
+# ----------------------------------------------------------------------------- paths and models
+
+LONG = "x" * 300   # a name over the 255 bytes a file system takes
+
+
+def test_paths_over_255_bytes_are_one_line(capsys, tmp_path):
+    (tmp_path / "s.yaml").write_text(f"model: {LONG}\ntaps: [model.layers.1.resid]\n")
+    cases = [([tmp_path / LONG, "model.layers.1.resid"], "ResolveError: model "),
+             ([tmp_path / (LONG + ".yaml")], "SpecError: spec file "),
+             ([tmp_path / "s.yaml"], "SpecError: model ")]
+    for args, words in cases:
+        rc, out, err = explain(capsys, *args)
+        assert rc == 2 and out == "" and len(err.splitlines()) == 1, err
+        assert words in err and err.rstrip().endswith(" bytes): File name too long") and len(err) < 300, err
+
+
+def test_a_model_given_empty_or_as_its_config_file_is_said_so(capsys, tmp_path):
+    rc, _, err = explain(capsys, "", "model.layers.1.resid")
+    assert rc == 2 and "ResolveError: the model is empty: give a directory with config.json, or a hub id" in err, err
+    rc, _, err = explain(capsys, CONFIGS / "llama" / "config.json", "model.layers.1.resid")
+    assert rc == 2 and "config.json: a file, not a model directory; give the folder that holds it" in err, err
+    (tmp_path / "s.yaml").write_text("model: ''\ntaps: [model.layers.1.resid]\n")
+    rc, _, err = explain(capsys, tmp_path / "s.yaml")
+    assert rc == 2 and "s.yaml: model must be a non-empty string, not ''" in err, err
+
+
+def test_damaged_cache_files_are_named_and_built_again(tmp_path, monkeypatch, capsys):
+    """A tree or vLLM's names cut short in the cache (a full disk, a killed write): the next run
+    says which file and builds it again, and the runs after it read the new one."""
+    import tapc.installed
+    from tapc.plan.planner import build_plan
+    from tapc.plan.tree import load_tree
+
+    load_tree(LLAMA)   # in the session's cache
+    cache = tapc.installed.cache_dir()
+    names = next(cache.glob("vllm-names-*.json"))
+    tree = next(p for p in cache.glob("*.json") if json.loads(p.read_text()).get("model") == LLAMA)
+    monkeypatch.setattr(tapc.installed.settings, "TAPC_CACHE", tmp_path)
+    (tmp_path / "trees").mkdir()
+    for good in (names, tree):
+        (tmp_path / "trees" / good.name).write_text(good.read_text()[:100])
+    capsys.readouterr()
+    assert build_plan(LLAMA, ["model.layers.1.resid"]).taps[0].key == "model.layers.1.resid"
+    err = capsys.readouterr().err
+    assert f"the cached vLLM names {tmp_path / 'trees' / names.name} are damaged; reading them again" in err, err
+    assert f"the cached module tree {tmp_path / 'trees' / tree.name} is damaged (JSONDecodeError); building it " \
+        "again" in err, err
+    for good in (names, tree):
+        assert json.loads((tmp_path / "trees" / good.name).read_text()) == json.loads(good.read_text())
+
+
 # ----------------------------------------------------------------------------- model configs
 
 def test_a_config_without_architectures_is_refused(capsys, tmp_path):
@@ -144,7 +248,8 @@ def test_a_config_without_architectures_is_refused(capsys, tmp_path):
 
 # ----------------------------------------------------------------------------- discoverability
 
-def test_explain_a_model_without_taps_lists_its_tap_points(capsys):
+def test_explain_a_model_without_taps_lists_its_tap_points(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")   # a wide terminal: each row on one line
     rc, out, err = explain(capsys, LLAMA)
     assert rc == 0, err
     lines = out.splitlines()
@@ -158,7 +263,8 @@ def test_explain_a_model_without_taps_lists_its_tap_points(capsys):
     assert any(line.startswith("│ logits ") and "1024" in line for line in lines)
 
 
-def test_explain_notes_what_a_glob_skipped_and_what_output_means(capsys):
+def test_explain_notes_what_a_glob_skipped_and_what_output_means(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
     rc, out, err = explain(capsys, LLAMA, "model.layers.0.self_attn.*.output", "model.layers[2:4].output")
     assert rc == 0, err
     assert "note: `model.layers.0.self_attn.*.output` skips 1 match(es) its point does not apply to: " \
@@ -169,19 +275,50 @@ def test_explain_notes_what_a_glob_skipped_and_what_output_means(capsys):
         assert key in out
 
 
-def test_the_table_fits_the_width_without_breaking_names():
-    from tapc.plan.explain import render
+TABLE_TAPS = ["model.layers[0:2].self_attn.source.qkv_split_0.output[0]",
+              "model.layers.3.mlp.act_fn.output | zero([1, 2], at=generated)"]
+
+
+@pytest.mark.parametrize("width", [50, 80, 100, 120, 160])
+def test_the_table_fits_the_width_and_says_what_it_leaves_out(width):
+    """Each table line ends in the table's right edge (nothing cut off); columns left out to fit
+    are named under the table; a point's name stays whole where the width has room for it."""
+    from tapc.plan.explain import render, taps_table
     from tapc.plan.planner import build_plan
 
-    plan = build_plan(LLAMA, ["model.layers[0:2].self_attn.source.qkv_split_0.output[0]",
-                              "model.layers.3.mlp.act_fn.output | zero([1, 2], at=generated)"])
-    for width in (100, 140):
-        text = render(plan, width=width)
-        assert max(map(len, text.splitlines())) <= width
+    plan = build_plan(LLAMA, TABLE_TAPS)
+    text = render(plan, width=width)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= width
+    table = [line for line in lines if line and line[0] in "┏┃┡│└"]
+    assert table and all(line.rstrip()[-1] in "┓┃┩│┘" for line in table), text
+    _, dropped = taps_table(plan, width)
+    said = " ".join(text.split())
+    assert (f"(left out to fit {width} columns: {', '.join(dropped)}; a wider terminal or --json shows them)" in said) \
+        == bool(dropped)
+    if width in (50, 160):   # too narrow for every column; wide enough
+        assert bool(dropped) == (width == 50)
+    if width >= 100:
         for tap in plan.taps:
-            assert tap.key in text, f"{tap.key} broken at width {width}"
-    wide = render(plan)  # not a terminal: as wide as the content, one row per tap
-    assert sum(tap.key in line for tap in plan.taps for line in wide.splitlines()) == len(plan.taps)
+            assert any(tap.key in line for line in table), f"{tap.key} broken at width {width}"
+
+
+def test_explain_into_a_pipe_is_120_wide_or_as_columns_says(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    for columns, width in ((None, 120), ("90", 90)):
+        proc = subprocess.run([sys.executable, "-m", "tapc.cli", "explain", LLAMA, *TABLE_TAPS], capture_output=True,
+                              text=True, cwd=ROOT, env={**env, **({"COLUMNS": columns} if columns else {})})
+        assert proc.returncode == 0, proc.stderr
+        assert max(map(len, proc.stdout.splitlines())) == width
+
+
+def test_json_into_a_pipe_its_reader_closed_ends_quietly():
+    """`tapc explain ... --json | head -1`: the reader goes away; no BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "tapc.cli", "explain", LLAMA, "model.layers.*.resid", "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdout.close()   # before anything is written
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141 and err == "", err
 
 
 def test_help_links_the_docs(capsys):
@@ -235,6 +372,17 @@ def test_harvest_without_a_gpu_says_so_in_one_line_and_exits_2(capsys, tmp_path)
     assert rc == 2 and "Traceback" not in err
     assert err.splitlines()[-1] == ("tapc: EngineError: the engine needs a CUDA GPU, and torch sees none here; "
                                     "`tapc explain` shows the plan on any machine")
+
+
+@no_gpu
+def test_serve_without_a_gpu_says_so_in_one_line_and_exits_2(capsys):
+    for argv in ([str(ROOT / "examples" / "steer.yaml")], [LLAMA, "--tap", "model.layers.1.resid"]):
+        rc = main(["serve", *argv])
+        err = capsys.readouterr().err
+        assert rc == 2 and err == ("tapc: EngineError: the engine needs a CUDA GPU, and torch sees none here; "
+                                   "`tapc explain` shows the plan on any machine\n"), err
+    assert main(["serve", LLAMA, "--tap", "model.layers.1.resid", "--print"]) == 0, "--print starts nothing"
+    assert capsys.readouterr().out.startswith("vllm serve ")
 
 
 @no_gpu

@@ -14,9 +14,12 @@ request binds in that request's slot.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+
+from tapc.lang.quoted import shown
 
 REQUIRED = object()
 # Which rows of its request an edit (or a capture) covers; docs/engine.md.
@@ -115,26 +118,39 @@ def check_param(kind: str, value, width: int):
     form (vectors as float32 bytes: msgpack sends them as one binary field, not thousands of
     Python floats). Raises ValueError with what is wrong."""
     if kind == "vector":
-        arr = np.asarray(value.detach().float().cpu() if hasattr(value, "detach") else value, dtype=np.float64)
+        try:
+            arr = np.asarray(value.detach().float().cpu() if hasattr(value, "detach") else value, dtype=np.float64)
+        except (TypeError, ValueError, OverflowError):   # not numbers, ragged, or past float64
+            raise ValueError(f"must be {width} numbers, got {shown(value)}") from None
         if arr.ndim != 1 or arr.shape[0] != width:
             raise ValueError(f"must be {width} numbers, got shape {tuple(arr.shape)}")
         if not np.isfinite(arr).all():
             raise ValueError("has non-finite entries")
         return arr.astype(np.float32).tobytes()
     if kind == "scalar":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"must be a finite number, got {value!r}")
+        if not _finite(value):
+            raise ValueError(f"must be a finite number, got {shown(value)}")
         return float(value)
     if kind == "columns":
-        cols = [value] if isinstance(value, int) else list(value)
+        cols = [value] if isinstance(value, (int, np.integer)) else list(value) if isinstance(value, Iterable) else None
         if not cols or len(cols) > MAX_COLUMNS or len(set(cols)) != len(cols) or \
-                not all(isinstance(c, (int, np.integer)) and 0 <= c < width for c in cols):
-            raise ValueError(f"must be 1..{MAX_COLUMNS} distinct column indices in 0..{width - 1}, got {value!r}")
+                not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) and 0 <= c < width for c in cols):
+            raise ValueError(f"must be 1..{MAX_COLUMNS} distinct column indices in 0..{width - 1}, got {shown(value)}")
         return [int(c) for c in cols]
-    vals = [value] if isinstance(value, (int, float)) else list(value)
-    if not vals or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in vals):
-        raise ValueError(f"must be a number or a list of numbers, got {value!r}")
+    vals = [value] if isinstance(value, (int, float)) else list(value) if isinstance(value, Iterable) else None
+    if not vals or not all(_finite(v) for v in vals):
+        raise ValueError(f"must be a number or a list of numbers, got {shown(value)}")
     return [float(v) for v in vals]
+
+
+def _finite(v) -> bool:
+    """A number (not a flag) that float64 holds finite: an int past 1e308 is not."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 # ----------------------------------------------------------------------------- slot tables

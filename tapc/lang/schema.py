@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tapc.errors import SpecError
 from tapc.lang.edits import POSITIONS
+from tapc.lang.quoted import shown
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -147,15 +148,6 @@ def dotted(parts) -> str:
         else:
             out += f".{part}" if out else str(part)
     return out
-
-
-def shown(value, limit: int = 60) -> str:
-    """A value as a message quotes it: repr, cut to `limit` characters."""
-    try:
-        text = repr(value)
-    except ValueError:   # an int of more digits than Python converts to text
-        return f"an integer of {value.bit_length()} bits"
-    return text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text)} characters)"
 
 
 _EXPECTED = {

@@ -25,7 +25,8 @@ from tapc import paths
 from tapc.errors import SpecError
 from tapc.lang.blockpaths import FORM as BLOCK_FORM
 from tapc.lang.blockpaths import split_path
-from tapc.lang.schema import CaptureOptions, OutputSink, SpecFile, TensorFile, checked, shown
+from tapc.lang.quoted import shown
+from tapc.lang.schema import CaptureOptions, OutputSink, SpecFile, TensorFile, checked
 from tapc.lang.syntax import TapSpec, parse_taps
 from tapc.lang.yamltext import load_yaml
 

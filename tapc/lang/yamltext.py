@@ -10,7 +10,8 @@ from __future__ import annotations
 import yaml
 
 from tapc.errors import SpecError
-from tapc.lang.schema import dotted, shown
+from tapc.lang.quoted import shown
+from tapc.lang.schema import dotted
 
 
 class _Unbuilt(Exception):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import sys
 from io import StringIO
 
 from rich.console import Console
@@ -34,21 +33,47 @@ def _args(tap) -> str:
     return ", ".join(shown)
 
 
-def taps_table(plan: TapPlan) -> Table:
-    table = Table(title=f"tapc plan {plan.digest} for {plan.model} ({plan.architecture})", title_justify="left")
-    longest = max(len(t.key) for t in plan.taps)
+# Columns of the taps table left out, in this order, where the terminal is too narrow for them
+# all; the point and what is done there stay.
+DROPPED_FIRST = ("from tap", "kind", "per token", "GPUs")
+NARROWEST = 12   # a column is not squeezed below this (or its header, or its widest cell)
+
+
+def taps_table(plan: TapPlan, width: int | None = None) -> tuple[Table, list[str]]:
+    """The table of taps, and the columns left out so that it fits `width` (None: any width)."""
     parallel = bool(plan.shards)   # several GPUs: each point's layout and stage, bytes on the most loaded GPU
-    cols = (("point", "left"), ("kind", "left"), ("action", "left"), ("per token", "right"))
-    cols += (("GPUs", "left"), ("per GPU", "right")) if parallel else (("buffer", "right"),)
-    for col, just in cols + (("from tap", "left"),):
-        # a point's name stays whole while the terminal has room for it; the others wrap at spaces
-        table.add_column(col, justify=just, overflow="fold", min_width=longest if col == "point" else None)
+    cols = [("point", "left"), ("kind", "left"), ("action", "left"), ("per token", "right")]
+    cols += [("GPUs", "left"), ("per GPU", "right")] if parallel else [("buffer", "right")]
+    cols.append(("from tap", "left"))
+    rows = []
     for tap in plan.taps:
         action = tap.action + (f"({_args(tap)})" if tap.args else f" {_args(tap)}" if tap.block else "")
         where = (f"{tap.layout}, stage {tap.stage}",) if parallel else ()
-        table.add_row(tap.key, tap.kind, action, f"{tap.width} x {tap.dtype}", *where,
-                      human_bytes(tap.buffer_bytes) if tap.buffer_bytes else "-", tap.source)
-    return table
+        rows.append((tap.key, tap.kind, action, f"{tap.width} x {tap.dtype}", *where,
+                     human_bytes(tap.buffer_bytes) if tap.buffer_bytes else "-", tap.source))
+    widest = [max(len(name), *(len(r[i]) for r in rows)) for i, (name, _) in enumerate(cols)]
+    # a point's name stays whole (its widest); the others may wrap down to NARROWEST
+    floor = {name: w if i == 0 else min(w, max(len(name), NARROWEST)) for i, ((name, _), w) in enumerate(zip(cols, widest))}
+
+    def needs(names) -> int:   # each column's padding and rule, and the table's left edge
+        return sum(floor[n] for n in names) + 3 * len(names) + 1
+
+    shown = [name for name, _ in cols]
+    for name in DROPPED_FIRST:
+        if width is None or needs(shown) <= width:
+            break
+        if name in shown:
+            shown.remove(name)
+    table = Table(title=f"tapc plan {plan.digest} for {plan.model} ({plan.architecture})", title_justify="left")
+    whole = width is None or needs(shown) <= width   # else even the point's name folds onto more lines
+    for name, just in cols:
+        if name in shown:
+            table.add_column(name, justify=just, overflow="fold",
+                             width=widest[0] if name == "point" and whole else None)
+    keep = [i for i, (name, _) in enumerate(cols) if name in shown]
+    for row in rows:
+        table.add_row(*(row[i] for i in keep))
+    return table, [name for name, _ in cols if name not in shown]
 
 
 def graph_lines(plan: TapPlan) -> list[str]:
@@ -108,10 +133,12 @@ def totals(plan: TapPlan) -> list[str]:
     ]
 
 
+PIPE_WIDTH = 120   # output to a pipe or a file: a plan's usual columns fit, and a pager or an issue shows it
+
+
 def _console(out: StringIO, width: int | None) -> Console:
-    """The terminal's width on a terminal; elsewhere (a pipe, a file) as wide as the content needs."""
-    if width is None:
-        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else 1000
+    """`width`, else the terminal's (or $COLUMNS); PIPE_WIDTH where the output is no terminal."""
+    width = width or shutil.get_terminal_size((PIPE_WIDTH, 24)).columns
     return Console(file=out, width=width, no_color=True, highlight=False, soft_wrap=False)
 
 
@@ -119,7 +146,11 @@ def render(plan: TapPlan, notes: list[str] = (), width: int | None = None) -> st
     """The plan as `tapc explain` prints it; `notes` (tapc.plan.resolve.notes) go under the table."""
     out = StringIO()
     console = _console(out, width)
-    console.print(taps_table(plan))
+    table, dropped = taps_table(plan, console.width)
+    console.print(table)
+    if dropped:
+        console.print(f"(left out to fit {console.width} columns: {', '.join(dropped)}; a wider terminal or --json "
+                      "shows them)", markup=False)
     for line in [f"note: {n}" for n in notes] + graph_lines(plan) + [""] + totals(plan):
         console.print(line, markup=False)
     return out.getvalue()

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from tapc import paths
 from tapc.errors import ResolveError
 from tapc.installed import cache_dir, status, vllm_names, vllm_version
 
@@ -120,11 +121,17 @@ class ModuleTree:
 
 def config_path(model: str) -> Path:
     """config.json of a local directory, or of a hub id already in the local HF cache."""
+    if not str(model).strip():
+        raise ResolveError("the model is empty: give a directory with config.json, or a hub id")
     local = Path(model).expanduser()
-    if local.is_dir():
-        if (local / "config.json").is_file():
+    found = paths.kind(local, "model", ResolveError)
+    if found == "dir":
+        if paths.kind(local / "config.json", "model", ResolveError) == "file":
             return local / "config.json"
         raise ResolveError(f"{model}: a directory without config.json")
+    if found is not None:
+        hint = "give the folder that holds it" if local.name == "config.json" else "give a directory with config.json"
+        raise ResolveError(f"{paths.shown(model)}: a file, not a model directory; {hint}")
     try:
         from huggingface_hub import try_to_load_from_cache
 
@@ -133,7 +140,7 @@ def config_path(model: str) -> Path:
         found = None
     if isinstance(found, str):
         return Path(found)
-    raise ResolveError(f"{model}: no such directory, and no config.json for it in the local Hugging Face "
+    raise ResolveError(f"{paths.shown(model)}: no such directory, and no config.json for it in the local Hugging Face "
                        "cache (tapc builds trees offline: give a local directory with config.json)")
 
 
@@ -192,8 +199,9 @@ def load_tree(model: str, engine_args: dict | None = None) -> ModuleTree:
     key = hashlib.sha256(cfg.read_bytes() + vllm_version().encode() + Path(__file__).read_bytes()
                          + args.encode()).hexdigest()[:20]
     cached = cache_dir() / f"{key}.json"
-    if cached.is_file():
-        return dataclasses.replace(ModuleTree.from_json(cached.read_text()), model=model)
+    tree = _cached(cached)
+    if tree is not None:
+        return dataclasses.replace(tree, model=model)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "ERROR", "CUDA_VISIBLE_DEVICES": ""}
     with status(f"building vLLM's module tree for {model} on the meta device (once per config; cached)"):
         proc = subprocess.run([sys.executable, "-m", "tapc.plan.tree", str(cfg.parent), args], capture_output=True,
@@ -207,6 +215,19 @@ def load_tree(model: str, engine_args: dict | None = None) -> ModuleTree:
     tmp.write_text(text)
     tmp.replace(cached)
     return dataclasses.replace(ModuleTree.from_json(text), model=model)
+
+
+def _cached(path: Path) -> ModuleTree | None:
+    """The tree cached at `path`; None where there is none, or where the file is damaged (a
+    write cut short, a disk error): it is said, and the tree is built again over it."""
+    if not path.is_file():
+        return None
+    try:
+        return ModuleTree.from_json(path.read_text())
+    except (ValueError, TypeError, KeyError) as e:   # bad JSON or text, or not a tree's fields
+        print(f"tapc: the cached module tree {path} is damaged ({type(e).__name__}); building it again",
+              file=sys.stderr)
+        return None
 
 
 # ----------------------------------------------------------------------------- building (child process)
