@@ -43,12 +43,20 @@ class Shards:
         if key not in self.keys:
             raise TapcError(f"{key!r} is not in this harvest; it has {', '.join(self.keys)}")
         path = self.folder / self.manifest.shards[shard].file
-        if self.arrow:
-            return self._load_arrow(key, path)
-        from safetensors import safe_open
+        if not path.is_file():
+            raise TapcError(f"{path}: shard {shard} of {self.folder}'s manifest is missing")
+        try:
+            if self.arrow:
+                return self._load_arrow(key, path)
+            from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            return f.get_tensor(key)
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_tensor(key)
+        except TapcError:
+            raise
+        except Exception as e:   # a damaged file raises whatever its reader hits first
+            why = (str(e).splitlines() or [type(e).__name__])[0][:120]
+            raise TapcError(f"{path}: shard {shard} of {self.folder} cannot be read ({why})") from None
 
     def _load_arrow(self, key: str, path: Path) -> torch.Tensor:
         from tapc.harvest.shardfiles import require_arrow
@@ -85,6 +93,7 @@ class Shards:
     def batches(self, key: str, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                 drop_last: bool = False) -> Iterator[torch.Tensor]:
         """`[batch_size, ...]` tensors of `key` (the last one smaller unless `drop_last`)."""
+        check_batch_size(batch_size)
         rng = np.random.default_rng(seed)
         order = rng.permutation(len(self.manifest.shards)) if shuffle else range(len(self.manifest.shards))
         carry = None
@@ -110,7 +119,7 @@ class Activations(torch.utils.data.IterableDataset):
 
     def __init__(self, folder: str | Path, key: str, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  mix: int = 4):
-        self.shards, self.key, self.batch_size = Shards(folder), key, batch_size
+        self.shards, self.key, self.batch_size = Shards(folder), key, check_batch_size(batch_size)
         self.shuffle, self.seed, self.mix, self.epoch = shuffle, seed, max(1, mix), 0
         if key not in self.shards.keys:
             raise TapcError(f"{key!r} is not in this harvest; it has {', '.join(self.shards.keys)}")
@@ -130,3 +139,9 @@ class Activations(torch.utils.data.IterableDataset):
             if self.shuffle:
                 rows = rows[torch.from_numpy(rng.permutation(len(rows)))]
             yield from rows.split(self.batch_size)
+
+
+def check_batch_size(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise TapcError(f"batch_size must be a positive integer, not {n!r}")
+    return n

@@ -320,6 +320,31 @@ def test_activations_dataset_shuffles_across_shards_and_keeps_every_row(tmp_path
     assert len(owners) > 1 and ds.config["activation_dim"] == 16
 
 
+def test_reading_back_a_bad_batch_size_a_damaged_manifest_or_a_missing_shard_is_a_tapc_error(tmp_path):
+    from tapc.data import Activations
+
+    m, _, _ = harvested(tmp_path)
+    folder, key = tmp_path / "acts", "model.layers.1.resid"
+    for n in (0, -3, 2.5, True):
+        with pytest.raises(TapcError, match=f"^batch_size must be a positive integer, not {n!r}$"):
+            next(Shards(folder).batches(key, n))
+        with pytest.raises(TapcError, match="batch_size must be a positive integer"):
+            Activations(folder, key, n)
+    shard = folder / m.shards[1].file
+    shard.rename(shard.with_suffix(".gone"))
+    with pytest.raises(TapcError, match=f"^{shard}: shard 1 of {folder}'s manifest is missing$"):
+        list(Shards(folder).batches(key, 4, shuffle=False))
+    shard.with_suffix(".gone").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{junk}")
+    shard.with_suffix(".gone").rename(shard)
+    with pytest.raises(TapcError, match=f"^{shard}: shard 1 of {folder} cannot be read"):
+        Shards(folder).load(key, 1)
+    manifest = folder / "manifest.json"
+    for damaged in (manifest.read_text()[:50], "[1, 2]", '{"settings": {}}'):
+        manifest.write_text(damaged)
+        with pytest.raises(TapcError, match=f"^{manifest}: not a readable harvest manifest"):
+            Shards(folder)
+
+
 def test_a_prompt_vllm_refuses_is_listed_and_the_others_written(tmp_path):
     from vllm import SamplingParams
 

@@ -74,12 +74,18 @@ class Manifest:
         path = Path(folder) / MANIFEST
         if not path.is_file():
             raise TapcError(f"{folder}: no {MANIFEST} (not a tapc harvest, or one that wrote nothing yet)")
-        data = json.loads(path.read_text())
-        if "settings" not in data:
-            raise TapcError(f"{path}: a manifest of an older tapc (no `settings`): harvest again into a new folder")
-        data["shards"] = [ShardRecord(**s) for s in data["shards"]]
-        data["unwritten"] = ShardRecord(**data["unwritten"]) if data.get("unwritten") else None
-        return cls(**data)
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise TypeError(f"a JSON {type(data).__name__}, not an object")
+            if "settings" not in data:
+                raise TapcError(f"{path}: a manifest of an older tapc (no `settings`): harvest again into a new folder")
+            data["shards"] = [ShardRecord(**s) for s in data["shards"]]
+            data["unwritten"] = ShardRecord(**data["unwritten"]) if data.get("unwritten") else None
+            return cls(**data)
+        except (ValueError, TypeError, KeyError) as e:   # bad JSON or text, or not a manifest's fields
+            why = (str(e).splitlines() or [""])[0][:120]
+            raise TapcError(f"{path}: not a readable harvest manifest ({type(e).__name__}: {why})") from None
 
     def add(self, record: ShardRecord) -> None:
         if record.file is None:
