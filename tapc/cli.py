@@ -147,7 +147,6 @@ def _serve(args, rest: list[str]) -> int:
     import shlex
 
     from tapc.serving.launch import run, serve_argv, sizes
-
     from tapc.wire.engine_args import require_cuda
 
     engine, rest = sizes(rest)   # the plan is built for these: they go to the plan, not past it
@@ -155,28 +154,30 @@ def _serve(args, rest: list[str]) -> int:
         engine["capture_memory_gib"] = args.capture_memory_gib
     if args.prefix_rows_gib is not None:
         engine["prefix_rows_gib"] = args.prefix_rows_gib
+    save = _save_folder(args)
+    spec = None
     if args.target.endswith((".yaml", ".yml")):
-        from tapc.api.llm import spec_arguments
         from tapc.lang.specfile import load_spec
 
         if args.tap or args.block:
             raise TapcError("tapc serve: give a spec or --tap/--block, not both (the spec's taps are the plan)")
         spec = load_spec(args.target)
-        if not args.print:   # a spec's errors are worth knowing on any machine; then, before the plan
-            require_cuda()
+    elif not args.tap:
+        raise TapcError("tapc serve: give a spec .yaml, or a model and its taps (--tap ...)")
+    blocks = dict(_named_block(b) for b in args.block)
+    if not args.print:   # what was given is checked on any machine; then the GPU, before the plan
+        require_cuda()
+    if spec is not None:
+        from tapc.api.llm import spec_arguments
+
         model, taps, kwargs = spec_arguments(spec, engine)
         kwargs.pop("params")       # the server loads them from the spec
         kwargs.pop("blocks")       # each worker imports them, by the spec's paths
         argv = serve_argv(model, taps, capture_dtype=kwargs.pop("capture_dtype"), spec_path=args.target,
-                          engine=kwargs, extra=rest, blocks=spec.blocks, save=_save_folder(args))
+                          engine=kwargs, extra=rest, blocks=spec.blocks, save=save)
     else:
-        if not args.tap:
-            raise TapcError("tapc serve: give a spec .yaml, or a model and its taps (--tap ...)")
-        blocks = dict(_named_block(b) for b in args.block)
-        if not args.print:
-            require_cuda()
         argv = serve_argv(args.target, args.tap, capture_dtype=args.capture_dtype, engine=engine, extra=rest,
-                          blocks=blocks, save=_save_folder(args))
+                          blocks=blocks, save=save)
     if args.print:
         print(shlex.join(["vllm", *argv]))
         return 0
