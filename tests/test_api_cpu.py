@@ -114,3 +114,29 @@ def test_engine_params_may_bind_part_of_a_tap_and_requests_bring_the_rest():
     assert params["a"] == 3.0 and len(params["steer"]) == HIDDEN * 4
     with pytest.raises(RequestError, match="engine params: parameter 'a' \\(scalar\\) must be a finite number"):
         toy_vllm(["model.layers.1.resid | add(steer, alpha=a)"], {"a": float("nan")})
+
+
+def test_a_position_beyond_what_the_request_can_reach_is_refused_at_submission():
+    """Rows are positions 0 .. P + max_tokens - 2 at most (tapc/wire/positions.py), and below the
+    engine's max_model_len - 1 for any prompt: a position past them would come back with no row."""
+    from vllm import SamplingParams
+
+    llm, _ = toy_vllm(["model.layers.*.resid"])
+    prompt = {"prompt_token_ids": [1, 2, 3, 4, 5]}
+    with pytest.raises(RequestError, match=r"^request 0: position 7 lies beyond the last this request can reach, 6 "
+                                           r"\(a prompt of 5 tokens and max_tokens=3\)$"):
+        llm.generate([prompt], SamplingParams(max_tokens=3), taps=TapRequest(capture="*", positions=[0, 7]))
+    assert llm.llm.submitted is None, "nothing was submitted"
+    llm.session.max_model_len = 64
+    with pytest.raises(RequestError, match=r"^request 0: positions 61, 1000000000000 lie beyond the last this request "
+                                           r"can reach, 60 \(a prompt of 5 tokens and max_tokens=57\)$"):
+        llm.generate([prompt], SamplingParams(max_tokens=57), taps=TapRequest(capture="*", positions=[60, 61, 10**12]))
+    with pytest.raises(RequestError, match=r"position 1000000000000 lies beyond the last this request can reach, 62 "
+                                           r"\(the engine's max_model_len=64\)"):   # text: its length is the engine's to find
+        llm.generate(["a text prompt"], SamplingParams(max_tokens=3), taps=TapRequest(capture="*", positions=[10**12]))
+    for bad in ([2.5], [True], ["3"], 7):
+        with pytest.raises(RequestError, match="positions must be one of all, prompt, generated, last or a list of "
+                                               "distinct non-negative token positions"):
+            llm.generate([prompt], SamplingParams(max_tokens=3), taps=TapRequest(capture="*", positions=bad))
+    out, = llm.generate([prompt], SamplingParams(max_tokens=3), taps=TapRequest(capture="*", positions=[0, 6]))
+    assert out.error is None and out.taps["model.layers.0.resid"].shape[0] == 2 and out.taps.unreached == ()

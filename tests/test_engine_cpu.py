@@ -123,6 +123,18 @@ def test_captures_equal_reference_under_continuous_batching(compiled, fill, runn
     assert not hooks.by_id and not hooks.records
 
 
+def test_a_listed_position_the_request_stopped_before_is_said_in_its_output():
+    """Request "e" (9 prompt tokens, 4 generated) ran positions 0..11: its 40 has no row, and its
+    output says so rather than coming back short without a word."""
+    plan = toy_plan(TAPS)
+    runner, hooks = hooks_for(plan, ToyModel())
+    reqs = [r for r in make_requests(plan) if r.rid in ("a", "e")]
+    run(runner, reqs, budget=16)
+    outs = collect(hooks, reqs, TapSession(plan))
+    assert outs["e"].error is None and outs["e"].taps.unreached == (40,) and outs["a"].taps.unreached == ()
+    check(reqs[1], dict(outs["e"].taps), reqs[1].wire.ask.positions)
+
+
 def test_a_worker_on_another_node_sends_rows_not_places_and_frees_its_arena():
     """A worker whose /dev/shm the API cannot see (another node: worker.py `_on_api_node`)
     answers collect with the rows themselves; the API's tensors are the same as from the arena,

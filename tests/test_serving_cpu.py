@@ -236,6 +236,10 @@ def test_a_tapped_completion_brings_its_captures(stream, inline):
     ({"vllm_xargs": xargs(params={"steer": [1.0, 2.0]})}, "parameter 'steer' (vector) must be 16 numbers"),
     ({"n": 2, "vllm_xargs": xargs(capture="*")}, "taps with n=2 choices are not supported"),
     ({"prompt": [[1, 2], [3]], "vllm_xargs": xargs(capture="*")}, "a tapped completion takes one prompt, got 2"),
+    ({"vllm_xargs": xargs(capture="*", positions=[1, 10**12])}, "position 1000000000000 lies beyond the last this "
+                                                                "request can reach, 3 (a prompt of 3 tokens and max_tokens=2)"),
+    ({"vllm_xargs": xargs(capture="*", positions=[1.5])}, "positions must be one of all, prompt, generated, last or a "
+                                                          "list of distinct non-negative token positions (integers), got [1.5]"),
 ])
 def test_bad_tapped_requests_get_400_with_the_request_errors_words(body, words):
     app, _ = stand_in_app()
@@ -529,7 +533,7 @@ def test_results_encode_as_safetensors_reads_them_with_every_dtype_and_the_metad
             "one": wide.to(torch.bfloat16).as_strided((1, 1), (7, 3), 29)}   # one value, odd strides
     saved = {"probe": [torch.randn(2, 4, generator=g).half(), {"note": 1}, torch.tensor(True)],
              "ids": [torch.randint(-5, 5, (4,), dtype=torch.int32, generator=g), torch.tensor(7, dtype=torch.uint8)]}
-    head, tensors = encode(Stored(taps, saved, RequestError("boom at layer 3")))
+    head, tensors = encode(Stored(taps, saved, RequestError("boom at layer 3"), (40, 41)))
     data = head + b"".join(bytes(tensor_bytes(t)) for t in tensors)
     got = load_safetensors(data)
     want = {**taps, "saved/probe/0": saved["probe"][0], "saved/probe/2": saved["probe"][2],
@@ -546,6 +550,7 @@ def test_results_encode_as_safetensors_reads_them_with_every_dtype_and_the_metad
         with safe_open(f.name, "pt") as st:
             meta = st.metadata()
     assert meta["error"] == "boom at layer 3" and json.loads(meta["saved"]) == {"probe": {"1": {"note": 1}}}
+    assert json.loads(meta["unreached"]) == [40, 41], "listed positions the request stopped before"
     with pytest.raises(RequestError, match="saved/c/0: dtype torch.complex64"):
         encode(Stored({}, {"c": [torch.zeros(2, dtype=torch.complex64)]}, None))
 
@@ -734,13 +739,15 @@ def test_the_plugin_shares_a_folder_only_with_several_api_servers(monkeypatch, t
 
     monkeypatch.setattr(results, "shared_folder", lambda: str(tmp_path))
     config = {"tapc": {"plan": toy_plan(TAPS).to_json()}}
-    one = server_for(object(), NS(additional_config=config, api_server_count=None))
-    two = server_for(object(), NS(additional_config=config, api_server_count=2))
+    engine = NS(model_config=NS(max_model_len=64))   # vLLM's engine client, as the plugin reads it
+    one = server_for(engine, NS(additional_config=config, api_server_count=None))
+    two = server_for(engine, NS(additional_config=config, api_server_count=2))
+    assert one.session.max_model_len == 64, "requests' positions are bounded by the engine's context"
     assert isinstance(one.results, MemoryResults) and isinstance(two.results, FolderResults)
     assert two.results.folder == str(tmp_path)
     saving = {"tapc": {**config["tapc"], "save": {"folder": str(tmp_path / "acts"), "positions": "all"}}}
     with pytest.raises(TapcError, match="writes one folder's shards from one process: run it with --api-server-count 1"):
-        server_for(object(), NS(additional_config=saving, api_server_count=2))
+        server_for(engine, NS(additional_config=saving, api_server_count=2))
 
 
 def test_tapc_serve_save_to_puts_the_save_folder_in_the_servers_config(capsys, tmp_path):

@@ -43,6 +43,7 @@ class AsyncVLLM:
 
         self.plan, self.session, engine_args = setup(model, taps, blocks, params, capture_dtype, kwargs)
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **engine_args))
+        self.session.max_model_len = self.engine.model_config.max_model_len
         self.collector = Collector(self.engine, self.session)
         self._blocks = blocks
         self._ready: asyncio.Task | None = None
@@ -71,7 +72,7 @@ class AsyncVLLM:
 
         where = f"request {request_id}"
         prepared = self.session.prepare(sampling_params if sampling_params is not None else SamplingParams(),
-                                        self.session.check(taps, where), where)
+                                        self.session.check(taps, where), where, prompt)
         await self._setup()
         self.collector.flush(now=True)   # chunks the caller dropped go back before more run
         stream = self.engine.generate(salted(prompt, prepared.salt), prepared.params, request_id, **kwargs)

@@ -41,6 +41,7 @@ class VLLM:
 
         self.plan, self.session, engine_args = setup(model, taps, blocks, params, capture_dtype, kwargs)
         self.llm = LLM(model=model, **engine_args)
+        self.session.max_model_len = self.llm.model_config.max_model_len
         if blocks:
             import cloudpickle
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 from typing import Any
 
 from tapc.errors import RequestError
 from tapc.lang.edits import EDITS, POSITIONS, check_param, set_lengths
+from tapc.lang.quoted import shown
 from tapc.plan.tapplan import TapPlan
 from tapc.wire.protocol import Ask
 
@@ -98,10 +100,16 @@ def _positions(positions, where: str):
             raise RequestError(f"{where}: positions {positions!r}: use one of {', '.join(POSITIONS)} "
                                "or a list of token positions")
         return positions
-    out = [int(p) for p in positions]
-    if any(p < 0 for p in out) or len(set(out)) != len(out):
-        raise RequestError(f"{where}: positions must be distinct non-negative token positions, got {out}")
-    return sorted(out)
+    try:
+        out = list(positions)
+    except TypeError:
+        out = None
+    # numpy's integers count (Integral); 2.5 or True is not a position
+    if out is None or not all(isinstance(p, Integral) and not isinstance(p, bool) and p >= 0 for p in out) \
+            or len(set(out)) != len(out):
+        raise RequestError(f"{where}: positions must be one of {', '.join(POSITIONS)} or a list of distinct "
+                           f"non-negative token positions (integers), got {shown(positions)}")
+    return sorted(int(p) for p in out)
 
 
 def check_engine_params(plan: TapPlan, params: Mapping[str, Any], where: str) -> None:

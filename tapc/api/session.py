@@ -36,7 +36,7 @@ from tapc.api.requests import TapRequest, check, check_engine_params
 from tapc.errors import EngineError, ProtocolError, RequestError, TapcError
 from tapc.plan.tapplan import ENGINE, TapPlan
 from tapc.wire.arena import ArenaReader
-from tapc.wire.positions import expected_rows
+from tapc.wire.positions import expected_rows, last_reachable, unreached
 from tapc.wire.protocol import Ask, CollectReply, Result, WireRequest
 
 log = logging.getLogger("tapc")
@@ -59,11 +59,13 @@ class Prepared:
 
 class Taps(dict):
     """A request's captures by key. A key it does not have says why: the request's error, or
-    the keys it did capture."""
+    the keys it did capture. `unreached`: the listed positions it asked for that the request
+    never reached (it stopped before them), which have no row."""
 
-    def __init__(self, captures=(), error: BaseException | None = None):
+    def __init__(self, captures=(), error: BaseException | None = None, unreached: tuple[int, ...] = ()):
         super().__init__(captures)
         self.error = error
+        self.unreached = unreached
 
     def __missing__(self, key):
         if self.error is not None:
@@ -88,8 +90,9 @@ class TapSession:
     one fails at construction); `blocks`: names of the blocks registered on the engine."""
 
     def __init__(self, plan: TapPlan, params: dict | None = None, blocks: Iterable[str] = (),
-                 prefix_rows: bool = False):
+                 prefix_rows: bool = False, max_model_len: int | None = None):
         self.plan = plan
+        self.max_model_len = max_model_len   # the engine's, once it is known: bounds requests' positions
         self.block_names = plan_blocks(plan, blocks)
         self.engine_blocks = set(blocks)
         self.params = dict(params or {})
@@ -128,11 +131,26 @@ class TapSession:
                                "engine (VLLM(..., blocks=...)) nor the request (TapRequest(blocks=...)) gives them")
         return checked if self.every or not checked.empty else None
 
-    def prepare(self, sampling_params, checked: Ask | None, where: str) -> Prepared:
+    def check_reach(self, checked: Ask, prompt_len: int | None, max_tokens: int | None, where: str) -> None:
+        """A `RequestError` where a listed position lies beyond any the request can reach (its
+        prompt and max_tokens, the engine's max_model_len: tapc/wire/positions.py), which would
+        come back with no row."""
+        if isinstance(checked.positions, str) or not checked.positions:
+            return
+        bound = last_reachable(prompt_len, max_tokens, self.max_model_len)
+        if bound is not None and checked.positions[-1] > bound[0]:
+            beyond = [p for p in checked.positions if p > bound[0]]
+            raise RequestError(f"{where}: {'positions' if len(beyond) > 1 else 'position'} {shown_list(beyond)} "
+                               f"{'lie' if len(beyond) > 1 else 'lies'} beyond the last this request can reach, "
+                               f"{bound[0]} ({bound[1]})")
+
+    def prepare(self, sampling_params, checked: Ask | None, where: str, prompt=None) -> Prepared:
         """One request to submit, from its checked ask: its tapc id (made here, once) travels
-        in a copy of its SamplingParams, with what it may do with the prefix cache."""
+        in a copy of its SamplingParams, with what it may do with the prefix cache. `prompt`
+        (where given, and given as token ids) bounds the positions it may ask for."""
         if checked is None:
             return Prepared(sampling_params, None)
+        self.check_reach(checked, prompt_tokens(prompt), sampling_params.max_tokens, where)
         if sampling_params.n != 1:
             raise RequestError(f"{where}: taps with n={sampling_params.n} samples per prompt are not supported; "
                                "repeat the prompt instead")
@@ -164,7 +182,7 @@ class TapSession:
         for i, (sp, ask) in enumerate(zip(params, asks)):
             if id(ask) not in checked:
                 checked[id(ask)] = self.check(ask, f"request {i}")
-            out.append(self.prepare(sp, checked[id(ask)], f"request {i}"))
+            out.append(self.prepare(sp, checked[id(ask)], f"request {i}", prompts[i]))
         return [salted(prompt, p.salt) for prompt, p in zip(prompts, out)], out
 
     def released(self) -> list[tuple[str, int]]:
@@ -229,7 +247,9 @@ class TapSession:
         try:
             if result is None:
                 raise ProtocolError(f"request {out.request_id}: the engine's reply has no result for it")
-            out.taps = Taps(self._assemble(out, wire, result))
+            out.taps = Taps(self._assemble(out, wire, result),
+                            unreached=unreached(wire.ask.positions, len(out.prompt_token_ids),
+                                                len(out.outputs[0].token_ids)))
         except TapcError as e:
             # Without its traceback: those frames would keep every output of this call, and the
             # captures they view, alive as long as the caller keeps the error.
@@ -303,6 +323,17 @@ class TapSession:
     def _unused(self, chunk) -> None:
         if chunk.data is None:   # rows sent inline have no block left to give back
             self.arena.unused(chunk.path, chunk.offset)
+
+
+def prompt_tokens(prompt) -> int | None:
+    """The length of a prompt given as token ids (a list, or `{"prompt_token_ids": [...]}`);
+    None for text, whose tokens the engine makes."""
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+    return len(ids) if isinstance(ids, list) and all(isinstance(t, int) for t in ids[:1]) else None
+
+
+def shown_list(values: list[int], limit: int = 5) -> str:
+    return ", ".join(map(str, values[:limit])) + (f" and {len(values) - limit} more" if len(values) > limit else "")
 
 
 def place(shard, parts: list[tuple[int, torch.Tensor]], request_id: str) -> torch.Tensor:

@@ -87,7 +87,8 @@ def server_for(engine_client, args):
                             "--api-server-count 1")
         save = SaveFolder(plan, **tapc["save"])
     # the plan's blocks run on the workers, which import them (worker.py): requests need not send any
-    session = TapSession(plan, params, tapc.get("blocks") or (), prefix_rows=bool(tapc.get("prefix_rows")))
+    session = TapSession(plan, params, tapc.get("blocks") or (), prefix_rows=bool(tapc.get("prefix_rows")),
+                         max_model_len=engine_client.model_config.max_model_len)
     return TapcServer(engine_client, session, shared=shared, save=save)
 
 

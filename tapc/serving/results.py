@@ -44,6 +44,7 @@ class Stored:
     taps: dict
     saved: dict
     error: BaseException | None
+    unreached: tuple[int, ...] = ()   # listed positions the request stopped before (session.Taps)
     at: float = field(default_factory=time.monotonic)
 
     def drop_tensors(self) -> None:
@@ -467,8 +468,9 @@ def _error_type(stored: Stored) -> str:
 
 def parts(stored: Stored) -> tuple[dict, dict]:
     """What a result sends: its tensors by name (each capture under its key, each saved tensor
-    under `saved/<name>/<i>`) and its metadata: `error` (and `error_type`, its class) and the
-    saved values that are not tensors (JSON). RequestError: a tensor safetensors has no dtype for."""
+    under `saved/<name>/<i>`) and its metadata: `error` (and `error_type`, its class), the
+    saved values that are not tensors (JSON) and `unreached`, the listed positions the request
+    stopped before (JSON). RequestError: a tensor safetensors has no dtype for."""
     import torch
 
     tensors = dict(stored.taps)
@@ -483,7 +485,7 @@ def parts(stored: Stored) -> tuple[dict, dict]:
         if t.dtype not in SAFETENSORS_DTYPES:
             raise RequestError(f"{name}: dtype {t.dtype} has no safetensors name")
     meta = {"error": "" if stored.error is None else str(stored.error), "error_type": _error_type(stored),
-            "saved": json.dumps(other, default=repr)}
+            "saved": json.dumps(other, default=repr), "unreached": json.dumps(list(stored.unreached))}
     return tensors, meta
 
 

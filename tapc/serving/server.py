@@ -35,7 +35,7 @@ import pybase64
 
 from tapc.api.async_llm import Collector
 from tapc.api.prefix import salted
-from tapc.api.session import TapSession
+from tapc.api.session import TapSession, prompt_tokens
 from tapc.errors import RequestError
 from tapc.serving.asks import HttpAsk, parse_ask
 from tapc.serving.results import FolderResults, MemoryResults, Reply, Stored, safetensors_bytes
@@ -90,6 +90,8 @@ class TapcServer:
         # types a list by its items, so the first says which (a scan of every id cost 40 us)
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) != 1:
             raise RequestError(f"{where}: a tapped completion takes one prompt, got {len(prompt)}")
+        one = prompt[0] if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list) else prompt
+        self.session.check_reach(checked, prompt_tokens(one), _max_tokens(body), where)
         wire = WireRequest(uuid.uuid4().hex, checked)
         use = self.session.prefix.use(checked, wire.id)
         # A capture of prompt rows reads no cached KV: a salt of its own even where identical
@@ -181,7 +183,7 @@ class TapcServer:
         out = NS(request_id=tid, prompt_token_ids=range(usage["prompt_tokens"]),
                  outputs=[NS(token_ids=range(usage["completion_tokens"]))])
         self.session.finish(out, wire, result)
-        return Stored(dict(out.taps), out.saved, out.error)
+        return Stored(dict(out.taps), out.saved, out.error, out.taps.unreached)
 
     async def abandoned(self, tid: str) -> None:
         """The response of `tid` did not complete: vLLM aborted the request; free what it held."""
@@ -224,3 +226,9 @@ class TapcServer:
         self.results.add_vector(name, v)
         return int(v.size)
 
+
+def _max_tokens(body: dict) -> int | None:
+    """The body's bound on generated tokens (chat's `max_completion_tokens`, or `max_tokens`);
+    None where it sets none, or one vLLM will refuse itself."""
+    n = body.get("max_completion_tokens", body.get("max_tokens"))
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None

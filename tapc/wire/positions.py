@@ -55,11 +55,16 @@ NO_END = np.iinfo(np.int64).max   # past every position
 ALWAYS_COMPUTED = ("generated", "last")
 
 
+def _ran(prompt_len: int, num_generated: int) -> int:
+    """Positions that went through the model: 0 .. prompt_len + num_generated - 2."""
+    return prompt_len + max(num_generated, 1) - 1
+
+
 def expected_rows(positions, prompt_len: int, num_generated: int) -> int:
     """How many rows a finished request's capture has: positions that went through the model
     (0 .. prompt_len + num_generated - 2) and that `positions` covers (what `select` over them
     counts, in closed form: this runs for every request, at admission and at assembly)."""
-    ran = prompt_len + max(num_generated, 1) - 1
+    ran = _ran(prompt_len, num_generated)
     if positions == "all":
         return ran
     if positions == "prompt":
@@ -69,3 +74,24 @@ def expected_rows(positions, prompt_len: int, num_generated: int) -> int:
     if positions == "last":
         return int(0 <= prompt_len - 1 < ran)
     return len({int(p) for p in positions if 0 <= p < ran})
+
+
+def unreached(positions, prompt_len: int, num_generated: int) -> tuple[int, ...]:
+    """The listed positions a finished request never reached (it stopped before them): they
+    have no row. The words always name positions that ran."""
+    if isinstance(positions, str):
+        return ()
+    ran = _ran(prompt_len, num_generated)
+    return tuple(int(p) for p in positions if p >= ran)
+
+
+def last_reachable(prompt_len: int | None, max_tokens: int | None, max_model_len: int | None):
+    """(the last position a request can have a row at, why) from what is known before it runs:
+    its prompt's length and max_tokens (P + max_tokens - 2), the engine's max_model_len (a
+    request's tokens fit it: max_model_len - 2); None where neither is known."""
+    bounds = []
+    if prompt_len is not None and max_tokens is not None:
+        bounds.append((prompt_len + max_tokens - 2, f"a prompt of {prompt_len} tokens and max_tokens={max_tokens}"))
+    if max_model_len is not None:
+        bounds.append((max_model_len - 2, f"the engine's max_model_len={max_model_len}"))
+    return min(bounds) if bounds else None
