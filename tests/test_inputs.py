@@ -204,6 +204,8 @@ def test_paths_over_255_bytes_are_one_line(capsys, tmp_path):
 def test_a_model_given_empty_or_as_its_config_file_is_said_so(capsys, tmp_path):
     rc, _, err = explain(capsys, "", "model.layers.1.resid")
     assert rc == 2 and "ResolveError: the model is empty: give a directory with config.json, or a hub id" in err, err
+    rc, _, err = explain(capsys, "~no-such-user/model", "model.layers.1.resid")   # found by the spec fuzzer
+    assert rc == 2 and "~no-such-user/model: its `~` names no home directory on this machine" in err, err
     rc, _, err = explain(capsys, CONFIGS / "llama" / "config.json", "model.layers.1.resid")
     assert rc == 2 and "config.json: a file, not a model directory; give the folder that holds it" in err, err
     (tmp_path / "s.yaml").write_text("model: ''\ntaps: [model.layers.1.resid]\n")

@@ -1,14 +1,19 @@
 """YAML tap specs: full validation with messages that name the key."""
 import dataclasses
+import re
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from tapc.errors import RequestError, SpecError, TapSyntaxError
+from tapc.errors import RequestError, SpecError, TapcError, TapSyntaxError
 from tapc.api.specs import spec_plan
-from tapc.lang.specfile import TensorFile, load_spec, load_tensor
+from tapc.lang.specfile import TensorFile, load_spec, load_tensor, spec_from_dict
 
 from conftest import CONFIGS
 
@@ -148,3 +153,82 @@ def test_blocks_by_import_path(tmp_path):
     bad = dataclasses.replace(spec, blocks={"probe": "textwrap:_whitespace_only_re"})
     with pytest.raises(TapcError, match=r"spec.yaml: blocks: block 'probe' \(textwrap:_whitespace_only_re\) is a Pattern, not a function"):
         spec_arguments(bad, {})
+
+
+# ----------------------------------------------------------------------------- the spec fuzzer
+# Beside the tap parser's (tests/test_spec.py): mutated spec texts and random mappings go through
+# load_spec / spec_from_dict and, where they load, the plan; only tapc's own errors may come out.
+
+SEED = f"""model: {CONFIGS / 'llama'}
+engine: {{max_num_batched_tokens: 1024, max_num_seqs: 8, tensor_parallel_size: 2, enable_lora: false}}
+taps:
+  - model.layers.*.resid
+  - model.layers.2.resid | add(steer, alpha=alpha, at=generated)
+params:
+  steer: {{file: v.safetensors, key: v}}
+  alpha: 4.0
+blocks: {{probe: my_probes:record}}
+capture: {{positions: all, dtype: bfloat16, memory_gib: 2}}
+output: {{dir: acts, format: safetensors, shard_tokens: 1000}}
+"""
+PIECES = ["\n", " ", ":", "- ", "[", "]", "{", "}", ",", "#", "'", '"', "&a ", "*a", "!!int ", "!!float ", "!!timestamp ",
+          "!!bool ", "!!str ", "!!binary ", "!!set ", "<<: ", "? ", "|", ">", "%", "@", "\t", "~", "null", "true", "maybe",
+          ".nan", ".inf", "-.inf", "1e999", "2.5", "0", "-2", "0x1F", "0o17", "2024-13-45", "9" * 30, "9" * 5000,
+          "engine", "tensor_parallel_size", "max_num_seqs", "lora_target_modules", "params", "taps", "capture", "output",
+          "model.layers.*.resid", "x" * 300, "\x00", "é"]
+
+
+VALUE_SPANS = [m.span() for m in re.finditer(r"(?<=: )[^,{}\n]+|(?<=- )[^\n]+", SEED)]
+
+
+@st.composite
+def mutated(draw) -> str:
+    """The seed with a few values replaced (most mutations keep it YAML) or text spliced anywhere."""
+    text, spans = SEED, sorted(draw(st.sets(st.sampled_from(VALUE_SPANS), max_size=2)), reverse=True)
+    for lo, hi in spans:   # from the end: the spans before stay where they were
+        text = text[:lo] + draw(st.lists(st.sampled_from(PIECES), min_size=1, max_size=3).map("".join)) + text[hi:]
+    for _ in range(draw(st.integers(0 if spans else 1, 1))):
+        at = draw(st.integers(0, len(text)))
+        cut = draw(st.integers(0, 12))
+        text = text[:at] + draw(st.sampled_from(PIECES) | st.text(max_size=6)) + text[at + cut:]
+    return text
+
+
+SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8) | st.sampled_from(
+    ["", "x" * 300, "model.layers.1.resid", "a:b", str(CONFIGS / "llama"), "v.safetensors", "bfloat16", "all"])
+VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+    st.sampled_from(["file", "key", "dir", "positions", "dtype", "memory_gib", "tensor_parallel_size", "max_num_seqs",
+                     "enable_lora", "steer", "alpha", "x"]) | st.text(max_size=4), inner, max_size=4), max_leaves=12)
+SPECS = st.fixed_dictionaries(
+    {"model": st.just(str(CONFIGS / "llama")) | SCALARS,
+     "taps": st.lists(st.sampled_from(["model.layers.*.resid", "model.layers.2.resid | add(steer, alpha=alpha)",
+                                       "model.layers.0.output -> probe"]) | SCALARS, max_size=3) | VALUES},
+    optional={k: VALUES for k in ("engine", "params", "blocks", "capture", "output", "extra")})
+
+
+def plan_of(spec_or_text, folder: Path):
+    """The spec, loaded from text or a mapping, and its plan: a plan or a TapcError."""
+    save_file({"v": torch.zeros(256)}, str(folder / "v.safetensors"))
+    try:
+        if isinstance(spec_or_text, str):
+            (folder / "spec.yaml").write_text(spec_or_text)
+            spec = load_spec(folder / "spec.yaml")
+        else:
+            spec = spec_from_dict(spec_or_text, base=folder)
+        spec_plan(spec)
+    except TapcError:
+        pass
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mutated())
+def test_mutated_spec_texts_fail_only_with_tapc_errors(text):
+    with tempfile.TemporaryDirectory() as folder:
+        plan_of(text, Path(folder))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(SPECS)
+def test_random_spec_mappings_fail_only_with_tapc_errors(data):
+    with tempfile.TemporaryDirectory() as folder:
+        plan_of(data, Path(folder))

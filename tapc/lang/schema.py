@@ -145,8 +145,9 @@ def dotted(parts) -> str:
             out += f"[{part}]"
         elif part == "[key]":   # pydantic's mark of a dict's key (not its value) at fault
             out += " (a key)"
-        else:
-            out += f".{part}" if out else str(part)
+        else:   # a key of any length quoted in a line: its start
+            part = str(part) if len(str(part)) <= 40 else f"{str(part)[:30]}...({len(str(part))} characters)"
+            out += f".{part}" if out else part
     return out
 
 

@@ -26,7 +26,7 @@ from tapc.errors import SpecError
 from tapc.lang.blockpaths import FORM as BLOCK_FORM
 from tapc.lang.blockpaths import split_path
 from tapc.lang.quoted import shown
-from tapc.lang.schema import CaptureOptions, OutputSink, SpecFile, TensorFile, checked
+from tapc.lang.schema import CaptureOptions, OutputSink, SpecFile, TensorFile, checked, dotted
 from tapc.lang.syntax import TapSpec, parse_taps
 from tapc.lang.yamltext import load_yaml
 
@@ -90,13 +90,13 @@ def spec_from_dict(data, base: Path = Path("."), name: str = "spec") -> Spec:
     params = {k: _param(v, base, name, ("params", k)) for k, v in raw.params.items()}
     for k, v in raw.blocks.items():
         if split_path(v) is None:
-            raise SpecError(f"{name}: blocks.{k} is {v!r}; name a block's function as {BLOCK_FORM}")
+            raise SpecError(f"{name}: {dotted(('blocks', k))} is {shown(v)}; name a block's function as {BLOCK_FORM}")
     return Spec(model=model, taps=parse_taps(raw.taps), engine=engine, params=params, blocks=raw.blocks,
                 capture=raw.capture, output=output, path=name)
 
 
 def _param(value, base: Path, name: str, at: tuple):
-    where = f"{name}: {'.'.join(at)}"
+    where = f"{name}: {dotted(at)}"
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return value   # finite and in range: the engine's checker says so, by the parameter's kind
     if isinstance(value, list):
@@ -155,4 +155,4 @@ def _check_engine_args(engine: dict, name: str) -> None:
         if key not in known:
             near = difflib.get_close_matches(str(key), known, n=1)
             hint = f"; did you mean `engine.{near[0]}`?" if near else ""
-            raise SpecError(f"{name}: unknown key `engine.{key}`{hint}")
+            raise SpecError(f"{name}: unknown key `{dotted(('engine', key))}`{hint}")

@@ -32,21 +32,34 @@ class _Loader(yaml.SafeLoader):
 
 def load_yaml(text: str, name: str):
     """The document in `text` (None when empty); `name` heads every error."""
-    loader = _Loader(text)
-    root = None
+    loader = root = None
     try:
+        loader = _Loader(text)   # its reader refuses characters YAML does not allow here, at once
         root = loader.get_single_node()
         return None if root is None else loader.construct_document(root)
     except _Unbuilt as e:
         raise SpecError(f"{name}: {_unbuilt(root, e)}") from None
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise SpecError(f"{name}: not valid YAML{where}: {getattr(e, 'problem', None) or e}") from None
+        mark, index = getattr(e, "problem_mark", None), getattr(e, "position", None)
+        if mark is not None:
+            where = f" (line {mark.line + 1}, column {mark.column + 1})"
+        elif index is not None:   # the reader's refusals carry a character's index instead
+            where = " (line {}, column {})".format(*_line_column(text, index))
+        else:
+            where = ""
+        why = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpecError(f"{name}: not valid YAML{where}: {why}") from None
     except RecursionError:   # PyYAML's composer recurses once per nesting level
         raise SpecError(f"{name}: YAML nested too deep") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
+
+
+def _line_column(text: str, index: int) -> tuple[int, int]:
+    """1-based, as editors count."""
+    before = text[:index]
+    return before.count("\n") + 1, index - before.rfind("\n")
 
 
 def _unbuilt(root, e: _Unbuilt) -> str:

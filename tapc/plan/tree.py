@@ -123,7 +123,10 @@ def config_path(model: str) -> Path:
     """config.json of a local directory, or of a hub id already in the local HF cache."""
     if not str(model).strip():
         raise ResolveError("the model is empty: give a directory with config.json, or a hub id")
-    local = Path(model).expanduser()
+    try:
+        local = Path(model).expanduser()
+    except RuntimeError:   # `~user` of a user this machine does not have
+        raise ResolveError(f"{paths.shown(model)}: its `~` names no home directory on this machine") from None
     found = paths.kind(local, "model", ResolveError)
     if found == "dir":
         if paths.kind(local / "config.json", "model", ResolveError) == "file":
