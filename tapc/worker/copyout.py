@@ -101,7 +101,7 @@ class CopyOut:
         2.1 ms step with 2.0 ms of GPU work), and copy-out through a snapshot took 229 us a step
         there; these copies are a few microseconds of DMA on the GPU instead.
         The compute stream is named by its handle, not a `torch.cuda.Stream`: making one took
-        about 30 us of a running engine's thread (profile_step, docs/engine.md)."""
+        about 30 us of a running engine's thread (profile_step, benchmarks/results/findings-engine.md)."""
         self._count(self.pools, used)
         copy_segments(segments, self.pools, self._batch, last=self._repeated)
         pending = [s for s in (self._big, self._small) if s is not None and _pending(s)]

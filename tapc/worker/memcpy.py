@@ -8,7 +8,7 @@ host's critical path (vLLM's own host loop nearly fills the GPU's decode step at
 stream order, on the copy engines, flagged to overlap with compute. A step of a few copies
 (decode at batch 1) makes one `cuMemcpyDtoHAsync_v2` a copy instead: in a running engine the
 batched call took 45-60 us of the engine thread's CPU time for one to three copies
-(profile_step on the Qwen3-30B-A3B shape, docs/engine.md).
+(profile_step on the Qwen3-30B-A3B shape, benchmarks/results/findings-engine.md).
 
 Loaded through ctypes from libcuda; where the driver lacks it, or a call fails, the caller
 falls back to one `copy_` per block (`copy_segments`), and a failure is logged once.

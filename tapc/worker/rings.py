@@ -37,7 +37,7 @@ class Repeat:
     once every `PHASES` steps, or when the ring ends (the runner's `_forget`), with one event,
     where a step made a copy call and an event each (in a running engine at batch 1 on the
     Qwen3-30B-A3B shape, 45-60 us of the engine thread's 2 ms step; at batch 64, a copy a
-    request and capture group, 0.3-0.6 ms of a 10 ms step: docs/engine.md)."""
+    request and capture group, 0.3-0.6 ms of a 10 ms step: benchmarks/results/findings-engine.md)."""
 
     def __init__(self):
         self.forget()

@@ -2,7 +2,7 @@
 
 A tap kernel that no row of a step asks for still runs when its graph is replayed: it reads
 its row table, finds -1 and returns. That is about 1 us of GPU time a node whatever the batch:
-72 nodes, 3.6% of a decode step at batch 1 on the MoE shape (docs/engine.md, Cost). The CUDA
+72 nodes, 3.6% of a decode step at batch 1 on the MoE shape (benchmarks/results/findings-engine.md). The CUDA
 driver can disable a kernel node of an instantiated graph between launches
 (`cuGraphNodeSetEnabled`: the node is an empty node until enabled again; the calls are in
 cugraph.py), so:
