@@ -274,12 +274,8 @@ class BlockRuntime:
             req.steps[point] = req.steps.get(point, 0) + 1
         batch = BatchContext(bp.key, point, lo, members, x.device)
         try:
-            out = fn(batch, rows)
+            out = _returned(bp, fn(batch, rows), rows)
             if out is not None:
-                if not isinstance(out, torch.Tensor) or out.shape != rows.shape:
-                    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                    raise ValueError(f"block `{bp.block}` returned {got}; return None (edit x in place) or a "
-                                     f"tensor of x's shape {tuple(rows.shape)}")
                 rows = out.to(rows.dtype)
         except Exception as exc:  # the requests of this call fail; the batch goes on
             failure = BlockFailure.capture(bp.block, bp.key, exc)
@@ -298,13 +294,18 @@ class BlockRuntime:
         req.steps[point] = step + 1
         ctx = BlockContext(req.rid, bp.key, step, range(span.first_pos, span.first_pos + span.end - span.start),
                            req.prompt_len, req.saved)
-        out = fn(ctx, view)
+        out = _returned(bp, fn(ctx, view), view)
         if out is not None:
-            if not isinstance(out, torch.Tensor) or out.shape != view.shape:
-                got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise ValueError(f"block `{bp.block}` returned {got}; return None (edit x in place) or a "
-                                 f"tensor of x's shape {tuple(view.shape)}")
             view.copy_(out)
+
+
+def _returned(bp: BlockPoint, out, x: torch.Tensor) -> "torch.Tensor | None":
+    """What a block returned, checked: None, or a tensor of `x`'s shape."""
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != x.shape):
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"block `{bp.block}` returned {got}; return None (edit x in place) or a "
+                         f"tensor of x's shape {tuple(x.shape)}")
+    return out
 
 
 def _adjacent(live: list[tuple[Span, Request]]):
