@@ -245,8 +245,10 @@ def test_a_missing_rank_is_an_error_not_a_short_tensor(tmp_path):
         session.results(replies[0])
 
 
-def test_explain_shows_layout_stage_and_bytes_per_gpu(capsys):
+def test_explain_shows_layout_stage_and_bytes_per_gpu(capsys, monkeypatch):
     from tapc.cli import main
+
+    monkeypatch.setenv("COLUMNS", "400")   # a wide terminal: each row on one line
 
     assert main(["explain", LLAMA, "model.layers.*.resid", "model.layers.1.mlp.act_fn.output",
                  "--tensor-parallel-size", "2", "--pipeline-parallel-size", "2", "--max-num-batched-tokens",
