@@ -45,7 +45,7 @@ class EnginePoints(StepComponent):
         self.wants: dict[str, tuple[str, ...]] = {}                 # tapc id -> engine captures
         self.rows: list[tuple] = []   # this step: (record, batch index, position) of real predictions
 
-    def admit(self, rec, computed: int = 0) -> None:
+    def admit(self, rec, computed: int) -> None:
         if rec.id in self.wants:   # resumed after a preemption: its blocks and rows go on
             return
         # Functions the offline API cloudpickled in the caller's process (protocol.Ask.blocks).

@@ -20,7 +20,6 @@ import functools
 import logging
 import time
 
-
 from tapc.errors import ProtocolError, RequestError
 from tapc.wire.arena import Arena
 from tapc.wire.protocol import CollectReply, Result, WireRequest
