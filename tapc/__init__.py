@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from tapc.errors import TapcError
 from tapc.lang.blocks import batched
+from tapc.lang.functions import Batch, function
 
-__all__ = ["AsyncVLLM", "TapRequest", "TapcError", "VLLM", "batched"]
+__all__ = ["AsyncVLLM", "Batch", "TapRequest", "TapcError", "VLLM", "batched", "function"]
 
 
 def __getattr__(name):

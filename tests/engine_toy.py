@@ -129,8 +129,9 @@ def toy_tree(mlp=mlp_nodes, layers: int = LAYERS, arch: str = "ToyForCausalLM") 
                       nodes=tuple(nodes))
 
 
-def toy_plan(taps, rows: int = 64, slots: int = 8):
-    return build_plan("toy", taps, max_num_batched_tokens=rows, max_num_seqs=slots, tree=toy_tree())
+def toy_plan(taps, rows: int = 64, slots: int = 8, functions: dict | None = None):
+    return build_plan("toy", taps, max_num_batched_tokens=rows, max_num_seqs=slots, tree=toy_tree(),
+                      functions=functions)
 
 
 def host_batch(dsts, srcs, sizes, stream) -> bool:
@@ -430,12 +431,13 @@ def run(runner, reqs: list[Req], budget: int) -> None:
 
 def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank: int = 0, stage: int = 0,
               runner: str = "v2", inline: bool = False, switch: bool = False, prefix_rows: tuple | None = None,
-              compiled: bool = True):
+              compiled: bool = True, functions: dict | None = None):
     """The toy runner of vLLM's `runner` ("v2" or "v1") with `plan` installed in `model`, as the
     worker installs it; and its hooks (`inline`: a worker on another node than the API; `switch`:
     with a `Switch` for the hooks to set, `hooks.switch`, without a driver: no graphs here;
     `prefix_rows`: (block, budget bytes) of kept prefix rows, `hooks.prefix_rows`; `compiled`
-    False: every step filled by the numpy reference, tapc/worker/fill.py)."""
+    False: every step filled by the numpy reference, tapc/worker/fill.py; `functions`: the plan's
+    compiled functions, by name)."""
     from tapc.worker.prefixrows import PrefixRows
     from tapc.worker.switch import Switch
     from tapc.kernels import ops
@@ -450,8 +452,9 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank
     buffers = toy_buffers(layout, rows, slots)
     toy, adapter = {"v2": (ToyRunner, V2Adapter), "v1": (ToyRunnerV1, V1Adapter)}[runner]
     runner = toy(model, pad)
-    buffers.positions = adapter.positions(runner) if settings.TAPC_RINGS else None   # as the plan's config tells the worker
-    install(model, layout, buffers)
+    positions = adapter.positions(runner)
+    buffers.positions = positions if settings.TAPC_RINGS else None   # as the plan's config tells the worker
+    install(model, layout, buffers, functions, positions)
     # the components, as the worker makes them
     points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
     # Small arena segments, so a run spans several files and reuses freed space.

@@ -37,11 +37,11 @@ class AsyncVLLM:
     vLLM's `AsyncEngineArgs`). `engine.engine` is the AsyncLLM, `engine.plan` the plan."""
 
     def __init__(self, model: str, taps: Sequence[str], *, blocks: dict | None = None, params: dict | None = None,
-                 capture_dtype: str | None = None, **kwargs):
+                 capture_dtype: str | None = None, functions: dict | None = None, **kwargs):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self.plan, self.session, engine_args = setup(model, taps, blocks, params, capture_dtype, kwargs)
+        self.plan, self.session, engine_args = setup(model, taps, blocks, params, capture_dtype, kwargs, functions)
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(model=model, **engine_args))
         self.session.max_model_len = self.engine.model_config.max_model_len
         self.collector = Collector(self.engine, self.session)

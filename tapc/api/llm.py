@@ -11,8 +11,11 @@
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
+from tapc import settings
 from tapc.api.requests import TapRequest
 from tapc.api.session import Taps, TapSession
 from tapc.lang.blockpaths import import_blocks
@@ -26,7 +29,8 @@ __all__ = ["VLLM", "TapRequest", "Taps"]
 
 class VLLM:
     """vLLM's `LLM` with taps. `taps`: tap strings (see `tapc explain`); `blocks`: Python blocks
-    by name (docs/blocks.md); `params`: engine-wide parameter values, used by every request that
+    by name (docs/blocks.md); `functions`: compiled functions by name, which `| call(name)` taps
+    run inside the graphs (docs/blocks.md); `params`: engine-wide parameter values, used by every request that
     does not pass its own; `capture_dtype`: dtype captures are stored in (default: the model's);
     `capture_memory_gib`: host memory for captures each GPU makes and pins at start (default 0:
     as requests need it, which stalls the step that first needs each GiB for about a second;
@@ -36,10 +40,10 @@ class VLLM:
     capture prompt rows or edit are kept apart from cached KV by tapc/api/prefix.py."""
 
     def __init__(self, model: str, taps: Sequence[str], *, blocks: dict | None = None, params: dict | None = None,
-                 capture_dtype: str | None = None, **kwargs):
+                 capture_dtype: str | None = None, functions: dict | None = None, **kwargs):
         from vllm import LLM
 
-        self.plan, self.session, engine_args = setup(model, taps, blocks, params, capture_dtype, kwargs)
+        self.plan, self.session, engine_args = setup(model, taps, blocks, params, capture_dtype, kwargs, functions)
         self.llm = LLM(model=model, **engine_args)
         self.session.max_model_len = self.llm.model_config.max_model_len
         if blocks:
@@ -78,25 +82,43 @@ class VLLM:
 
 
 def setup(model: str, taps: Sequence[str], blocks: dict | None, params: dict | None, capture_dtype: str | None,
-          kwargs: dict) -> tuple[TapPlan, TapSession, dict]:
+          kwargs: dict, functions: dict | None = None) -> tuple[TapPlan, TapSession, dict]:
     """What a tapped engine (offline or async) needs before vLLM starts: the plan, the session
     (blocks= and params= checked against the plan) and vLLM's engine arguments."""
     require_cuda()
-    plan, kwargs = plan_for(model, taps, capture_dtype, kwargs)
+    plan, kwargs = plan_for(model, taps, capture_dtype, kwargs, functions)
     args = engine_kwargs(plan, kwargs)
+    if plan.functions:
+        args["additional_config"]["tapc"]["functions"] = str(ship_functions(plan, functions))
     rows = bool(args["additional_config"]["tapc"].get("prefix_rows"))
     return plan, TapSession(plan, params, blocks or {}, prefix_rows=rows), args
 
 
-def plan_for(model: str, taps: Sequence[str], capture_dtype: str | None, kwargs: dict) -> tuple[TapPlan, dict]:
+def plan_for(model: str, taps: Sequence[str], capture_dtype: str | None, kwargs: dict,
+             functions: dict | None = None) -> tuple[TapPlan, dict]:
     """The plan of an engine with vLLM arguments `kwargs` (no GPU needed), and those arguments
     with the batch sizes the plan is built for."""
     kwargs = dict(kwargs)
     kwargs.setdefault("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
     kwargs.setdefault("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
     plan = build_plan(model, list(taps), max_num_batched_tokens=kwargs["max_num_batched_tokens"],
-                      max_num_seqs=kwargs["max_num_seqs"], capture_dtype=capture_dtype, engine_args=kwargs)
+                      max_num_seqs=kwargs["max_num_seqs"], capture_dtype=capture_dtype, engine_args=kwargs,
+                      functions=functions)
     return plan, kwargs
+
+
+def ship_functions(plan: TapPlan, functions: dict) -> Path:
+    """The plan's compiled functions pickled by value (code, closures, a module's weights) into a
+    file of tapc's cache named by the plan's digest, which covers their code: every worker
+    process loads them from there before vLLM traces the model (worker.py)."""
+    import cloudpickle
+
+    path = settings.TAPC_CACHE / "functions" / f"{plan.digest}.pkl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(cloudpickle.dumps({f.name: functions[f.name] for f in plan.functions}))
+    tmp.replace(path)
+    return path
 
 
 def spec_arguments(spec, overrides: dict) -> tuple[str, list[str], dict]:

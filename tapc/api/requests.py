@@ -11,6 +11,7 @@ Which rows `positions` covers is tapc/wire/positions.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from numbers import Integral
 from typing import Any
 
 from tapc.errors import RequestError
-from tapc.lang.edits import EDITS, POSITIONS, check_param, set_lengths
+from tapc.lang.edits import CALL, EDITS, POSITIONS, check_param, set_lengths
 from tapc.lang.quoted import shown
 from tapc.plan.tapplan import TapPlan
 from tapc.wire.protocol import Ask
@@ -52,10 +53,25 @@ def check(plan: TapPlan, req: TapRequest, where: str) -> Ask:
     error messages (e.g. "request 3")."""
     keys = _capture_keys(plan, req.capture, where)
     positions = _positions(req.positions, where)
+    params = _params(plan, req.params, where)
+    _results_applied(plan, keys, params, where)
     return Ask(capture=tuple(k for k in keys if k not in ENGINE_POINTS),
                engine=tuple(k for k in keys if k in ENGINE_POINTS),
                positions=positions if isinstance(positions, str) else tuple(positions),
-               params=_params(plan, req.params, where), blocks=_blocks(plan, req.blocks, where))
+               params=params, blocks=_blocks(plan, req.blocks, where))
+
+
+def _results_applied(plan: TapPlan, keys: list[str], params: dict, where: str) -> None:
+    """A compiled function's result is the request's own only where the request applies the
+    function (binds its parameters): other rows run it with another request's values."""
+    calls = {(dataclasses.replace(t.point, result=None), t.function): t for t in plan.taps if t.action == CALL}
+    for tap in plan.taps:
+        if tap.action == "capture" and tap.function is not None and tap.key in keys:
+            call = calls[(dataclasses.replace(tap.point, result=None), tap.function)]
+            missing = [a.param for a in call.args if a.param is not None and a.param not in params]
+            if missing:
+                raise RequestError(f"{where}: {tap.key} is a result of `{call.source}`, which runs with the "
+                                   f"request's {', '.join(map(repr, missing))}: bind them to capture it")
 
 
 def _blocks(plan: TapPlan, blocks: Mapping[str, Any], where: str) -> bytes | None:
@@ -127,7 +143,7 @@ def _params(plan: TapPlan, params: Mapping[str, Any], where: str, partial: bool 
             raise RequestError(f"{where}: parameter {name!r} is not named by any tap of this engine's plan "
                                f"(its parameters: {known})")
         out[name] = _value(plan, specs[name], value, where)
-    for tap in (t for t in plan.taps if t.action in EDITS):   # in the graphs and on the logits
+    for tap in (t for t in plan.taps if t.action in EDITS or t.action == CALL):   # in the graphs and on the logits
         names = [a.param for a in tap.args if a.param is not None]
         given = [n for n in names if n in out]
         if given and len(given) != len(names) and not partial:

@@ -29,6 +29,8 @@ MAX_COLUMNS = 64
 
 # Every edit also takes `at=`: which rows of its request to edit.
 AT = ("at", "positions", "all")
+# The action that runs a compiled function (tapc/lang/functions.py); its tables are its parameters'.
+CALL = "call"
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,12 @@ class Table:
 
 
 def tables(action: str, args, width: int) -> tuple[Table, ...]:
-    """The tables an edit reads, in its op's argument order. `args`: the tap's `Arg`s."""
+    """The tables an edit reads, in its op's argument order. `args`: the tap's `Arg`s. A
+    compiled function's (`call`) are its declared parameters', scalars and vectors alike."""
+    if action == CALL:
+        return tuple(Table(a.name, () if a.kind == "scalar" else (width,), "float32",
+                           None if a.param is None else (a.param, False), a.param is None)
+                     for a in args if a.name != AT[0])
     op = EDITS[action]
     by_name = {a.name: a for a in args}
     kinds = op.kinds()
@@ -202,6 +209,9 @@ def tables(action: str, args, width: int) -> tuple[Table, ...]:
 def slot_row(action: str, table: Table, values: dict) -> np.ndarray:
     """What one slot of `table` holds, as a numpy array of its shape and dtype. `values`: the
     edit's argument values by name (literals, and a request's wire values for its parameters)."""
+    if action == CALL:
+        value = values[table.arg]
+        return np.frombuffer(value, dtype=np.float32).copy() if isinstance(value, bytes) else np.asarray(value, np.float32)
     op = EDITS[action]
     value = values.get(table.arg, dict(op.constants).get(table.arg))
     kind = op.kinds().get(table.arg, "values")

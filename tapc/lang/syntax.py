@@ -18,7 +18,7 @@ import lark
 from lark import Lark, Transformer
 
 from tapc.errors import PlanError, TapSyntaxError
-from tapc.lang.edits import AT, REQUIRED, SIGNATURES, check_literal
+from tapc.lang.edits import AT, CALL, REQUIRED, SIGNATURES, check_literal
 
 # ----------------------------------------------------------------------------- the AST
 
@@ -59,11 +59,12 @@ Value = Union[float, int, str, tuple, Param]
 
 @dataclass(frozen=True)
 class Action:
-    """What to do at the point. op "capture" (the default), an edit, or "block"."""
+    """What to do at the point. op "capture" (the default), an edit, "call" or "block"."""
 
     op: str = "capture"
     args: tuple[tuple[str, Value], ...] = ()  # (argument name, value), defaults filled in
     block: str | None = None                   # the Python block's name for `-> name`
+    function: str | None = None                # the compiled function's name for `| call(name, ...)`
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,9 @@ class TapSpec:
 # ----------------------------------------------------------------------------- edit signatures
 
 # op -> ((argument, kind, default), ...) is tapc/lang/edits.py's SIGNATURES; every edit also takes `at=` (AT).
-ACTIONS = ("capture", *SIGNATURES)
+# `call(name, p=value, ...)` runs a compiled function (tapc/lang/functions.py): its parameters
+# are the function's, so only the plan, which has the function, checks them.
+ACTIONS = ("capture", *SIGNATURES, CALL)
 
 
 # ----------------------------------------------------------------------------- limits
@@ -326,6 +329,8 @@ def _bind_action(text: str, op: str | None, args: list, where: str) -> Action:
         if args:
             raise _syntax_error(text, text.index("capture") + 1, "capture takes no arguments", where)
         return Action()
+    if op == CALL:
+        return _bind_call(text, args, where)
     if op not in SIGNATURES:
         col = text.rindex("|") + 2
         near = difflib.get_close_matches(op, ACTIONS, n=1, cutoff=0.6)
@@ -360,6 +365,28 @@ def _bind_action(text: str, op: str | None, args: list, where: str) -> Action:
             value = _check_value(text, op, name, kind, bound[name], where)
         out.append((name, value))
     return Action(op=op, args=tuple(out))
+
+
+def _bind_call(text: str, args: list, where: str) -> Action:
+    """`call(name, p=value, ..., at=...)`: the function's name, then its parameters by name."""
+    if not args or args[0][0] is not None or not isinstance(args[0][1], Param):
+        raise _syntax_error(text, len(text), "call() names the compiled function first: `call(name, param=value, ...)`",
+                            where)
+    bound: dict[str, Value] = {}
+    for name, value in args[1:]:
+        if name is None:
+            raise _syntax_error(text, len(text), "call(): give the function's parameters by name "
+                                "(`call(name, threshold=t)`)", where)
+        if name in bound:
+            raise _syntax_error(text, len(text), f"call(): argument {name!r} given twice", where)
+        if name == AT[0]:
+            value = _check_value(text, CALL, name, AT[1], value, where)
+        elif isinstance(value, tuple) and not all(isinstance(v, (int, float)) for v in value):
+            raise _syntax_error(text, len(text), f"call(): argument {name!r} must be a number, a list of numbers "
+                                "or a parameter name", where)
+        bound[name] = value
+    bound.setdefault(AT[0], AT[2])
+    return Action(op=CALL, args=tuple(bound.items()), function=args[0][1].name)
 
 
 def _check_value(text: str, op: str, name: str, kind: str, value: Value, where: str) -> Value:

@@ -11,6 +11,7 @@ import dataclasses
 from tapc.errors import PlanError
 from tapc.lang.schema import EngineArgs, checked
 from tapc.lang.syntax import TapSpec, parse_taps
+from tapc.plan.calls import check_function, complete_calls, function_specs
 from tapc.plan.resolve import resolve_tap
 from tapc.plan.sharding import ModelDims, pp_stages, shard_points
 from tapc.plan.shards import PointShard
@@ -24,12 +25,13 @@ CAPTURE_DTYPES = ("float32", "bfloat16", "float16")
 
 def build_plan(model: str, taps, *, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, capture_dtype: str | None = None, tree=None,
-               engine_args: dict | None = None, dims: ModelDims | None = None) -> TapPlan:
+               engine_args: dict | None = None, dims: ModelDims | None = None, functions: dict | None = None) -> TapPlan:
     """Resolve taps (a text, or tap strings or parsed `TapSpec`s in any iterable) against `model`'s vLLM module tree, as
     an engine with `engine_args` builds it (tree.py TREE_ENGINE_ARGS: LoRA), for its
     `tensor_parallel_size` and `pipeline_parallel_size`; the sizes and the engine arguments tapc
     reads are checked against tapc.lang.schema.EngineArgs. `dims`: the attention shape the
-    parallel layouts need (default: from the model's config.json)."""
+    parallel layouts need (default: from the model's config.json). `functions`: the compiled
+    functions `call` taps run, by name (tapc/plan/calls.py traces each on the CPU)."""
     specs = _specs(taps)
     if not specs:
         raise PlanError("no taps: give at least one tap")
@@ -44,13 +46,24 @@ def build_plan(model: str, taps, *, max_num_batched_tokens: int = DEFAULT_MAX_NU
         for tap in resolve_tap(spec, tree):
             if tap.kind == READ and capture_dtype:
                 tap = dataclasses.replace(tap, dtype=capture_dtype)
-            sig = (tap.key, tap.action, tap.args, tap.block)
+            sig = (tap.key, tap.action, tap.args, tap.block, tap.function)
             if sig in seen:
                 raise PlanError(f"{tap.key} is tapped twice the same way: by `{seen[sig].source}` and `{tap.source}`")
             seen[sig] = tap
             planned.append(tap)
+    specs = function_specs(functions)
+    planned = complete_calls(planned, specs)
     params = _collect_params(planned)
     tp, pp = sizes.tensor_parallel_size, sizes.pipeline_parallel_size
+    calls = [t for t in planned if t.action == "call"]
+    if calls and tp * pp > 1:
+        raise PlanError(f"`{calls[0].source}`: compiled functions run on one GPU for now (this plan is for "
+                        f"tensor_parallel_size={tp}, pipeline_parallel_size={pp}); use a Python block there")
+    checked_once = set()
+    for tap in calls:   # once per function and point shape
+        if (tap.function, tap.width, tap.dtype) not in checked_once:
+            check_function(functions[tap.function], specs[tap.function], tap)
+            checked_once.add((tap.function, tap.width, tap.dtype))
     shards = _parallel(model, tree, planned, dims, tp, pp) if tp * pp > 1 else {}
     planned = [dataclasses.replace(t, layout=shards[t.key].layout, stage=shards[t.key].stage) if shards else t
                for t in planned]
@@ -65,6 +78,7 @@ def build_plan(model: str, taps, *, max_num_batched_tokens: int = DEFAULT_MAX_NU
         pieces_before=pieces, pieces_after=pieces + len(block_points), total_buffer_bytes=total,
         tensor_parallel_size=tp, pipeline_parallel_size=pp,
         pp_layers=pp_stages(tree.num_layers, pp) if shards else (), shards=tuple(shards.values()),
+        functions=tuple(specs[name] for name in dict.fromkeys(t.function for t in calls)),
     )
     return dataclasses.replace(plan, digest=plan_digest(plan))
 

@@ -313,6 +313,9 @@ def _engine_tap(spec: TapSpec, tree: ModuleTree) -> PlannedTap:
                                "(`samples -> name`)")
         return PlannedTap(source=spec.text, point=Point(site="samples"), action=spec.action.op,
                           kind=ENGINE, block=spec.action.block, width=1, dtype="int64")
+    if spec.action.op == "call":
+        raise ResolveError(f"{where}: compiled functions run inside the model's graphs, and the logits are made "
+                           "outside them; edit the logits with set/zero/add/scale, or use a block (`logits -> name`)")
     if spec.action.op in ("project_out",):
         raise ResolveError(f"{where}: `{spec.action.op}` on logits has no meaning; use set/zero to mask tokens, "
                            "add for a logit bias, scale for a temperature")
@@ -334,6 +337,13 @@ def _planned(spec: TapSpec, point: Point, width: int, dtype: str, layer, kind: s
         raise ResolveError(f"{_where(spec)}: an edit at a `.source` op's input cannot run in-graph (the "
                            "argument is shared with other uses); edit the output of the op that produces it, "
                            "or use a Python block (`-> name`)")
+    if action.op == "call":   # the argument kinds are the function's: tapc/plan/calls.py completes it
+        return PlannedTap(source=spec.text, point=point, action="call", kind=kind or EDIT, function=action.function,
+                          args=tuple(Arg(name=name, kind="positions" if name == "at" else "",
+                                         param=value.name if isinstance(value, Param) else None,
+                                         value=None if isinstance(value, Param) else value)
+                                     for name, value in action.args),
+                          width=width, dtype=dtype, layer=layer)
     kinds = EDITS[action.op].kinds()
     args = tuple(Arg(name=name, kind=kinds[name], param=value.name) if isinstance(value, Param) else
                  Arg(name=name, kind=kinds[name], value=value) for name, value in action.args)

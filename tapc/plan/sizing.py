@@ -22,7 +22,7 @@ host memory: the pinned staging buffers of the row tables and of parameter rows
 """
 from __future__ import annotations
 
-from tapc.lang.edits import EDITS, Table, tables
+from tapc.lang.edits import CALL, EDITS, Table, tables
 from tapc.plan.ranks import indexed_rank_taps
 from tapc.plan.tapplan import EDIT, ENGINE, READ, PlannedTap
 
@@ -80,7 +80,7 @@ def tap_bytes(taps, rows: int, max_num_seqs: int) -> list[int]:
             tables = 2 if i == first else 1
             out[i] = (rows + snapshots) * tap.width * ITEMSIZE[tap.dtype] + tables * rows * ROW_ENTRY
     for kind, per_row in ((EDIT, rows), (ENGINE, max_num_seqs)):
-        index = [i for i, t in enumerate(taps) if t.kind == kind and t.action in EDITS]
+        index = [i for i, t in enumerate(taps) if t.kind == kind and (t.action in EDITS or t.action == CALL)]
         for i, own in zip(index, edit_tables([taps[i] for i in index])):
             out[i] = per_row * ROW_ENTRY + sum(slots * t.nbytes_per_slot for t, first in own if first)
     return out

@@ -32,14 +32,17 @@ class Point:
     op: str | None = None        # `.source` op name, e.g. "qkv_split_0"
     io: str = "output"           # for `.source`: the op's "output" or "input"
     element: int | None = None   # tuple element, e.g. a decoder layer's output[0]
+    result: str | None = None    # a compiled function's named result there, "function.result"
 
     @property
     def key(self) -> str:
-        """Canonical text of the point; captures come back under this key."""
+        """Canonical text of the point; captures come back under this key (a function's
+        result under the point's key, `:` and "function.result")."""
         if self.site in ("logits", "samples"):
             return self.site
         text = f"{self.module}.source.{self.op}.{self.io}" if self.site == "source" else f"{self.module}.{self.site}"
-        return text if self.element is None else f"{text}[{self.element}]"
+        text = text if self.element is None else f"{text}[{self.element}]"
+        return text if self.result is None else f"{text}:{self.result}"
 
 
 @dataclass(frozen=True)
@@ -62,15 +65,28 @@ class ParamSpec:
 
 
 @dataclass(frozen=True)
+class FunctionSpec:
+    """A compiled function the plan's `call` taps run (tapc/lang/functions.py `Signature`), and
+    a hash of its code and state, which the digest covers: a changed function never reuses a
+    stale compiled graph."""
+
+    name: str
+    params: tuple[tuple[str, str], ...] = ()                 # (name, kind)
+    results: tuple[tuple[str, int | None, str], ...] = ()    # (name, width or None, dtype)
+    code: str = ""
+
+
+@dataclass(frozen=True)
 class PlannedTap:
     """One resolved tap: a point, what to do there, and what it costs."""
 
     source: str                    # the tap line as the user wrote it
     point: Point
-    action: str                    # "capture" | "add" | "scale" | "set" | "zero" | "project_out" | "block"
+    action: str                    # "capture" | "add" | "scale" | "set" | "zero" | "project_out" | "call" | "block"
     kind: str                      # READ | EDIT | BLOCK | ENGINE
     args: tuple[Arg, ...] = ()
     block: str | None = None       # name of the Python block for `-> name`
+    function: str | None = None    # the compiled function a `call` runs, and whose result a capture keeps
     width: int = 0                 # elements per token in the single-GPU layout
     dtype: str = "bfloat16"        # dtype of the activation at that point (captures: of the buffer)
     buffer_bytes: int = 0          # device memory the engine allocates for it (tapc/plan/sizing.py), on
@@ -108,6 +124,7 @@ class TapPlan:
     # tapc/plan/sharding.py's PointShard of each tapped point (one per key), when either size is
     # above 1: which GPU runs, captures and edits which columns (tapc/plan/ranks.py).
     shards: tuple = ()
+    functions: tuple[FunctionSpec, ...] = ()   # the compiled functions its `call` taps run
     digest: str = ""
 
     def by_kind(self, kind: str) -> tuple[PlannedTap, ...]:
@@ -147,11 +164,17 @@ class TapPlan:
         return cls(**{**d, "taps": taps, "params": tuple(ParamSpec(**p) for p in d["params"]),
                       "splitting_ops": tuple(d["splitting_ops"]),
                       "pp_layers": tuple(tuple(r) for r in d.get("pp_layers", ())),
-                      "shards": tuple(PointShard.from_dict(s) for s in d.get("shards", ()))})
+                      "shards": tuple(PointShard.from_dict(s) for s in d.get("shards", ())),
+                      "functions": tuple(_function(f) for f in d.get("functions", ()))})
 
     @classmethod
     def from_json(cls, text: str) -> "TapPlan":
         return cls.from_dict(json.loads(text))
+
+
+def _function(d: dict) -> FunctionSpec:
+    return FunctionSpec(d["name"], tuple(tuple(p) for p in d["params"]), tuple(tuple(r) for r in d["results"]),
+                        d["code"])
 
 
 def plan_digest(plan: TapPlan) -> str:

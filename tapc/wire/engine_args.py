@@ -33,7 +33,8 @@ WORKER = "tapc.worker.worker.TapWorker"
 # `.source` tap wraps, which op and tables an edit reads, the tables' shapes): a change to any of
 # them must invalidate vLLM's compile cache. tests/test_digest_cpu.py runs an install and the
 # patched forwards and fails if a tapc file they run is missing here.
-GRAPH_MODULES = ("tapc.worker.install", "tapc.worker.source", "tapc.worker.layout", "tapc.plan.tree", "tapc.lang.edits",
+GRAPH_MODULES = ("tapc.worker.install", "tapc.worker.source", "tapc.worker.calls", "tapc.lang.functions",
+                 "tapc.worker.layout", "tapc.plan.tree", "tapc.lang.edits",
                  "tapc.plan.sizing", "tapc.plan.ranks", "tapc.plan.sharding")
 GRAPH_PACKAGES = ("tapc.kernels",)   # every module of these
 

@@ -28,6 +28,7 @@ sum is the edited value). Taps at one module run in plan order.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import types
 from collections import defaultdict
@@ -37,6 +38,7 @@ import torch
 
 from tapc.errors import EngineError
 from tapc.lang.edits import EDITS
+from tapc.worker.calls import Call
 from tapc.worker.layout import Layout
 from tapc.worker.source import rewrite_forward
 
@@ -44,14 +46,19 @@ from tapc.worker.source import rewrite_forward
 TapOp = Callable[[torch.Tensor, "torch.Tensor | None"], None]
 
 
-def install(model: torch.nn.Module, layout: Layout, buffers) -> None:
+def install(model: torch.nn.Module, layout: Layout, buffers, functions: dict | None = None,
+            positions: torch.Tensor | None = None) -> None:
     """Patch every tapped module of `model`. `buffers` has `table` (row tables), `pools`
-    (capture pools) and `params.tables` (per-edit parameter tables); see `buffers.Buffers`."""
+    (capture pools) and `params.tables` (per-edit parameter tables); see `buffers.Buffers`.
+    `functions`: the compiled functions of the plan's `call` taps, by name; `positions`: the
+    runner's positions, one a row, which they see (None: they see none)."""
     import tapc.kernels  # noqa: F401  registers torch.ops.tapc.*
 
+    calls = _Functions(model, functions or {}, positions)
     by_path: dict[str, list] = defaultdict(list)
     for c, tap in enumerate(layout.captures):
-        by_path[tap.point.module].append((tap, ("capture", c)))
+        if tap.point.result is None:   # a function's results are captured by its call
+            by_path[tap.point.module].append((tap, ("capture", c)))
     for e, tap in enumerate(layout.edits):
         by_path[tap.point.module].append((tap, ("edit", e)))
     for k, tap in enumerate(layout.blocks):
@@ -67,7 +74,8 @@ def install(model: torch.nn.Module, layout: Layout, buffers) -> None:
         taps.sort(key=lambda te: layout.plan_order[id(te[0])])
         prefix = "" if target is owner else f"{path.rpartition('.')[2]}_"
         bound[key] = (target, method, path, owner,
-                      [(tap, _bind(owner, f"{prefix}{i}", tap, what, layout, buffers)) for i, (tap, what) in enumerate(taps)])
+                      [(tap, _bind(owner, f"{prefix}{i}", tap, what, layout, buffers, calls))
+                       for i, (tap, what) in enumerate(taps)])
     leads = _logits_at_routers(bound)
     for key, (target, method, path, _, ops) in bound.items():
         _patch(target, method, path, ops, leads.get(key))
@@ -138,7 +146,8 @@ def _target(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, object,
                       "was the plan built for another model?")
 
 
-def _bind(module: torch.nn.Module, i: str, tap, what: tuple[str, int], layout: Layout, buffers) -> TapOp:
+def _bind(module: torch.nn.Module, i: str, tap, what: tuple[str, int], layout: Layout, buffers,
+          calls: "_Functions") -> TapOp:
     """Register the tap's tables on `module` (names `_tapc_<i>_*`) and return the op call that reads them."""
     kind, index = what
     if kind == "block":
@@ -150,19 +159,48 @@ def _bind(module: torch.nn.Module, i: str, tap, what: tuple[str, int], layout: L
         module.register_buffer(attr, tensor, persistent=False)
         return attr
 
-    if kind == "capture":
-        group = int(layout.cap_group[index])
+    def capture(c: int, name: str = "") -> _Capture:
+        group = int(layout.cap_group[c])
         ring = None
         if buffers.positions is not None:   # the runner's positions: rings (tapc/kernels/capture.py) can run
-            ring = (reg("ring", buffers.table[layout.ring_row]), reg("pos", buffers.positions),
+            ring = (reg(f"{name}ring", buffers.table[layout.ring_row]), reg(f"{name}pos", buffers.positions),
                     len(layout.groups[group].caps))
-        return _Capture(module, reg("dst", buffers.table[index]), reg("pool", buffers.pools[group]), ring)
+        return _Capture(module, reg(f"{name}dst", buffers.table[c]), reg(f"{name}pool", buffers.pools[group]), ring)
+
+    if kind == "capture":
+        return capture(index)
 
     slot = reg("slot", buffers.table[layout.edit_row(index)])
+    if tap.action == "call":
+        results = {t.point.result.split(".", 1)[1]: capture(c, f"{t.point.result.split('.', 1)[1]}_")
+                   for c, t in enumerate(layout.captures)
+                   if t.function == tap.function and dataclasses.replace(t.point, result=None) == tap.point}
+        params = {a.name: reg(f"p_{a.name}", buffers.params.tables[index][a.name]) for a in tap.args if a.name != "at"}
+        positions = reg("positions", calls.positions) if calls.positions is not None else None
+        return Call(module, calls.get(tap.function, module, i), slot, params, positions, results)
     edit = EDITS[tap.action]
     op = getattr(torch.ops.tapc, edit.kernel)
     tables = [reg(name, buffers.params.tables[index][name]) for name in edit.tables]
     return lambda x, b: op(x, b, getattr(module, slot), *[getattr(module, t) for t in tables])
+
+
+class _Functions:
+    """The plan's compiled functions as the model's forward calls them: a module's weights move
+    to the model's device and are registered under the tapped module, so that Dynamo lifts them
+    as graph inputs (fixed addresses) rather than baking them in as constants."""
+
+    def __init__(self, model: torch.nn.Module, functions: dict, positions: torch.Tensor | None):
+        self.functions, self.positions = functions, positions
+        self.device = next(iter(model.parameters()), torch.empty(0)).device
+
+    def get(self, name: str, module: torch.nn.Module, i: str):
+        fn = self.functions.get(name)
+        if fn is None:
+            raise EngineError(f"the plan calls the compiled function {name!r}, which this engine was not given")
+        if not isinstance(fn, torch.nn.Module):
+            return fn
+        module.add_module(f"_tapc_{i}_fn", fn.to(self.device))
+        return getattr(module, f"_tapc_{i}_fn")
 
 
 class _Capture:

@@ -60,8 +60,9 @@ class TapWorker(Worker):
         # What tapc took from the GPU, against what `tapc explain` said (tests/test_sizing_gpu.py).
         self.tapc_allocated = torch.cuda.memory_allocated(self.device) - before
         # the ops read the runner's positions only where rings are on (rings.py)
-        buffers.positions = adapter_cls.positions(runner) if config.get("rings") else None
-        install(runner.get_model(), layout, buffers)
+        positions = adapter_cls.positions(runner)
+        buffers.positions = positions if config.get("rings") else None
+        install(runner.get_model(), layout, buffers, _functions(config.get("functions")), positions)
         points = EnginePoints(layout, buffers, _tp_all_gather) if layout.blocks or layout.engine else None
         if points is not None and config.get("blocks"):   # a server's blocks, by import path (tapc serve)
             points.runtime.register(import_blocks(config["blocks"], "the engine's plan"))
@@ -151,6 +152,14 @@ def runner_adapter(runner):
             return adapter
     raise EngineError(f"tapc instruments vLLM's V2 (vllm/v1/worker/gpu/) and V1 (vllm/v1/worker/gpu_model_runner.py) "
                       f"model runners, but this engine runs {type(runner).__module__}.{type(runner).__name__}")
+
+
+def _functions(path: str | None) -> dict:
+    """The plan's compiled functions, which the API pickled by value into `path` (api/llm.py)."""
+    if path is None:
+        return {}
+    with open(path, "rb") as f:
+        return pickle.load(f)
 
 
 def _place(plan: TapPlan) -> tuple[int, int]:
