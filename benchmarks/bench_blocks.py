@@ -1,12 +1,16 @@
-"""Cost of Python blocks at graph boundaries, beside vanilla vLLM in the same process.
+"""Cost of interventions beyond the built-in edits, beside vanilla vLLM in the same process:
+Python blocks at graph boundaries, and compiled functions inside the graphs.
 
-    python3 benchmarks/bench_blocks.py [--shape 8b|1b] [--variants one all batched] --out bench_blocks.md
+    python3 benchmarks/bench_blocks.py [--shape 8b|1b] [--variants one all batched fn-noop fn-probe] --out bench_blocks.md
 
 Engines (dummy weights, greedy, ignore_eos, token-id prompts; runs interleaved, the first round
 discarded as warmup): vanilla vLLM (defaults: compile, FULL_AND_PIECEWISE graphs); tapc with a
 no-op block on one layer (`model.layers.{L/2}.resid -> noop`, `one`); tapc with a no-op block on
-every layer, called per request (`all`) or batched, once per layer and step (`batched`). Block
-engines split their graphs at each block. Decode at batch 1 and 64, 512 prompt tokens, 128
+every layer, called per request (`all`) or batched, once per layer and step (`batched`); tapc
+with a compiled function on every layer's resid (`| call(...)`), a no-op (`fn-noop`: returns its
+input, every request applies it) or a linear probe (`fn-probe`: hidden -> 16, sigmoid, fp32,
+every request keeps every layer's scores at every position). Block engines split their graphs
+at each block; function engines split none. Decode at batch 1 and 64, 512 prompt tokens, 128
 generated; output tokens/s and the ratio to vanilla.
 """
 import argparse
@@ -19,6 +23,9 @@ import time
 
 from bench_engine import ENGINE, LLAMA_31_8B, timed, write_table
 
+import torch
+
+import tapc
 from tapc import batched
 
 LLAMA_32_1B = {**LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -36,21 +43,36 @@ def noop_batched(batch, x):
     return None
 
 
+def noop_fn(x, batch):
+    return x
+
+
+@tapc.function(results={"p": 16})
+class Probe(torch.nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(hidden, 16) / hidden ** 0.5)
+        self.b = torch.nn.Parameter(torch.zeros(16))
+
+    def forward(self, x, batch):
+        return {"p": torch.sigmoid(x.float() @ self.w + self.b)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=SHAPES, default="8b")
     ap.add_argument("--out", default="bench_blocks.md")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the first is warmup")
-    ap.add_argument("--variants", nargs="+", choices=("one", "all", "batched"), default=["one", "all", "batched"],
+    ap.add_argument("--variants", nargs="+", choices=("one", "all", "batched", "fn-noop", "fn-probe"),
+                    default=["one", "all", "batched", "fn-noop", "fn-probe"],
                     help="the tapc engines beside vanilla")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    import torch
     import vllm
     from vllm import LLM
 
-    from tapc import VLLM
+    from tapc import VLLM, TapRequest
 
     name, config = SHAPES[args.shape]
     layers = config["num_hidden_layers"]
@@ -66,7 +88,15 @@ def main():
                 lambda: VLLM(model, taps=["model.layers.*.resid -> noop"], blocks={"noop": noop}, **common)),
         "batched": (f"tapc, batched no-op block on all {layers} layers",
                     lambda: VLLM(model, taps=["model.layers.*.resid -> noop"], blocks={"noop": noop_batched}, **common)),
+        "fn-noop": (f"tapc, compiled no-op function on all {layers} layers",
+                    lambda: VLLM(model, taps=["model.layers.*.resid | call(noop)"], functions={"noop": noop_fn},
+                                 **common)),
+        "fn-probe": (f"tapc, compiled probe on all {layers} layers, scores kept",
+                     lambda: VLLM(model, taps=["model.layers.*.resid | call(probe)"],
+                                  functions={"probe": Probe(config["hidden_size"])}, **common)),
     }
+    # what each engine's requests ask: the probe's requests keep every layer's scores
+    asks = {variants["fn-probe"][0]: TapRequest(capture="*")}
     for label, make in [("vanilla", lambda: LLM(model, **common))] + [variants[v] for v in args.variants]:
         t0 = time.perf_counter()
         engines[label] = make()
@@ -76,7 +106,8 @@ def main():
     for rnd in range(args.repeats):
         for w in WORKLOADS:
             for label, llm in engines.items():
-                value = timed(lambda ps, sp, llm=llm: llm.generate(ps, sp, use_tqdm=False), w, seed=rnd)
+                ask = {"taps": asks[label]} if label in asks else {}
+                value = timed(lambda ps, sp, llm=llm, ask=ask: llm.generate(ps, sp, use_tqdm=False, **ask), w, seed=rnd)
                 print(f"round {rnd} {w:12s} {label:40s} {value:10.1f}", flush=True)
                 if rnd > 0 or args.repeats == 1:
                     results.setdefault((w, label), []).append(value)

@@ -9,9 +9,11 @@ torch.compile's reason and the user's line, before any engine starts.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import inspect
+import logging
 from collections.abc import Callable, Mapping
 
 from tapc.errors import PlanError
@@ -124,11 +126,17 @@ def check_function(fn: Callable, spec: FunctionSpec, tap: PlannedTap) -> None:
     def run(x, mask, slot, position, *values):
         return fn(x, Batch(mask, slot, position, dict(zip(params, values))))
 
+    args = (x, mask, slot, position, *params.values())
     try:
-        explained = torch._dynamo.explain(run)(x, mask, slot, position, *params.values())
-    except Exception as e:   # the user's code raised while traced: say what and where
-        raise PlanError(f"{where} fails when traced on a [{ROWS}, {tap.width}] {tap.dtype} tensor: "
-                        f"{type(e).__name__}: {_first_line(e)}{_user_line(e)}") from None
+        with _quiet("torch._subclasses.fake_tensor"):   # it logs the error it raises, as a page of traceback
+            explained = torch._dynamo.explain(run)(*args)
+    except Exception as e:
+        try:   # eagerly, the user's own error from the user's own line
+            run(*args)
+        except Exception as eager:
+            raise PlanError(f"{where} fails on a [{ROWS}, {tap.width}] {tap.dtype} tensor: "
+                            f"{type(eager).__name__}: {_first_line(eager)}{_user_line(eager)}") from None
+        raise PlanError(f"{where} cannot be traced by torch.compile: {_first_line(e)}") from None
     if explained.graph_break_count > 0:   # -1: no graph at all (a function that returns its input)
         reason = explained.break_reasons[0]
         frame = reason.user_stack[-1] if reason.user_stack else None
@@ -136,7 +144,7 @@ def check_function(fn: Callable, spec: FunctionSpec, tap: PlannedTap) -> None:
         raise PlanError(f"{where} cannot run inside a compiled graph{at}: {_first_line(reason.reason)}. Make it "
                         "branch-free tensor code (torch.where instead of `if`, no .item() or .tolist()), or run "
                         "it as a Python block (`-> name`)")
-    _check_returned(run(x, mask, slot, position, *params.values()), spec, tap, where)
+    _check_returned(run(*args), spec, tap, where)
 
 
 def _check_returned(out, spec: FunctionSpec, tap: PlannedTap, where: str) -> None:
@@ -160,6 +168,17 @@ def _check_returned(out, spec: FunctionSpec, tap: PlannedTap, where: str) -> Non
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != (ROWS, declared[name]):
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise PlanError(f"{where} result {name!r} is {shape}; it is declared [rows, {declared[name]}]")
+
+
+@contextlib.contextmanager
+def _quiet(name: str):
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _first_line(e) -> str:
