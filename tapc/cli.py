@@ -22,6 +22,7 @@ DOCS = ("the tap language: docs/dsl.md; YAML specs and plans: docs/spec.md; harv
 
 
 def _explain(args) -> int:
+    from tapc.lang.blockpaths import import_blocks
     from tapc.lang.specfile import is_spec_path
     from tapc.plan.explain import render, render_points
     from tapc.plan.planner import build_plan
@@ -56,7 +57,9 @@ def _explain(args) -> int:
             return 0
         engine_args = {k: v for k, v in flags.items() if k.endswith("parallel_size")}
         sizes = {k: v for k, v in flags.items() if k not in engine_args}
-        plan = build_plan(args.target, args.taps, **sizes, engine_args=engine_args)
+        functions = import_blocks(dict(_named_path(f, "--function", "tapc explain") for f in args.function),
+                                  "tapc explain", what="function")
+        plan = build_plan(args.target, args.taps, **sizes, engine_args=engine_args, functions=functions)
     if args.json:
         print(plan.to_json(indent=2))
         return 0
@@ -73,11 +76,11 @@ def _harvest(args) -> int:
     spec = load_spec(args.spec)  # a spec's errors are worth knowing on any machine
     if spec.output is None:
         raise TapcError(f"{args.spec}: a harvest needs an `output:` section (dir, shard_tokens)")
+    if args.ray is not None or args.gpus > 1:
+        return _harvest_ray(args, spec)
     require_cuda()  # then, before prompts are read or vLLM is imported
-    if args.gpus > 1 and args.rank is None:
-        return _harvest_gpus(args, spec)
     from tapc.api.llm import VLLM
-    from tapc.harvest import corpus, fleet
+    from tapc.harvest import corpus
     from tapc.harvest.run import harvest
 
     llm = VLLM.from_spec(spec)
@@ -92,40 +95,59 @@ def _harvest(args) -> int:
         prompts = corpus.read_prompts(args.prompts)
     if args.limit is not None:
         prompts = itertools.islice(prompts, args.limit)
-    sampling = None
-    if args.max_tokens != 1:
-        from vllm import SamplingParams
-
-        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     out = spec.output
-    split = (0, 1) if args.rank is None else (args.rank, args.ranks)
-    folder = out.dir if args.rank is None else str(fleet.part(out.dir, args.rank))
-    m = harvest(llm, prompts, folder, split=split, shard_tokens=out.shard_tokens, positions=spec.capture.positions,
-                sampling_params=sampling, format=out.format, dtype=out.dtype,
-                context_size=args.context_size or out.context_size, source=source,
-                window_tokens=args.window_tokens)
+    m = harvest(llm, prompts, out.dir, shard_tokens=out.shard_tokens, positions=spec.capture.positions,
+                sampling_params=_sampling(args), format=out.format, dtype=out.dtype,
+                context_size=args.context_size or out.context_size, source=source, window_tokens=args.window_tokens)
     print(f"{m.rows} rows of {len(m.keys)} keys from {m.prompts} prompts in {len(m.shards)} shards "
           f"under {out.dir}" + (f"; {len(m.failed)} prompts failed (see manifest.json)" if m.failed else ""))
     return 1 if m.failed else 0
 
 
-def _harvest_gpus(args, spec) -> int:
-    """One `tapc harvest --rank R --ranks N` process per GPU, then one manifest (tapc/harvest/fleet.py)."""
-    from tapc.harvest import fleet
+def _harvest_ray(args, spec) -> int:
+    """The harvest over a Ray cluster (`--ray [ADDRESS]`), or over this host's GPUs (`--gpus N`: a
+    Ray of this host): tapc/harvest/cluster.py."""
+    from tapc.harvest.cluster import harvest_ray, require_ray
+    from tapc.harvest.engines import SpecEngine
+    from tapc.wire.engine_args import require_cuda
 
-    n = args.gpus
-    cmd = [sys.executable, "-m", "tapc.cli", *args.argv, "--ranks", str(n)]
-    fleet.launch([[*cmd, "--rank", str(r)] for r in range(n)], [str(r) for r in range(n)])
-    m = fleet.merge(spec.output.dir, n)
-    print(f"{m.rows} rows of {len(m.keys)} keys from {m.prompts} prompts in {len(m.shards)} shards over {n} GPUs "
-          f"under {spec.output.dir}" + (f"; {len(m.failed)} prompts failed (see manifest.json)" if m.failed else ""))
+    ray = require_ray()
+    if args.ray is None:
+        require_cuda()   # this host runs the engines
+        ray.init(num_gpus=args.gpus, ignore_reinit_error=True)
+    else:   # the driver may be a machine without GPUs: the actors have theirs
+        ray.init(address=args.ray or None, ignore_reinit_error=True)
+    documents = bool(args.text_field or args.context_size)
+    tokenizer = None
+    if documents:   # packing runs here, and the manifest's source names the tokenizer
+        from vllm.tokenizers import get_tokenizer
+
+        tokenizer = get_tokenizer(spec.engine.get("tokenizer") or spec.model,
+                                  trust_remote_code=bool(spec.engine.get("trust_remote_code")))
+    out = spec.output
+    m = harvest_ray(SpecEngine(spec), args.prompts, out.dir, part_prompts=args.part_prompts,
+                    text_field=(args.text_field or "text") if documents else None, tokenizer=tokenizer,
+                    limit=args.limit, shard_tokens=out.shard_tokens, positions=spec.capture.positions,
+                    sampling_params=_sampling(args), format=out.format, dtype=out.dtype,
+                    context_size=args.context_size or out.context_size, window_tokens=args.window_tokens)
+    print(f"{m.rows} rows of {len(m.keys)} keys from {m.prompts} prompts in {len(m.shards)} shards under {out.dir}"
+          + (f"; {len(m.failed)} prompts failed (see manifest.json)" if m.failed else ""))
     return 1 if m.failed else 0
 
 
-def _named_block(text: str) -> tuple[str, str]:
+def _sampling(args):
+    """The harvest's sampling parameters: None (one greedy token) unless --max-tokens says more."""
+    if args.max_tokens == 1:
+        return None
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+
+
+def _named_path(text: str, flag: str = "--block", where: str = "tapc serve") -> tuple[str, str]:
     name, eq, path = text.partition("=")
     if not (eq and name and path):
-        raise TapcError(f"tapc serve: --block {text!r}: give NAME=package.module:function")
+        raise TapcError(f"{where}: {flag} {text!r}: give NAME=package.module:function")
     return name, path
 
 
@@ -159,12 +181,13 @@ def _serve(args, rest: list[str]) -> int:
     if args.target.endswith((".yaml", ".yml")):
         from tapc.lang.specfile import load_spec
 
-        if args.tap or args.block:
-            raise TapcError("tapc serve: give a spec or --tap/--block, not both (the spec's taps are the plan)")
+        if args.tap or args.block or args.function:
+            raise TapcError("tapc serve: give a spec or --tap/--block/--function, not both (the spec's taps are the plan)")
         spec = load_spec(args.target)
     elif not args.tap:
         raise TapcError("tapc serve: give a spec .yaml, or a model and its taps (--tap ...)")
-    blocks = dict(_named_block(b) for b in args.block)
+    blocks = dict(_named_path(b) for b in args.block)
+    functions = dict(_named_path(f, "--function") for f in args.function)
     if not args.print:   # what was given is checked on any machine; then the GPU, before the plan
         require_cuda()
     if spec is not None:
@@ -173,11 +196,12 @@ def _serve(args, rest: list[str]) -> int:
         model, taps, kwargs = spec_arguments(spec, engine)
         kwargs.pop("params")       # the server loads them from the spec
         kwargs.pop("blocks")       # each worker imports them, by the spec's paths
+        kwargs.pop("functions")
         argv = serve_argv(model, taps, capture_dtype=kwargs.pop("capture_dtype"), spec_path=args.target,
-                          engine=kwargs, extra=rest, blocks=spec.blocks, save=save)
+                          engine=kwargs, extra=rest, blocks=spec.blocks, save=save, functions=spec.functions)
     else:
         argv = serve_argv(args.target, args.tap, capture_dtype=args.capture_dtype, engine=engine, extra=rest,
-                          blocks=blocks, save=save)
+                          blocks=blocks, save=save, functions=functions)
     if args.print:
         print(shlex.join(["vllm", *argv]))
         return 0
@@ -197,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--json", action="store_true", help="print the plan (or, without taps, the module tree) as JSON")
     ex.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help=f"rows each buffer holds (default: the spec's, else {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    ex.add_argument("--function", action="append", default=[], metavar="NAME=MODULE:FUNCTION",
+                    help="the compiled function of a tap `point | call(NAME)`: traced on the CPU, refused if it "
+                         "cannot run in a graph (repeat)")
     ex.add_argument("--max-num-seqs", type=int, default=None,
                     help=f"request slots in parameter tables (default: the spec's, else {DEFAULT_MAX_NUM_SEQS})")
     ex.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -215,9 +242,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="pack documents into windows of N tokens, BOS first (as SAELens); without it, one "
                          "prompt per document")
     hv.add_argument("--limit", type=int, default=None, help="only the first N prompts (windows when packing)")
-    hv.add_argument("--gpus", type=int, default=1, help="one engine per GPU, each on its share of the prompts")
-    hv.add_argument("--rank", type=int, default=None, help="run part RANK of --ranks (the --gpus launcher's)")
-    hv.add_argument("--ranks", type=int, default=1, help="parts in all, over every node")
+    hv.add_argument("--gpus", type=int, default=1,
+                    help="this host's GPUs, an engine on each (or on each tensor x pipeline parallel group), on Ray")
+    hv.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                    help="run on a Ray cluster, an engine per GPU (or group) of every node (ADDRESS: the cluster's; "
+                         "default: RAY_ADDRESS, else a Ray of this host)")
+    hv.add_argument("--part-prompts", type=int, default=4096,
+                    help="with --ray or --gpus: prompts a part, the unit an engine takes (a restart must keep it)")
     hv.add_argument("--window-tokens", type=int, default=None,
                     help="tokens in flight (submitted, not yet written); bounds /dev/shm use "
                          "(default: 16 engine steps of max_num_batched_tokens)")
@@ -229,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--tap", action="append", default=[], help="a tap string (repeat); not with a spec")
     sv.add_argument("--block", action="append", default=[], metavar="NAME=MODULE:FUNCTION",
                     help="the function of a tap's block `point -> NAME`, imported by the server (repeat)")
+    sv.add_argument("--function", action="append", default=[], metavar="NAME=MODULE:FUNCTION",
+                    help="the compiled function of a tap `point | call(NAME)`, traced into the graphs (repeat)")
     sv.add_argument("--capture-dtype", default=None, help="dtype captures are kept in (default: the model's)")
     sv.add_argument("--capture-memory-gib", type=float, default=None, metavar="GIB",
                     help="host memory for captures each GPU pins at start, so no request waits for it")
@@ -244,7 +277,6 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if rest and args.command != "serve":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    args.argv = list(sys.argv[1:] if argv is None else argv)   # what --gpus runs again per GPU
     if args.command != "serve":   # vLLM logs to stdout at import; `--json` output must stay clean
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:

@@ -18,6 +18,7 @@ from pathlib import Path
 from tapc import settings
 from tapc.api.requests import TapRequest
 from tapc.api.session import Taps, TapSession
+from tapc.api.specs import spec_functions
 from tapc.lang.blockpaths import import_blocks
 from tapc.plan.planner import build_plan
 from tapc.plan.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
@@ -130,4 +131,5 @@ def spec_arguments(spec, overrides: dict) -> tuple[str, list[str], dict]:
     blocks = import_blocks(spec.blocks, f"{spec.path}: blocks") or None   # blocks= in overrides wins
     return spec.model, [t.text for t in spec.taps], {"params": params or None, "capture_dtype": spec.capture.dtype,
                                                      "capture_memory_gib": spec.capture.memory_gib,
-                                                     "blocks": blocks, **spec.engine, **overrides}
+                                                     "blocks": blocks, "functions": spec_functions(spec) or None,
+                                                     **spec.engine, **overrides}

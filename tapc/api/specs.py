@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from tapc.api.requests import check_engine_params
+from tapc.lang.blockpaths import import_blocks
 from tapc.lang.specfile import Spec
 from tapc.plan.planner import build_plan
 from tapc.plan.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
@@ -14,7 +15,13 @@ def spec_plan(spec: Spec) -> TapPlan:
     engine = spec.engine
     plan = build_plan(spec.model, spec.taps, capture_dtype=spec.capture.dtype,
                       max_num_batched_tokens=int(engine.get("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)),
-                      max_num_seqs=int(engine.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)), engine_args=engine)
+                      max_num_seqs=int(engine.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS)), engine_args=engine,
+                      functions=spec_functions(spec))
     if spec.params:
         check_engine_params(plan, spec.param_values(), f"{spec.path}: params")
     return plan
+
+
+def spec_functions(spec: Spec) -> dict:
+    """The spec's compiled functions, imported (the plan traces them on the CPU)."""
+    return import_blocks(spec.functions, f"{spec.path}: functions", what="function")

@@ -1,6 +1,7 @@
-"""Python blocks named by import path, `package.module:function`: how a spec (`blocks:`) and
-`tapc serve --block` name them, so that no code travels with a request or a plan; the engine
-imports them where they run. No torch here: `tapc explain` checks a spec's paths without it."""
+"""Python blocks and compiled functions named by import path, `package.module:function`: how a
+spec (`blocks:`, `functions:`) and `tapc serve --block/--function` name them, so that no code
+travels with a request or a plan; the engine imports them where they run. No torch here:
+`tapc explain` checks a spec's paths without it."""
 from __future__ import annotations
 
 import importlib
@@ -19,24 +20,24 @@ def split_path(path) -> tuple[str, str] | None:
     return (module, attr) if module and attr else None
 
 
-def import_blocks(paths: dict[str, str], where: str) -> dict[str, Callable]:
-    """The functions `paths` names, by block name. Errors name the block, the path and what
-    failed."""
+def import_blocks(paths: dict[str, str], where: str, what: str = "block") -> dict[str, Callable]:
+    """The functions `paths` names, by block name (`what`: "function" for compiled functions).
+    Errors name the block, the path and what failed."""
     out = {}
     for name, path in paths.items():
         parts = split_path(path)
         if parts is None:
-            raise TapcError(f"{where}: block {name!r} is {path!r}; name it as {FORM}")
+            raise TapcError(f"{where}: {what} {name!r} is {path!r}; name it as {FORM}")
         module, attr = parts
         try:
             fn = importlib.import_module(module)
             for part in attr.split("."):
                 fn = getattr(fn, part)
         except ImportError as e:
-            raise TapcError(f"{where}: block {name!r} ({path}): cannot import {module!r}: {e}") from None
+            raise TapcError(f"{where}: {what} {name!r} ({path}): cannot import {module!r}: {e}") from None
         except AttributeError:
-            raise TapcError(f"{where}: block {name!r} ({path}): {module!r} has no {attr!r}") from None
+            raise TapcError(f"{where}: {what} {name!r} ({path}): {module!r} has no {attr!r}") from None
         if not callable(fn):
-            raise TapcError(f"{where}: block {name!r} ({path}) is a {type(fn).__name__}, not a function")
+            raise TapcError(f"{where}: {what} {name!r} ({path}) is a {type(fn).__name__}, not a function")
         out[name] = fn
     return out

@@ -95,6 +95,8 @@ class SpecFile(Section):
     "Engine-wide parameter values: a number, a list of numbers, or a TensorFile."
     blocks: dict[str, str] = {}
     "Python blocks of the taps (`point -> name`), by name: 'package.module:function', imported where the engine runs."
+    functions: dict[str, str] = {}
+    "Compiled functions of the taps (`point | call(name)`), by name: 'package.module:function' (or a module instance)."
     capture: CaptureOptions = CaptureOptions()
     "Capture options for every request (a request may override them)."
     output: OutputSink | None = None

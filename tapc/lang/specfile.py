@@ -12,6 +12,7 @@ opened. Every error is one line naming the key path (`params.steer.file`) and wh
     params:
       steer: {file: vectors.safetensors, key: layer10}
     blocks: {probe: my_probes:record}     # for taps `point -> probe`
+    functions: {clamp: my_probes:clamp}   # for taps `point | call(clamp)`
     capture: {positions: all, dtype: bfloat16}
     output: {dir: ./acts, shard_tokens: 1000000}
 """
@@ -35,7 +36,7 @@ __all__ = ["CaptureOptions", "OutputSink", "Spec", "TensorFile", "is_spec_path",
 
 MAX_SPEC_BYTES = 1 << 20        # a spec is a page of YAML; tensors live in parameter files
 SPEC_SUFFIXES = (".yaml", ".yml")  # compared case-insensitively (`steer.YAML` is a spec)
-SECTIONS = ("engine", "params", "blocks", "capture", "output")   # `key:` with nothing under it: as if absent
+SECTIONS = ("engine", "params", "blocks", "functions", "capture", "output")   # `key:` with nothing under it: as if absent
 
 
 def is_spec_path(target: str) -> bool:
@@ -51,6 +52,7 @@ class Spec:
     engine: dict = field(default_factory=dict)
     params: dict = field(default_factory=dict)
     blocks: dict = field(default_factory=dict)
+    functions: dict = field(default_factory=dict)
     capture: CaptureOptions = CaptureOptions()
     output: OutputSink | None = None
     path: str = ""
@@ -88,11 +90,12 @@ def spec_from_dict(data, base: Path = Path("."), name: str = "spec") -> Spec:
     if output is not None:
         output = output.model_copy(update={"dir": str(base / output.dir)})
     params = {k: _param(v, base, name, ("params", k)) for k, v in raw.params.items()}
-    for k, v in raw.blocks.items():
-        if split_path(v) is None:
-            raise SpecError(f"{name}: {dotted(('blocks', k))} is {shown(v)}; name a block's function as {BLOCK_FORM}")
+    for section, named in (("blocks", raw.blocks), ("functions", raw.functions)):
+        for k, v in named.items():
+            if split_path(v) is None:
+                raise SpecError(f"{name}: {dotted((section, k))} is {shown(v)}; name the function as {BLOCK_FORM}")
     return Spec(model=model, taps=parse_taps(raw.taps), engine=engine, params=params, blocks=raw.blocks,
-                capture=raw.capture, output=output, path=name)
+                functions=raw.functions, capture=raw.capture, output=output, path=name)
 
 
 def _param(value, base: Path, name: str, at: tuple):

@@ -128,7 +128,7 @@ def check_function(fn: Callable, spec: FunctionSpec, tap: PlannedTap) -> None:
 
     args = (x, mask, slot, position, *params.values())
     try:
-        with _quiet("torch._subclasses.fake_tensor"):   # it logs the error it raises, as a page of traceback
+        with _quiet("torch._subclasses.fake_tensor", "torch._dynamo"):   # they log what they raise, with tracebacks
             explained = torch._dynamo.explain(run)(*args)
     except Exception as e:
         try:   # eagerly, the user's own error from the user's own line
@@ -137,7 +137,7 @@ def check_function(fn: Callable, spec: FunctionSpec, tap: PlannedTap) -> None:
             raise PlanError(f"{where} fails on a [{ROWS}, {tap.width}] {tap.dtype} tensor: "
                             f"{type(eager).__name__}: {_first_line(eager)}{_user_line(eager)}") from None
         raise PlanError(f"{where} cannot be traced by torch.compile: {_first_line(e)}") from None
-    if explained.graph_break_count > 0:   # -1: no graph at all (a function that returns its input)
+    if explained.break_reasons:   # (graph_break_count misses a break after which no op is left)
         reason = explained.break_reasons[0]
         frame = reason.user_stack[-1] if reason.user_stack else None
         at = f" ({frame.filename}:{frame.lineno})" if frame is not None else ""
@@ -171,14 +171,16 @@ def _check_returned(out, spec: FunctionSpec, tap: PlannedTap, where: str) -> Non
 
 
 @contextlib.contextmanager
-def _quiet(name: str):
-    logger = logging.getLogger(name)
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+def _quiet(*names: str):
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _first_line(e) -> str:

@@ -26,17 +26,25 @@ ENTRY = "tapc = tapc.serving.http:TapcEndpoints"
 
 def serve_argv(model: str, taps: list[str], *, capture_dtype: str | None = None, spec_path: str | None = None,
                engine: dict | None = None, extra: list[str] = (), blocks: dict[str, str] | None = None,
-               save: dict | None = None) -> list[str]:
+               save: dict | None = None, functions: dict[str, str] | None = None) -> list[str]:
     """`vllm serve`'s arguments (after the program name) for this plan. `blocks`: the plan's
-    Python blocks by import path ('package.module:function'); each worker imports them. `save`:
+    Python blocks by import path ('package.module:function'); each worker imports them.
+    `functions`: its compiled functions by import path, traced here and pickled for the workers. `save`:
     the save folder's settings (saving.py: `folder`, `shard_tokens`, `positions`)."""
-    from tapc.api.llm import plan_for
+    if "--enable-expert-parallel" in extra or "-ep" in extra:   # vLLM's own flag, past engine_kwargs
+        from tapc.wire.engine_args import refuse_expert_parallel
+
+        refuse_expert_parallel()
+    from tapc.api.llm import plan_for, ship_functions
     from tapc.api.session import plan_blocks
     from tapc.lang.blockpaths import import_blocks
     from tapc.wire.engine_args import engine_kwargs
 
-    plan, kwargs = plan_for(model, taps, capture_dtype, dict(engine or {}))
+    functions = import_blocks(functions or {}, "tapc serve", what="function")
+    plan, kwargs = plan_for(model, taps, capture_dtype, dict(engine or {}), functions)
     args = engine_kwargs(plan, kwargs)
+    if plan.functions:
+        args["additional_config"]["tapc"]["functions"] = str(ship_functions(plan, functions))
     if spec_path is not None:   # the server loads the spec's parameter values from it
         args["additional_config"]["tapc"]["spec"] = os.path.abspath(spec_path)
     if blocks:
