@@ -50,7 +50,7 @@ def clamp(x, batch):
 
 
 TAPS = ["model.layers.*.resid | call(probe)", "model.layers.*.resid",
-        "model.layers.1.mlp.down_proj.input | call(clamp)"]
+        "model.layers.1.mlp.down_proj.input | call(clamp, at=prompt)"]
 
 
 @pytest.fixture(scope="module")
@@ -98,17 +98,22 @@ def test_a_compiled_probe_at_every_layer_equals_the_probe_on_hf_hidden_states(en
         assert_captures_equal_hf([out], path, [f"model.layers.{k}.resid" for k in range(LAYERS)], hf_reference)
 
 
-def hf_greedy(path: str, prompt: list[int], n: int, thr: float) -> list[int]:
-    """HF's greedy tokens with the clamp on layer 1's down_proj input (a forward pre-hook)."""
+def clamped(plen: int, thr: float):
+    """HF hooks: the clamp on layer 1's down_proj input, on the prompt's rows (`at=prompt`)."""
     def hooks(model):
         def pre(mod, args):
-            x = args[0]
-            return (clamp_rule(x[0], torch.tensor(thr, device=x.device))[None],)
+            x = args[0][0]
+            head = clamp_rule(x[:plen], torch.tensor(thr, device=x.device))
+            return (torch.cat([head, x[plen:]])[None],)
         return [model.model.layers[1].mlp.down_proj.register_forward_pre_hook(pre)]
+    return hooks
 
+
+def hf_greedy(path: str, prompt: list[int], n: int, thr: float) -> list[int]:
+    """HF's greedy tokens under the clamp."""
     tokens = list(prompt)
     for _ in range(n):
-        tokens.append(int(hf_forward(path, tokens, hooks).logits[0, -1].argmax()))
+        tokens.append(int(hf_forward(path, tokens, clamped(len(prompt), thr)).logits[0, -1].argmax()))
     return tokens[len(prompt):]
 
 
@@ -117,31 +122,33 @@ def hf_clamped_tie(path: str, prompt, got, ref, thr: float, what: str) -> None:
     if got == ref:
         return
     k = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
-
-    def hooks(model):
-        pre = lambda mod, args: (clamp_rule(args[0][0], torch.tensor(thr, device=args[0].device))[None],)  # noqa: E731
-        return [model.model.layers[1].mlp.down_proj.register_forward_pre_hook(pre)]
-
-    logits = hf_forward(path, prompt + ref[:k], hooks).logits[0, -1].float()
+    logits = hf_forward(path, prompt + ref[:k], clamped(len(prompt), thr)).logits[0, -1].float()
     margin = abs((logits[ref[k]] - logits[got[k]]).item())
     assert margin <= 2e-2 * logits.abs().max().item(), \
         f"{what}: token {k} is {got[k]} against HF's {ref[k]}, logit margin {margin:.4f} (not a near tie)"
 
 
-def test_a_conditional_clamp_gives_hf_greedy_tokens_and_others_are_untouched(engine, path):
-    """Per-request thresholds: low (every row clamped), one between the rows' norms, one above
-    all (nothing clamped); and untapped requests in the same batches."""
-    ps = prompts(6, 2)
-    norms = []
-    for p in ps[:1]:   # the down_proj input's row norms on HF, to place the middle threshold
-        seen = []
+def gap_threshold(path: str, prompt: list[int]) -> float:
+    """The middle of the widest gap between the prompt rows' norms at the clamp (HF)."""
+    seen = []
 
-        def hooks(model):
-            return [model.model.layers[1].mlp.down_proj.register_forward_pre_hook(
-                lambda m, a: seen.append(a[0][0].float().norm(dim=-1)))]
-        hf_forward(path, p["prompt_token_ids"], hooks)
-        norms = seen[0]
-    thrs = [0.0, float(norms.median()), 1e9, None, None, 0.0]
+    def hooks(model):
+        return [model.model.layers[1].mlp.down_proj.register_forward_pre_hook(
+            lambda m, a: seen.append(a[0][0].float().norm(dim=-1)))]
+
+    hf_forward(path, prompt, hooks)
+    norms = seen[0].sort().values
+    i = int((norms[1:] - norms[:-1]).argmax())
+    return float(norms[i] + norms[i + 1]) / 2
+
+
+def test_a_conditional_clamp_gives_hf_greedy_tokens_and_others_are_untouched(engine, path):
+    """Per-request thresholds on the prompt's rows: low (every row clamped), in the widest gap
+    of the rows' norms (some clamped, some not, none near the threshold, where bf16 noise
+    would decide), above all (nothing clamped); and untapped requests in the same batches."""
+    ps = prompts(6, 2)
+    thrs = [0.0, gap_threshold(path, ps[1]["prompt_token_ids"]), 1e9, None, None,
+            gap_threshold(path, ps[5]["prompt_token_ids"])]
     asks = [tapc.TapRequest(params={"thr": t}) if t is not None else None for t in thrs]
     n = 8
     outs = engine.generate(ps, greedy(n), taps=asks)

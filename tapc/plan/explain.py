@@ -47,7 +47,10 @@ def taps_table(plan: TapPlan, width: int | None = None) -> tuple[Table, list[str
     cols.append(("from tap", "left"))
     rows = []
     for tap in plan.taps:
-        action = tap.action + (f"({_args(tap)})" if tap.args else f" {_args(tap)}" if tap.block else "")
+        if tap.action == "call":
+            action = f"call({', '.join([tap.function, *filter(None, [_args(tap)])])})"
+        else:
+            action = tap.action + (f"({_args(tap)})" if tap.args else f" {_args(tap)}" if tap.block else "")
         where = (f"{tap.layout}, stage {tap.stage}",) if parallel else ()
         rows.append((tap.key, tap.kind, action, f"{tap.width} x {tap.dtype}", *where,
                      human_bytes(tap.buffer_bytes) if tap.buffer_bytes else "-", tap.source))
@@ -101,14 +104,19 @@ def graph_lines(plan: TapPlan) -> list[str]:
 
 def in_graph_line(plan: TapPlan) -> str:
     """Which of the plan's in-graph tap kernels a replayed CUDA graph runs (tapc/worker/switch.py)."""
-    reads, edits = len(plan.by_kind(READ)), len(plan.by_kind(EDIT))
+    reads = len(plan.by_kind(READ))
+    calls = sum(t.action == "call" for t in plan.taps)
+    edits = len(plan.by_kind(EDIT)) - calls
+    # a compiled function's code is the graph's own (Inductor's kernels): it runs at every replay
+    called = (f"\ncompiled functions in the graphs: {calls} call{'s' * (calls != 1)}, traced with the model (no split); "
+              "they run at every step, on every row, and keep their edits to the rows that apply them") if calls else ""
     if not reads + edits:
-        return "tap kernels in the graphs: none"
+        return "tap kernels in the graphs: none" + called
     head = f"tap kernels in the graphs: {reads} capture{'s' * (reads != 1)}, {edits} edit{'s' * (edits != 1)}; "
     if plan.by_kind(BLOCK):
-        return head + "each runs at every step (graphs broken by blocks are not switched)"
+        return head + "each runs at every step (graphs broken by blocks are not switched)" + called
     return head + ("a step whose requests ask for none of them replays its graph without them, and one that "
-                   "asks for some runs the others' disabled")
+                   "asks for some runs the others' disabled") + called
 
 
 def totals(plan: TapPlan) -> list[str]:
