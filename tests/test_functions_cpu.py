@@ -238,3 +238,47 @@ def test_the_digest_covers_the_functions_code_and_state():
     assert len(digests) == 4
     same = toy_plan(["model.layers.1.resid | call(f)"], functions={"f": first}).digest
     assert same in digests
+
+
+@tapc.function(params={"clean": "vector", "pos": "scalar"})
+def restore(x, batch):
+    here = batch.position[:, None].float() == batch.params["pos"][:, None]
+    return torch.where(here, batch.params["clean"], x)
+
+
+def test_causal_tracing_restores_one_clean_row_one_layer_per_request():
+    """docs/blocks.md's recipe: capture a clean run, then one corrupted request per layer with
+    the clean resid restored at the subject's position at that layer only; each equals the
+    model run on the corrupted tokens with that row replaced by hand."""
+    # the restores first: taps at one point run in plan order, so the captures see them
+    taps = [*(f"model.layers.{i}.resid | call(restore, clean=clean{i}, pos=pos{i})" for i in range(LAYERS)),
+            "model.layers.*.resid"]
+    plan, runner, hooks = engine(taps, {"restore": restore})
+    rng = np.random.default_rng(6)
+    clean_prompt = rng.integers(0, 50, 9).tolist()
+    corrupted = list(clean_prompt)
+    subject = 3
+    corrupted[subject] = (corrupted[subject] + 17) % 50
+    clean = requests(plan, {"clean": TapRequest(capture="*", positions="prompt")}, rng)
+    clean[0].prompt = clean_prompt
+    run(runner, clean, budget=16)
+    rows = collect(hooks, clean, TapSession(plan))["clean"].taps
+    asks = {f"layer{i}": TapRequest(capture="*", positions="prompt",
+                                    params={f"clean{i}": rows[f"model.layers.{i}.resid"][subject], f"pos{i}": subject})
+            for i in range(LAYERS)}
+    reqs = requests(plan, asks, rng)
+    for r in reqs:
+        r.prompt = list(corrupted)
+    run(runner, reqs, budget=16)
+    outs = collect(hooks, reqs, TapSession(plan))
+    last = f"model.layers.{LAYERS - 1}.resid"
+    for i, r in enumerate(reqs):
+        def put_back(s, i=i):
+            s = s.clone()
+            s[subject] = rows[f"model.layers.{i}.resid"][subject]
+            return s
+        ref = reference(r, i, put_back)
+        got = outs[r.rid].taps[last]
+        torch.testing.assert_close(got, ref[last][:len(corrupted)])
+    # restoring the row changed the corrupted run after the subject
+    assert not torch.allclose(outs["layer0"].taps[last], reference(reqs[0], 0)[last][:len(corrupted)])
