@@ -9,7 +9,8 @@ no-op block on one layer (`model.layers.{L/2}.resid -> noop`, `one`); tapc with 
 every layer, called per request (`all`) or batched, once per layer and step (`batched`); tapc
 with a compiled function on every layer's resid (`| call(...)`), a no-op (`fn-noop`: returns its
 input, every request applies it) or a linear probe (`fn-probe`: hidden -> 16, sigmoid, fp32,
-every request keeps every layer's scores at every position). Block engines split their graphs
+every request keeps every layer's scores at every position), or an SAE feature clamp (`fn-sae`:
+16k features on layer 16, every request steered, tapc/sae.py). Block engines split their graphs
 at each block; function engines split none. Decode at batch 1 and 64, 512 prompt tokens, 128
 generated; output tokens/s and the ratio to vanilla.
 """
@@ -26,6 +27,7 @@ from bench_engine import ENGINE, LLAMA_31_8B, timed, write_table
 import torch
 
 import tapc
+import tapc.sae
 from tapc import batched
 
 LLAMA_32_1B = {**LLAMA_31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
@@ -58,13 +60,19 @@ class Probe(torch.nn.Module):
         return {"p": torch.sigmoid(x.float() @ self.w + self.b)}
 
 
+def random_sae(d_in: int, d_sae: int):
+    g = torch.Generator().manual_seed(0)
+    return tapc.sae.SAE(torch.randn(d_in, d_sae, generator=g) / d_in ** 0.5, torch.zeros(d_sae),
+                        torch.randn(d_sae, d_in, generator=g) / d_sae ** 0.5, torch.zeros(d_in))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=SHAPES, default="8b")
     ap.add_argument("--out", default="bench_blocks.md")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the first is warmup")
-    ap.add_argument("--variants", nargs="+", choices=("one", "all", "batched", "fn-noop", "fn-probe"),
-                    default=["one", "all", "batched", "fn-noop", "fn-probe"],
+    ap.add_argument("--variants", nargs="+", choices=("one", "all", "batched", "fn-noop", "fn-probe", "fn-sae"),
+                    default=["one", "all", "batched", "fn-noop", "fn-probe", "fn-sae"],
                     help="the tapc engines beside vanilla")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
@@ -94,9 +102,14 @@ def main():
         "fn-probe": (f"tapc, compiled probe on all {layers} layers, scores kept",
                      lambda: VLLM(model, taps=["model.layers.*.resid | call(probe)"],
                                   functions={"probe": Probe(config["hidden_size"])}, **common)),
+        "fn-sae": (f"tapc, SAE feature clamp (16k features) on layer {layers // 2}, every request",
+                   lambda: VLLM(model, taps=[f"model.layers.{layers // 2}.resid | call(steer)"],
+                                functions={"steer": tapc.sae.clamp(random_sae(config["hidden_size"], 16384))},
+                                **common)),
     }
-    # what each engine's requests ask: the probe's requests keep every layer's scores
-    asks = {variants["fn-probe"][0]: TapRequest(capture="*")}
+    # what each engine's requests ask: the probe's requests keep every layer's scores, the SAE's steer
+    asks = {variants["fn-probe"][0]: TapRequest(capture="*"),
+            variants["fn-sae"][0]: TapRequest(params={"feature": 1234, "value": 8.0})}
     for label, make in [("vanilla", lambda: LLM(model, **common))] + [variants[v] for v in args.variants]:
         t0 = time.perf_counter()
         engines[label] = make()
