@@ -12,10 +12,13 @@ one-line error that names the variable.
   workers in the plan's config, which vLLM hashes into its compile-cache key.
 - `TAPC_SWITCH_GRAPHS`: "0" turns the switch off (tapc/worker/switch.py): every tap kernel then
   runs at every replay, whether the step asks for it or not.
+- `TAPC_STAGING_DIR`: the local folder where a harvest bound for object storage writes each part
+  before it goes up (default: the system's temporary folder; tapc/harvest/store.py).
 """
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,6 +37,7 @@ environment_variables: dict[str, Callable[[], Any]] = {
     "TAPC_SHM_DIR": lambda: os.environ.get("TAPC_SHM_DIR") or "/dev/shm",
     "TAPC_RINGS": lambda: _flag("TAPC_RINGS"),
     "TAPC_SWITCH_GRAPHS": lambda: _flag("TAPC_SWITCH_GRAPHS"),
+    "TAPC_STAGING_DIR": lambda: Path(os.environ.get("TAPC_STAGING_DIR") or Path(tempfile.gettempdir()) / "tapc-staging"),
 }
 
 

@@ -1,7 +1,6 @@
 """A toy-engine harvest in a process of its own, for tests that kill it (not a test module).
 
     python tests/harvest_child.py OUT_DIR [KILL_AT]
-    python tests/harvest_child.py OUT_DIR --rank R N      # part R of N (tapc/harvest/fleet.py)
 
 Harvests `PROMPTS` into OUT_DIR with the toy engine (tests/engine_toy.py). With KILL_AT, the
 process SIGKILLs itself as it makes its KILL_AT-th write to a shard file: mid-shard, the open
@@ -30,7 +29,7 @@ def prompts():
     return [rng.integers(0, 50, n).tolist() for n in LENS]
 
 
-def run(out_dir, kill_at: int | None = None, split=(0, 1)):
+def run(out_dir, kill_at: int | None = None):
     from engine_toy import toy_vllm
     from vllm import SamplingParams
 
@@ -52,12 +51,9 @@ def run(out_dir, kill_at: int | None = None, split=(0, 1)):
     llm, _ = toy_vllm(TAPS)
     prompt_rows = os.environ.get("HARVEST_CHILD_PROMPT") == "1"
     return harvest(llm, prompts(), out_dir, shard_tokens=SHARD_TOKENS, positions="prompt" if prompt_rows else "all",
-                   window_tokens=WINDOW_TOKENS, collect_every=3, progress=False, split=split,
+                   window_tokens=WINDOW_TOKENS, collect_every=3, progress=False,
                    sampling_params=SamplingParams(max_tokens=1 if prompt_rows else 2))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[2] == "--rank":   # OUT_DIR --rank R N: one part of a split harvest
-        run(sys.argv[1], split=(int(sys.argv[3]), int(sys.argv[4])))
-    else:
-        run(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)
+    run(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)

@@ -376,6 +376,24 @@ def test_engine_kwargs_refuse(kwargs, words):
         engine_kwargs(toy_plan(PLAN_TAPS, slots=8), kwargs)
 
 
+def test_expert_parallelism_is_refused_in_one_line_by_the_engine_and_by_tapc_serve(capsys):
+    """Router and expert taps under expert parallelism are not built: `enable_expert_parallel`
+    is refused where a tapped engine's arguments are made, and as `tapc serve`'s vLLM flag."""
+    from test_serving_cpu import LLAMA
+
+    from tapc.cli import main
+
+    words = ("enable_expert_parallel: a tapped engine does not run expert parallelism yet (router and expert taps "
+             "under it are not built); leave it off: tensor parallelism runs MoE models (docs/distributed.md)")
+    with pytest.raises(EngineError) as refused:
+        engine_kwargs(toy_plan(PLAN_TAPS), {"enable_expert_parallel": True})
+    assert str(refused.value) == words
+    assert engine_kwargs(toy_plan(PLAN_TAPS), {"enable_expert_parallel": False})["worker_cls"] == WORKER
+    for flag in ("--enable-expert-parallel", "-ep"):
+        assert main(["serve", LLAMA, "--tap", "model.layers.0.resid", "--print", flag]) == 2
+        assert capsys.readouterr().err == f"tapc: EngineError: {words}\n"
+
+
 def test_v1_runner_is_allowed(monkeypatch):
     """VLLM_USE_V2_MODEL_RUNNER=0 (vLLM's V1 runner, as for MoE models) reaches the worker, which
     instruments V1 (runner_v1.py)."""

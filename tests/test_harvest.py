@@ -272,37 +272,6 @@ def test_a_harvest_killed_mid_shard_goes_on_to_the_same_files(tmp_path, kill_at,
     assert cols["position"].tolist() == [p for n in lens for p in range(n)]
 
 
-def test_two_worker_processes_harvest_one_split_input_into_one_manifest(tmp_path):
-    """tapc.harvest.fleet: two processes (as two GPUs would be), prompt i on rank i mod 2, merged: the
-    same rows per request as one process's harvest, the statistics over both."""
-    import sys
-    from pathlib import Path
-
-    import harvest_child
-
-    from tapc.harvest import fleet
-
-    child = str(Path(__file__).parent / "harvest_child.py")
-    fleet.launch([[sys.executable, child, str(fleet.part(tmp_path / "two", r)), "--rank", str(r), "2"] for r in (0, 1)])
-    m = fleet.merge(tmp_path / "two", 2)
-    one = harvest_child.run(tmp_path / "one")
-    assert m.complete and m.rows == one.rows and m.prompts == one.prompts == len(harvest_child.LENS)
-    assert all(s.file.startswith(("rank-0/", "rank-1/")) for s in m.shards)
-    assert json.loads((tmp_path / "two" / "manifest.json").read_text())["rows"] == one.rows
-    for k in m.keys:
-        # over every row: exact (the sums sample rows of each piece written, which the split moves)
-        for stat in ("rows", "min", "max"):
-            assert m.stats[k][stat] == one.stats[k][stat], (k, stat)
-    two, ref = Shards(tmp_path / "two"), Shards(tmp_path / "one")
-    cols = {k: torch.cat(list(two.batches(k, 1000, shuffle=False))) for k in two.keys}
-    refs = {k: torch.cat(list(ref.batches(k, 1000, shuffle=False))) for k in ref.keys}
-    for i in range(len(harvest_child.LENS)):
-        mine, theirs = cols["request"] == i, refs["request"] == i
-        assert mine.sum() == theirs.sum() > 0
-        for k in two.keys:
-            assert torch.equal(cols[k][mine], refs[k][theirs]), (i, k)
-
-
 def test_activations_dataset_shuffles_across_shards_and_keeps_every_row(tmp_path):
     from tapc.data import Activations
 

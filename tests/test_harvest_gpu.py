@@ -81,8 +81,9 @@ def test_cli_harvest_writes_what_the_api_does(tmp_path, checkpoints, monkeypatch
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cli_harvest_over_two_gpus_equals_hf(tmp_path, checkpoints):
-    """`tapc harvest --gpus 2`: one engine per GPU, each on every other prompt, one manifest;
-    every row equals HF on the same weights, and a second run finds it complete."""
+    """`tapc harvest --gpus 2`: a Ray of this host, an engine per GPU, each taking parts of two
+    prompts, one manifest; every row equals HF on the same weights, and a second run finds it
+    complete."""
     import json
 
     import yaml
@@ -98,12 +99,13 @@ def test_cli_harvest_over_two_gpus_equals_hf(tmp_path, checkpoints):
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump({
         "model": path, "engine": engine, "taps": ["model.layers.1.resid"],
         "capture": {"positions": "prompt"}, "output": {"dir": "acts", "shard_tokens": 64}}))
-    argv = ["harvest", str(tmp_path / "spec.yaml"), str(tmp_path / "prompts.jsonl"), "--gpus", "2"]
+    pytest.importorskip("ray.data", reason="tapc[ray] runs --gpus")
+    argv = ["harvest", str(tmp_path / "spec.yaml"), str(tmp_path / "prompts.jsonl"), "--gpus", "2", "--part-prompts", "2"]
     assert main(argv) == 0
     acts = Shards(tmp_path / "acts")
     m = acts.manifest
     assert m.complete and m.prompts == len(prompts) and len(acts) == sum(map(len, prompts))
-    assert {s.file.split("/")[0] for s in m.shards} == {"rank-0", "rank-1"}
+    assert {s.file.split("/")[0] for s in m.shards} == {"part-000000", "part-000001", "part-000002"}
     got = {k: torch.cat([acts.load(k, s) for s in range(len(m.shards))]) for k in acts.keys}
     for i, p in enumerate(prompts):
         rows = got["request"] == i

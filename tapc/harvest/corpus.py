@@ -32,20 +32,22 @@ def read_prompts(path: str | os.PathLike) -> Iterator:
             line = line.rstrip("\n")
             if not line.strip():
                 continue
-            if path.suffix != ".jsonl":
-                yield line
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TapcError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if isinstance(item, dict) and set(item) & {"prompt", "prompt_token_ids"}:
-                item = item.get("prompt_token_ids", item.get("prompt"))
-            if isinstance(item, str) or (isinstance(item, list) and item and all(isinstance(t, int) for t in item)):
-                yield item
-            else:
-                raise TapcError(f"{path}:{n}: a prompt is a string, a list of token ids, or an object "
-                                f"with `prompt` or `prompt_token_ids`; got {line[:80]!r}")
+            yield parse_prompt(line, f"{path}:{n}") if path.suffix == ".jsonl" else line
+
+
+def parse_prompt(line: str, where: str) -> str | list[int]:
+    """One `.jsonl` prompt line: a JSON string, a list of token ids, or an object with `prompt`
+    or `prompt_token_ids` (`where` names it in the error)."""
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise TapcError(f"{where}: not JSON ({e.msg})") from None
+    if isinstance(item, dict) and set(item) & {"prompt", "prompt_token_ids"}:
+        item = item.get("prompt_token_ids", item.get("prompt"))
+    if isinstance(item, str) or (isinstance(item, list) and item and all(isinstance(t, int) for t in item)):
+        return item
+    raise TapcError(f"{where}: a prompt is a string, a list of token ids, or an object "
+                    f"with `prompt` or `prompt_token_ids`; got {line[:80]!r}")
 
 
 def read_texts(path: str | os.PathLike, text_field: str = "text") -> Iterator[str]:
@@ -111,9 +113,9 @@ def pack(docs: Iterable[str], tokenizer, context_size: int, prepend_bos: bool = 
 
 def per_row(docs: Iterable[str], tokenizer) -> Iterator[list[int]]:
     """One prompt per document, as vLLM would tokenize it (special tokens: BOS where the
-    tokenizer adds one). Empty documents are skipped."""
+    tokenizer adds one). Empty documents are skipped (a BOS alone is no document)."""
     for doc in docs:
-        toks = tokenizer.encode(doc)
+        toks = tokenizer.encode(doc) if doc else None
         if toks:
             yield toks
 
@@ -121,7 +123,8 @@ def per_row(docs: Iterable[str], tokenizer) -> Iterator[list[int]]:
 def describe(path, text_field: str, tokenizer, context_size: int | None, prepend_bos: bool = True) -> dict:
     """The manifest's `source`: where the prompts came from and how they were cut."""
     out = {"kind": "text", "path": str(path), "text_field": text_field,
-           "tokenizer": getattr(tokenizer, "name_or_path", type(tokenizer).__name__),
+           "tokenizer": "the engine's" if tokenizer is None else getattr(tokenizer, "name_or_path",
+                                                                          type(tokenizer).__name__),
            "bos_token_id": getattr(tokenizer, "bos_token_id", None)}
     if context_size:
         out.update(packing="windows", context_size=context_size, prepend_bos=prepend_bos,

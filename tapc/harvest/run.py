@@ -66,16 +66,24 @@ class Manifest:
 
     def write(self, folder: Path) -> None:
         tmp = folder / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        tmp.write_text(self.dumps())
         os.replace(tmp, folder / MANIFEST)   # whole or not at all: a reader never sees half
+
+    def dumps(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=1)
 
     @classmethod
     def read(cls, folder: str | Path) -> "Manifest":
         path = Path(folder) / MANIFEST
         if not path.is_file():
             raise TapcError(f"{folder}: no {MANIFEST} (not a tapc harvest, or one that wrote nothing yet)")
+        return cls.parse(path.read_text(), path)
+
+    @classmethod
+    def parse(cls, text: str, path) -> "Manifest":
+        """A manifest from its JSON text (`path`: where it was read, for errors)."""
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(text)
             if not isinstance(data, dict):
                 raise TypeError(f"a JSON {type(data).__name__}, not an object")
             if "settings" not in data:
@@ -116,7 +124,7 @@ class Manifest:
 def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens: int = 1_000_000,
             positions: str | list[int] = "all", sampling_params=None, format: str = "safetensors",
             dtype: str | None = None, context_size: int | None = None, source: dict | None = None,
-            window_tokens: int | None = None, collect_every: int = 256, split: tuple[int, int] = (0, 1),
+            window_tokens: int | None = None, collect_every: int = 256, part: tuple[int, int] | None = None,
             progress: bool | None = None) -> Manifest:
     """Run `prompts` (token-id lists, strings, or vLLM prompt dicts; strings go through the
     engine's tokenizer) through `llm` (a `tapc.VLLM`) and write every in-graph capture of its
@@ -129,23 +137,18 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
     has no bfloat16). `sampling_params` default: one greedy token, so `positions="all"` is the
     prompt. `source`: what the prompts are (tapc.harvest.corpus), recorded in the manifest.
     `window_tokens`: tokens submitted and not yet written (default `WINDOW_STEPS` engine steps' worth): this
-    bounds the captures held in /dev/shm. `split=(rank, n)`: this process takes the prompts
-    whose index is rank modulo n (tapc/harvest/fleet.py). `progress`: a progress bar (default: when
-    stderr is a terminal). A request whose taps fail, or whose captures hold a NaN or inf, is
+    bounds the captures held in /dev/shm. `part=(start, stop)`: `prompts` are those of index start
+    to stop - 1 of a larger input (a part of a harvest in parts: tapc/harvest/parts.py); rows'
+    `request` counts from start. `progress`: a progress bar (default: when stderr is a terminal). A request whose taps fail, or whose captures hold a NaN or inf, is
     listed in the manifest's `failed` and not written; the harvest goes on."""
-    from vllm import SamplingParams
-
     from tapc.harvest.progress import HarvestProgress
 
-    params = sampling_params or SamplingParams(max_tokens=1, temperature=0.0)
-    if params.max_tokens is None:   # vLLM's "until the context is full": no bound for the window
-        raise TapcError("harvest: sampling_params.max_tokens is None; give a number (tokens in flight, which bound "
-                        "the host memory of the captures, are each prompt's length plus max_tokens)")
+    params = default_sampling(sampling_params)
     folder = Path(out_dir)
     layout, manifest = open_folder(llm.plan, folder, format=format, dtype=dtype, shard_tokens=shard_tokens,
                                    context_size=context_size, positions=positions,
-                                   more={"max_tokens": params.max_tokens, "split": list(split),
-                                         "source": source or {"kind": "prompts"}})
+                                   more={"max_tokens": params.max_tokens, "source": source or {"kind": "prompts"},
+                                         **({"part": list(part)} if part else {})})
     keys = list(layout.keys)
     taps = {t.key: t for t in llm.plan.taps if t.action == "capture"}
     if manifest.complete:
@@ -156,7 +159,7 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
     window = Window(window_tokens or WINDOW_STEPS * llm.plan.max_num_batched_tokens)
     row_bytes = sum(t.width * getattr(torch, t.dtype).itemsize for t in taps.values())
     total = len(prompts) if hasattr(prompts, "__len__") else None   # a list: the bar shows the time left
-    bar = HarvestProgress(progress, folder, None if total is None else len(range(split[0], total, split[1])))
+    bar = HarvestProgress(progress, folder, total)
     bar.skipped = start[0]
     bar.say(f"tapc harvest -> {folder} ({format}{', continuing at prompt ' + str(start[0]) if start[0] else ''}): "
             f"at most {window.cap:,} tokens in flight, {window.cap * row_bytes / 2**30:.2f} GiB of captures in "
@@ -169,7 +172,7 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
     writer = Writer(layout, window, commit, start=tuple(start), first_shard=len(manifest.shards),
                     progress=bar.written)
     ask = TapRequest(capture=keys, positions=positions)
-    todo = itertools.islice(_mine(llm, prompts, split), start[0], None)
+    todo = itertools.islice(_tokens(llm, prompts, part[0] if part else 0), start[0], None)
     # Where a request's rows follow from its prompt (the prompt's positions, or one token made),
     # the writer learns the rows to come once all are submitted, and sizes the last shard.
     sized = format == "safetensors" and (positions == "prompt" or params.max_tokens == 1)
@@ -197,6 +200,17 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
         write_dataset_files(folder, layout.columns(), [s.file for s in manifest.shards], manifest.plan_digest)
     bar.summary(manifest)
     return manifest
+
+
+def default_sampling(sampling_params=None):
+    """A harvest's sampling parameters: one greedy token unless given; a number of tokens."""
+    from vllm import SamplingParams
+
+    params = sampling_params or SamplingParams(max_tokens=1, temperature=0.0)
+    if params.max_tokens is None:   # vLLM's "until the context is full": no bound for the window
+        raise TapcError("harvest: sampling_params.max_tokens is None; give a number (tokens in flight, which bound "
+                        "the host memory of the captures, are each prompt's length plus max_tokens)")
+    return params
 
 
 @contextlib.contextmanager
@@ -242,6 +256,16 @@ def open_folder(plan, folder: Path, *, format: str, dtype: str | None, shard_tok
                 positions, more: dict) -> tuple[Layout, Manifest]:
     """The shard layout of a harvest of `plan`'s keys into `folder`, and the manifest to go on
     with (the folder's own when it holds a harvest with these settings, `more` included)."""
+    layout, settings = harvest_layout(plan, folder, format=format, dtype=dtype, shard_tokens=shard_tokens,
+                                      context_size=context_size, positions=positions, more=more)
+    folder.mkdir(parents=True, exist_ok=True)
+    return layout, _start(folder, plan, settings, layout)
+
+
+def harvest_layout(plan, folder: Path, *, format: str, dtype: str | None, shard_tokens: int,
+                   context_size: int | None, positions, more: dict) -> tuple[Layout, dict]:
+    """The shard layout of a harvest of `plan`'s keys into `folder`, and its settings (`more`
+    added): what a restart must find the same."""
     if format not in FORMATS:
         raise TapcError(f"format {format!r}: a harvest writes {' or '.join(FORMATS)}")
     keys = harvest_keys(plan)
@@ -249,8 +273,14 @@ def open_folder(plan, folder: Path, *, format: str, dtype: str | None, shard_tok
     layout, settings = _layout(plan, keys, taps, folder, format=format, dtype=dtype, shard_tokens=shard_tokens,
                                context_size=context_size, positions=positions)
     settings.update(more)
-    folder.mkdir(parents=True, exist_ok=True)
-    return layout, _start(folder, plan, keys, positions, settings, {k: describe(taps[k]) for k in keys})
+    return layout, settings
+
+
+def new_manifest(plan, layout: Layout, settings: dict) -> Manifest:
+    """The manifest of a harvest that has written nothing yet."""
+    taps = {t.key: t for t in plan.taps if t.action == "capture"}
+    return Manifest(plan.digest, list(layout.keys), layout.positions, json.loads(json.dumps(settings)),
+                    {k: describe(taps[k]) for k in layout.keys}, plan=json.loads(plan.to_json()))
 
 
 def _layout(plan, keys, taps, folder: Path, *, format, dtype, shard_tokens, context_size, positions):
@@ -283,34 +313,39 @@ def _layout(plan, keys, taps, folder: Path, *, format, dtype, shard_tokens, cont
     return layout, settings
 
 
-def _start(folder: Path, plan, keys, positions, settings, hooks) -> Manifest:
+def _start(folder: Path, plan, settings, layout: Layout) -> Manifest:
     """The folder's manifest when it holds a harvest with these settings (as written: complete
     or not), else a new one (written now, so a restart knows the settings even before the
     first shard)."""
     if (folder / MANIFEST).is_file():
         m = Manifest.read(folder)
-        theirs = {"plan digest": m.plan_digest, **m.settings}
-        ours = {"plan digest": plan.digest, **json.loads(json.dumps(settings))}
-        diff = [k for k in ours if theirs.get(k) != ours[k]]
-        if diff:
-            raise TapcError(f"{folder} holds another harvest ({diff[0]}: {theirs.get(diff[0])!r} there, "
-                            f"{ours[diff[0]]!r} now): harvest into a new folder, or run the same command")
+        same_harvest(m, plan.digest, settings, folder)
         return m
     if any(folder.glob("shard-*.safetensors")) or any(folder.glob("data-*.arrow")):
         raise TapcError(f"{folder} holds shards but no {MANIFEST}: harvest into an empty folder")
-    m = Manifest(plan.digest, keys, positions, json.loads(json.dumps(settings)), hooks,
-                 plan=json.loads(plan.to_json()))
+    m = new_manifest(plan, layout, settings)
     m.write(folder)
     return m
 
 
-def _mine(llm, prompts: Iterable, split: tuple[int, int]) -> Iterator[tuple[int, list[int]]]:
-    """(index, token ids) of the prompts this process takes."""
-    rank, n = split
+def same_harvest(m: Manifest, plan_digest: str, settings: dict, where) -> None:
+    """Refuse to go on in `where`, whose manifest is `m`, unless it holds a harvest of this plan
+    with these settings (a key only one side has differs too; `split`, which older tapc wrote for
+    a whole input, is left out)."""
+    theirs = {"plan digest": m.plan_digest, **m.settings}
+    if theirs.get("split") == [0, 1]:
+        del theirs["split"]
+    ours = {"plan digest": plan_digest, **json.loads(json.dumps(settings))}
+    diff = [k for k in {**ours, **theirs} if theirs.get(k) != ours.get(k)]
+    if diff:
+        raise TapcError(f"{where} holds another harvest ({diff[0]}: {theirs.get(diff[0])!r} there, "
+                        f"{ours.get(diff[0])!r} now): harvest into a new folder, or run the same command")
+
+
+def _tokens(llm, prompts: Iterable, first: int) -> Iterator[tuple[int, list[int]]]:
+    """(index, token ids) of each prompt, numbered from `first`."""
     tokenizer = None
-    for i, p in enumerate(prompts):
-        if i % n != rank:
-            continue
+    for i, p in enumerate(prompts, first):
         if isinstance(p, dict):
             p = p.get("prompt_token_ids", p.get("prompt"))
         if isinstance(p, str):

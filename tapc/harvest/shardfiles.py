@@ -249,16 +249,22 @@ def arrow_schema(columns: list[Column]):
 def write_dataset_files(folder: Path, columns: list[Column], files: list[str], fingerprint: str) -> None:
     """`dataset_info.json` and, last (a reader sees a dataset only once it is whole), `state.json`:
     what `datasets.load_from_disk` reads beside the Arrow files."""
+    for name, text in dataset_files(columns, files, fingerprint):
+        tmp = folder / (name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, folder / name)
+
+
+def dataset_files(columns: list[Column], files: list[str], fingerprint: str) -> list[tuple[str, str]]:
+    """(name, text) of the files `datasets.load_from_disk` reads beside the Arrow `files` (paths
+    relative to the folder), in the order to write them."""
     from datasets import Features
 
     schema = arrow_schema(columns)
     features = Features.from_arrow_schema(schema)
     info = {"citation": "", "description": "activations harvested by tapc (see tapc_manifest.json)",
             "features": features.to_dict(), "homepage": "", "license": ""}
-    (folder / "dataset_info.json").write_text(json.dumps(info, indent=2))
     state = {"_data_files": [{"filename": f} for f in files], "_fingerprint": fingerprint,
              "_format_columns": None, "_format_kwargs": {}, "_format_type": None,
              "_output_all_columns": False, "_split": None}
-    tmp = folder / "state.json.tmp"
-    tmp.write_text(json.dumps(state, indent=2))
-    os.replace(tmp, folder / "state.json")
+    return [("dataset_info.json", json.dumps(info, indent=2)), ("state.json", json.dumps(state, indent=2))]

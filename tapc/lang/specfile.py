@@ -88,7 +88,8 @@ def spec_from_dict(data, base: Path = Path("."), name: str = "spec") -> Spec:
         model = str(base / model)
     output = raw.output
     if output is not None:
-        output = output.model_copy(update={"dir": str(base / output.dir)})
+        # a folder relative to the spec; a URL (s3://..., a Ray harvest's object storage) as it is
+        output = output.model_copy(update={"dir": output.dir if "://" in output.dir else str(base / output.dir)})
     params = {k: _param(v, base, name, ("params", k)) for k, v in raw.params.items()}
     for section, named in (("blocks", raw.blocks), ("functions", raw.functions)):
         for k, v in named.items():

@@ -53,6 +53,8 @@ def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
     """vLLM `LLM(...)` keyword arguments for `plan`, from the user's `kwargs` (tapc's own
     `capture_memory_gib` among them: the worker reads it from the plan's config)."""
     out = dict(kwargs)
+    if out.get("enable_expert_parallel"):
+        refuse_expert_parallel()
     reserve = capture_memory(out.pop("capture_memory_gib", None))
     rows = prefix_rows(out.pop("prefix_rows_gib", None), plan, out.get("distributed_executor_backend"),
                        out.get("data_parallel_size", 1))
@@ -84,6 +86,14 @@ def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
         additional["tapc"]["prefix_rows"] = rows
     out["additional_config"] = additional
     return out
+
+
+def refuse_expert_parallel() -> None:
+    """Expert parallelism moves experts, and the rows routed to them, between GPUs: the layout of
+    router and expert captures under it is not built, so a tapped engine refuses it."""
+    raise EngineError("enable_expert_parallel: a tapped engine does not run expert parallelism yet (router and "
+                      "expert taps under it are not built); leave it off: tensor parallelism runs MoE models "
+                      "(docs/distributed.md)")
 
 
 def capture_memory(gib) -> int:
