@@ -196,7 +196,7 @@ def started(what: str, start):
     return engine
 
 
-def write_table(head: list[str], results: dict, workloads, out: str) -> None:
+def write_table(head: list[str], results: dict, workloads, out: str, unit: str | None = None) -> None:
     """`head`, then a markdown table of median values and their ratio to vanilla's, printed and
     written to `out`. results: (workload, variant) -> values, one a round in round order;
     "vanilla" is the baseline. Beside the ratio of medians, the median (and range) of each
@@ -208,7 +208,7 @@ def write_table(head: list[str], results: dict, workloads, out: str) -> None:
         # vanilla is missing where this run's phases left it out (e.g. `--phases eager`)
         vanilla = results.get((w, "vanilla"))
         base = statistics.median(vanilla) if vanilla else None
-        unit = "s" if w.startswith("harvest") else "tok/s"
+        shown = unit or ("s" if w.startswith("harvest") else "tok/s")
         for (wl, name), values in results.items():
             if wl == w:
                 v = statistics.median(values)
@@ -217,7 +217,7 @@ def write_table(head: list[str], results: dict, workloads, out: str) -> None:
                 if name != "vanilla" and vanilla and len(vanilla) == len(values):
                     per = [a / b for a, b in zip(values, vanilla)]
                     paired = f"{statistics.median(per):.3f}x ({min(per):.3f}-{max(per):.3f})"
-                lines.append(f"| {w} | {name} | {v:.2f} {unit} | {ratio} | {paired} |")
+                lines.append(f"| {w} | {name} | {v:.2f} {shown} | {ratio} | {paired} |")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(out, "w") as f:
