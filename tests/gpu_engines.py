@@ -34,16 +34,10 @@ from collections.abc import Callable
 
 import pytest
 
-SMALL = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=4,
-             num_hidden_layers=4, vocab_size=1024, max_position_embeddings=2048, rms_norm_eps=1e-5,
-             initializer_range=0.02, tie_word_embeddings=False)
-# The MoE checkpoints (tests/test_moe_gpu.py): SMALL's attention, experts 128 (Qwen3) / 256 wide.
-MOE = dict(SMALL, intermediate_size=256)
-# The MLA checkpoints (tests/test_mla_gpu.py): DeepSeek-V3's attention head sizes (a 512-wide kv
-# latent, 64 rope dims) on 4 heads, every layer dense (first_k_dense_replace past the last).
-MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-           v_head_dim=128, first_k_dense_replace=SMALL["num_hidden_layers"], n_routed_experts=8, n_shared_experts=1,
-           num_experts_per_tok=2, moe_intermediate_size=128)
+# The small checkpoints are the examples' (examples/small_models.py): one writer for both.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from small_models import MLA, MOE, SMALL, write_checkpoint  # noqa: E402,F401
+
 # max_num_seqs=3 and a 128-token budget force continuous batching. vLLM captures decode
 # graphs for batch sizes up to twice max_num_seqs: [1, 2, 4] here, already a short list.
 ENGINE = dict(max_num_seqs=3, max_num_batched_tokens=128, gpu_memory_utilization=0.1,
@@ -111,42 +105,6 @@ def model_runner(kind: str):
     models, or "v1" (VLLM_USE_V2_MODEL_RUNNER=0), the runner vLLM gives MoE models (the engine
     core reads the variable as it starts)."""
     return environ("VLLM_USE_V2_MODEL_RUNNER", "0" if kind == "v1" else None)
-
-
-def write_checkpoint(path, arch: str) -> str:
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    if arch == "llama":
-        config = transformers.LlamaConfig(**SMALL)
-        model = transformers.LlamaForCausalLM(config)
-    elif arch == "qwen3":
-        config = transformers.Qwen3Config(**SMALL, head_dim=32)
-        model = transformers.Qwen3ForCausalLM(config)
-    elif arch == "qwen3_moe":   # Qwen3-30B-A3B's routing (softmax top-k, renormalized), 8 experts, top 2
-        config = transformers.Qwen3MoeConfig(**MOE, head_dim=32, moe_intermediate_size=128, num_experts=8,
-                                             num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                                             mlp_only_layers=[])
-        model = transformers.Qwen3MoeForCausalLM(config)
-    elif arch == "qwen2_moe":   # a shared expert beside the routed ones (its sigmoid gate too)
-        config = transformers.Qwen2MoeConfig(**MOE, moe_intermediate_size=128, shared_expert_intermediate_size=256,
-                                             num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
-                                             decoder_sparse_step=1, mlp_only_layers=[])
-        model = transformers.Qwen2MoeForCausalLM(config)
-    elif arch == "mixtral":
-        config = transformers.MixtralConfig(**MOE, num_local_experts=8, num_experts_per_tok=2)
-        model = transformers.MixtralForCausalLM(config)
-    elif arch in ("deepseek_v2", "deepseek_v3"):   # MLA attention (DeepSeek's head sizes), dense MLPs
-        v3 = arch == "deepseek_v3"
-        kind = (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM) if v3 else \
-            (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM)
-        config = kind[0](**dict(SMALL, **MLA, q_lora_rank=192 if v3 else None))
-        model = kind[1](config)
-    else:
-        raise ValueError(f"no test checkpoint for {arch!r}")
-    model.to(torch.bfloat16).save_pretrained(path)
-    return str(path)
 
 
 @functools.cache
