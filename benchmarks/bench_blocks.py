@@ -87,7 +87,10 @@ def main():
     model = tempfile.mkdtemp(prefix=f"{args.shape}-")
     with open(os.path.join(model, "config.json"), "w") as f:
         json.dump(config, f)
-    common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"), gpu_memory_utilization=0.28)
+    # every engine stays alive for the interleaved rounds: each 8B engine needs about 20 GB, so an
+    # 80 GB GPU holds vanilla and two variants, a 141 GB one vanilla and four
+    common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"),
+                  gpu_memory_utilization=min(0.28, 0.9 / (1 + len(args.variants))))
     engines = {}
     variants = {
         "one": (f"tapc, no-op block on layer {layers // 2}",
