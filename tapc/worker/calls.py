@@ -18,9 +18,10 @@ from tapc.lang.functions import Batch
 
 
 class Call:
-    """`fn(s, batch)` at a point, s = x (+ b, the residual, at `resid` points). `names`: the
-    attributes of `module` holding the row table (`slot`), each parameter's table, and the
-    positions (or None); `results`: result name -> its capture op."""
+    """`fn(s, batch)` at a point, s = x (+ b, the residual, at `resid` points). `slot`, `params`
+    (parameter name -> attribute) and `positions` (or None) name the attributes of `module`
+    holding the row table, each parameter's table and the runner's positions; `results`:
+    result name -> its capture op."""
 
     def __init__(self, module: torch.nn.Module, fn, slot: str, params: dict[str, str], positions: str | None,
                  results: dict):

@@ -172,9 +172,10 @@ def _bind(module: torch.nn.Module, i: str, tap, what: tuple[str, int], layout: L
 
     slot = reg("slot", buffers.table[layout.edit_row(index)])
     if tap.action == "call":
-        results = {t.point.result.split(".", 1)[1]: capture(c, f"{t.point.result.split('.', 1)[1]}_")
-                   for c, t in enumerate(layout.captures)
-                   if t.function == tap.function and dataclasses.replace(t.point, result=None) == tap.point}
+        # its results' captures: at its point, under "function.result"
+        mine = [(c, t.point.result.partition(".")[2]) for c, t in enumerate(layout.captures)
+                if t.function == tap.function and dataclasses.replace(t.point, result=None) == tap.point]
+        results = {name: capture(c, f"{name}_") for c, name in mine}
         params = {a.name: reg(f"p_{a.name}", buffers.params.tables[index][a.name]) for a in tap.args if a.name != "at"}
         positions = reg("positions", calls.positions) if calls.positions is not None else None
         return Call(module, calls.get(tap.function, module, i), slot, params, positions, results)
