@@ -4,8 +4,8 @@
 
 Llama-3.1-8B shape, dummy weights, one GPU. For each of `--prompts` corrupted prompts and each
 of the 32 layers, one request restores the clean run's residual row at the subject's position
-at that layer (docs/blocks.md "Causal tracing": 32 taps `model.layers.i.resid | call(restore,
-clean=clean_i, pos=pos_i)`, each request binding one layer's pair): 8,192 patched prefill
+at that layer (docs/blocks.md "Activation patching": 32 taps `model.layers.i.resid |
+patch(clean_i)`, each request binding one layer's row): 8,192 patched prefill
 requests at the defaults, one generated token each. Vanilla vLLM runs the same 8,192 prompts
 unpatched. Prefix caching is off in both engines: the sweep repeats each prompt 32 times, and
 vanilla would read 31 of them from the cache that the patched requests (whose KV is their own)
@@ -21,14 +21,6 @@ import time
 import numpy as np
 import torch
 from bench_engine import ENGINE, LLAMA_31_8B, write_table
-
-import tapc
-
-
-@tapc.function(params={"clean": "vector", "pos": "scalar"})
-def restore(x, batch):
-    here = batch.position[:, None].float() == batch.params["pos"][:, None]
-    return torch.where(here, batch.params["clean"], x)
 
 
 def main():
@@ -52,10 +44,9 @@ def main():
         json.dump(LLAMA_31_8B, f)
     common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"), gpu_memory_utilization=0.4,
                   enable_prefix_caching=False)
-    taps = [f"model.layers.{i}.resid | call(restore, clean=clean{i}, pos=pos{i})" for i in range(layers)]
+    taps = [f"model.layers.{i}.resid | patch(clean{i})" for i in range(layers)]
     engines = {"vanilla": LLM(model, **common),
-               f"tapc, {layers} restore taps, one bound a request": VLLM(model, taps=taps,
-                                                                          functions={"restore": restore}, **common)}
+               f"tapc, {layers} patch taps, one bound a request": VLLM(model, taps=taps, **common)}
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     workload = f"sweep {args.prompts}x{layers}"
     results: dict[tuple[str, str], list[float]] = {}
@@ -64,7 +55,7 @@ def main():
         corrupted = [rng.integers(0, 128000, args.length).tolist() for _ in range(args.prompts)]
         prompts = [{"prompt_token_ids": p} for p in corrupted for _ in range(layers)]
         clean = rng.standard_normal((args.prompts, hidden)).astype(np.float32)   # the clean run's rows
-        asks = [TapRequest(params={f"clean{i}": clean[p], f"pos{i}": args.subject})
+        asks = [TapRequest(params={f"clean{i}": {"positions": [args.subject], "rows": clean[p][None]}})
                 for p in range(args.prompts) for i in range(layers)]
         for label, llm in engines.items():
             extra = {} if label == "vanilla" else {"taps": asks}

@@ -10,7 +10,7 @@ from kernel_cases import (
 
 from tapc.kernels import edit
 from tapc.kernels.edit import (
-    add_, add_ref, project_out_, project_out_ref, scale_, scale_ref, set_cols_, set_cols_ref,
+    add_, add_ref, patch_, patch_ref, project_out_, project_out_ref, scale_, scale_ref, set_cols_, set_cols_ref,
 )
 
 # Odd widths; 2560 spans two column blocks; 4100 and 8200 fill most of a register block of
@@ -144,3 +144,58 @@ def test_edit_rejects_a_bad_slot_table():
 @pytest.mark.parametrize("edit", list(KERNELS))
 def test_edit_full_size(edit, dtype, width, num_tokens):
     check_edit(edit, num_tokens, width, dtype, with_b=True)
+
+
+# ----------------------------------------------------------------------------- patch_
+
+
+def patch_by_hand(x, b, slot, pos, rows, at):
+    """patch_ row by row in Python: a row whose position its slot lists takes that row's value."""
+    out = x.clone()
+    for i in range(x.shape[0]):
+        s = int(slot[i])
+        if not 0 <= s < at.shape[0]:
+            continue
+        hits = [j for j in range(at.shape[1]) if int(at[s, j]) == int(pos[i])]
+        if hits:
+            v = rows[s, hits[0]].float()
+            out[i] = (v if b is None else v - b[i].float()).to(x.dtype)
+    return out
+
+
+@pytest.mark.parametrize("with_b", [False, True], ids=["x", "x+b"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_patch_puts_each_requests_rows_at_their_positions(dtype, shape, with_b):
+    num_tokens, width = shape
+    seed("patch", dtype, shape, with_b)
+    k = 3
+    x = randn(num_tokens, width, dtype)
+    b = randn(num_tokens, width, dtype) if with_b else None
+    slot = slot_table(num_tokens)
+    pos = torch.randint(0, 5, (num_tokens + 4,), device=DEVICE)      # int64, as vLLM's positions
+    at = torch.stack([torch.randperm(5, device=DEVICE)[:k] for _ in range(SLOTS)]).to(torch.int32)
+    at[0, 1] = -1                                                    # an unused entry
+    rows = randn(SLOTS * k, width, torch.float32).view(SLOTS, k, width)
+    actual, expected = x.clone(), x.clone()
+    patch_(actual, b, slot, pos, rows, at)
+    patch_ref(expected, b, slot, pos, rows, at)
+    by_hand = patch_by_hand(x, b, slot, pos, rows, at)
+    what = f"patch {'with' if with_b else 'without'} b"
+    assert_close(actual, by_hand, dtype, what)
+    assert_close(expected, by_hand, dtype, what)
+    matched = torch.tensor([int(s) >= 0 and bool((at[int(s)] == pos[i]).any())
+                            for i, s in enumerate(slot[:num_tokens].tolist())], device=DEVICE)
+    assert_rows_untouched(actual, x, ~matched, what)
+    if num_tokens > 5:
+        assert matched.any(), "no row was patched: the case tests nothing"
+
+
+def test_patch_rejects_tables_of_the_wrong_shape():
+    x = randn(5, 123, torch.float32)
+    slot, pos = slot_table(5), torch.arange(5, device=DEVICE)
+    at = torch.zeros(SLOTS, 2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"rows must have shape \(3, 2, 123\)"):
+        patch_(x, None, slot, pos, torch.zeros(SLOTS, 2, 100, device=DEVICE), at)
+    with pytest.raises(ValueError, match="pos must be 1-D int32 or int64"):
+        patch_(x, None, slot, pos[:3], torch.zeros(SLOTS, 2, 123, device=DEVICE), at)

@@ -2,18 +2,18 @@
 taps are explained against its own small model (`tapc explain`, as a user would check them
 first); the served example's command is what vLLM's parser reads; the SAE example's training
 (SAELens) runs on an arrow harvest of the toy engine; the LoRA example's adapter is what vLLM's
-loader reads; the patching example's block writes the one row it must. Running them is the GPU's
+loader reads; each of the patching example's requests patches one site. Running them is the GPU's
 (tests/test_examples_gpu.py)."""
 import importlib.util
 import py_compile
 import shlex
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from small_models import ENGINE, write_checkpoint   # examples/ is on sys.path: tests/gpu_engines.py
 
+from tapc.api.requests import TapRequest, check
 from tapc.cli import main
 from tapc.plan.planner import build_plan
 
@@ -130,14 +130,15 @@ def test_the_lora_examples_adapter_is_what_vllm_reads(models, tmp_path, monkeypa
     assert torch.equal(lora.loras[name].lora_b, tensors[f"base_model.model.{name}.lora_B.weight"])
 
 
-def test_the_patching_examples_block_writes_one_row_at_one_site():
+def test_the_patching_examples_requests_each_patch_one_site(models):
+    """Each case binds the parameter of one site's `patch`: the request is patched there only."""
     ex = load("patching")
-    row = torch.full((4,), 7.0)
-    patch = ex.patch_row("model.layers.2.resid", 12, row)
-    x = torch.zeros(6, 4)
-    patch(SimpleNamespace(point="model.layers.1.resid", positions=range(10, 16)), x)
-    assert not x.any(), "another site's rows"
-    patch(SimpleNamespace(point="model.layers.2.resid", positions=range(0, 6)), x)
-    assert not x.any(), "a chunk without the position"
-    patch(SimpleNamespace(point="model.layers.2.resid", positions=range(10, 16)), x)
-    assert torch.equal(x[2], row) and not x[[0, 1, 3, 4, 5]].any()
+    plan = build_plan(models("llama"), ex.TAPS, max_num_batched_tokens=ENGINE["max_num_batched_tokens"],
+                      max_num_seqs=ENGINE["max_num_seqs"])
+    width = plan.hidden_size
+    for site in ex.SITES:
+        ask = check(plan, TapRequest(capture="logits", params={ex.PARAM[site]: {"positions": [3],
+                                                                               "rows": torch.ones(1, width)}}), "r")
+        patched = [t.key for t in plan.taps if t.action == "patch" and all(a.param in ask.params
+                                                                          for a in t.args if a.param)]
+        assert patched == [site]

@@ -247,9 +247,10 @@ def restore(x, batch):
 
 
 def test_causal_tracing_restores_one_clean_row_one_layer_per_request():
-    """docs/blocks.md's recipe: capture a clean run, then one corrupted request per layer with
-    the clean resid restored at the subject's position at that layer only; each equals the
-    model run on the corrupted tokens with that row replaced by hand."""
+    """Per-layer parameters of one function, causal tracing written as a compiled function (the
+    built-in edit is `patch`: tests/test_patch_cpu.py): capture a clean run, then one corrupted
+    request per layer with the clean resid restored at the subject's position at that layer
+    only; each equals the model run on the corrupted tokens with that row replaced by hand."""
     # the restores first: taps at one point run in plan order, so the captures see them
     taps = [*(f"model.layers.{i}.resid | call(restore, clean=clean{i}, pos=pos{i})" for i in range(LAYERS)),
             "model.layers.*.resid"]

@@ -22,6 +22,7 @@ from tapc.worker.layout import Layout
 from tapc.wire.positions import expected_rows
 from tapc.wire.protocol import Chunk, CollectReply, Result, StoreResult
 from tapc.api.requests import TapRequest
+from tapc.lang.edits import check_param
 from tapc.errors import PlanError, ProtocolError, ResolveError
 from tapc.plan.tapplan import READ, TapPlan
 from tapc.plan.planner import build_plan
@@ -133,17 +134,24 @@ def test_each_gpu_installs_its_stage_and_captures_what_it_writes():
 def test_request_values_are_written_as_each_gpus_columns():
     """ParamTables on the CPU: a request's vector and columns land in a GPU's slot as its part."""
     plan = plan_for(["model.layers.0.mlp.act_fn.output | add(v)", "model.layers.0.mlp.down_proj.input | set(c, 2.0)",
-                     "model.layers.1.self_attn.qkv_proj.output | set(k, w)"], tp=2)
+                     "model.layers.1.self_attn.qkv_proj.output | set(k, w)",
+                     "model.layers.1.mlp.act_fn.output | patch(p, rows=3)"], tp=2)
     shards = plan.shard_map
     rng = np.random.default_rng(0)
     v = rng.standard_normal(704).astype(np.float32)
+    rows = rng.standard_normal((2, 704)).astype(np.float32)
     cols, qkv_cols, w = [3, 400, 703], [5, 300, 500], [1.0, 2.0, 3.0]   # qkv: q 0..255, k 256..383, v 384..511
     for r in range(2):
         layout = Layout(plan, r, 0)
         tables = ParamTables(layout.edits, 4, torch.device("cpu"), layout.localize)
-        tables.write(1, [0, 1, 2], {"v": v.tobytes(), "c": cols, "k": qkv_cols, "w": w})
+        tables.write(1, [0, 1, 2, 3], {"v": v.tobytes(), "c": cols, "k": qkv_cols, "w": w,
+                                       "p": check_param("rows", {"positions": [7, 2], "rows": rows}, 704)})
         act = shards["model.layers.0.mlp.act_fn.output"]
         np.testing.assert_array_equal(tables.tables[0]["vector"][1].numpy(), v[global_columns(act, r)])
+        # patch rows: each row's columns of this GPU, their positions as they are, the rest empty
+        g = global_columns(shards["model.layers.1.mlp.act_fn.output"], r)
+        np.testing.assert_array_equal(tables.tables[3]["src"][1].numpy(), np.vstack([rows[:, g], np.zeros((1, len(g)))]))
+        assert tables.tables[3]["src_at"][1].tolist() == [7, 2, -1]
         for e, key, want, vals in ((1, "model.layers.0.mlp.down_proj.input", cols, None),
                                    (2, "model.layers.1.self_attn.qkv_proj.output", qkv_cols, w)):
             g = global_columns(shards[key], r)

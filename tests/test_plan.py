@@ -159,7 +159,7 @@ BAD = [
     (["model.layers.3.self_attn.source.qkv_split_0.output"], ResolveError, ["returns 3 tensors", "256, 128, 128", "`.output[k]`"]),
     (["model.layers.3.mlp.resid"], ResolveError, ["`.resid` is the residual stream after a decoder layer"]),
     (["model.layers.3.resid", "model.layers.*.resid"], PlanError, ["tapped twice", "`model.layers.3.resid`", "`model.layers.*.resid`"]),
-    (["model.layers.3.resid | add(v)", "model.layers.3.mlp.act_fn.output | add(v)"], PlanError, ["'v' is a vector of 256", "704", "two names"]),
+    (["model.layers.3.resid | add(v)", "model.layers.3.mlp.act_fn.output | add(v)"], PlanError, ["'v' is 256 wide", "704", "two names"]),
     (["model.layers.3.resid | add(v)", "model.layers.2.resid | scale(v)"], PlanError, ["'v' is a vector", "but a scalar"]),
     (["samples | add(v)"], ResolveError, ["samples are token ids", "`samples -> name`"]),
     (["logits | project_out(d)"], ResolveError, ["set/zero to mask tokens"]),

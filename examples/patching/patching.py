@@ -1,8 +1,8 @@
 """Activation patching across prompts, layer by layer.
 
 The clean prompt's run captures the residual stream (and the embeddings) at every prompt
-position. Then the corrupted prompt runs once per site and position, each request with its own
-Python block that writes the clean run's row over its own at that one site: all of them in one
+position. Then the corrupted prompt runs once per site and position, each request bringing the
+clean run's row for that one site (`patch`, in the compiled graph): all of them in one
 `generate` call, on one engine. Printed: how much of the clean run's logit difference each patch
 restores (1: all of it, 0: none).
 
@@ -23,23 +23,11 @@ CLEAN = "The tower is in the city of Paris, so the tower is in"
 CORRUPT = "The tower is in the city of Rome, so the tower is in"
 LAYERS = SMALL["num_hidden_layers"]
 SITES = ["model.embed_tokens.output"] + [f"model.layers.{i}.resid" for i in range(LAYERS)]
-TAPS = ["model.embed_tokens.output", "model.layers.*.resid",                  # the clean run's rows
-        "model.embed_tokens.output -> patch", "model.layers.*.resid -> patch",  # a request's patch
-        "logits"]
+# One parameter a site: a request that binds `at_3` is patched at layer 3 and nowhere else. The
+# patches come first: taps at one point run in plan order, so the captures see the patched rows.
+PARAM = {site: "at_embed" if i == 0 else f"at_{i - 1}" for i, site in enumerate(SITES)}
+TAPS = [*(f"{site} | patch({PARAM[site]})" for site in SITES), *SITES, "logits"]
 TOLERANCE = 0.05   # bf16, and runs batched differently
-
-
-def keep(ctx, x):
-    """The engine's `patch`, for requests that bring none of their own: it changes nothing."""
-
-
-def patch_row(site: str, position: int, row):
-    """One request's `patch` block: at `site`, its row at `position` becomes `row`."""
-    def patch(ctx, x):
-        # x: this request's rows at the point this step; ctx.positions: their token positions
-        if ctx.point == site and position in ctx.positions:
-            x[position - ctx.positions.start] = row.to(x.device, x.dtype)
-    return patch
 
 
 def name(site: str) -> str:
@@ -51,7 +39,7 @@ def main() -> int:
 
     from tapc import VLLM, TapRequest
 
-    llm = VLLM(small_model("llama"), taps=TAPS, blocks={"patch": keep}, **engine_args())
+    llm = VLLM(small_model("llama"), taps=TAPS, **engine_args())
     tok = llm.llm.get_tokenizer()
     clean, corrupt = tok.encode(CLEAN), tok.encode(CORRUPT)
     assert len(clean) == len(corrupt), "the two prompts must line up token for token"
@@ -66,10 +54,10 @@ def main() -> int:
     (run,) = llm.generate([prompt(clean)], one, taps=TapRequest(capture=SITES, positions="prompt"))
     rows = {site: run.taps[site].clone() for site in SITES}   # clone: the captures are views of shared memory
 
-    # 2. The corrupted prompt once per (site, position), each with its own patch; both prompts
-    # unpatched in the same call, as the baselines.
+    # 2. The corrupted prompt once per (site, position), each with its own row to patch in; both
+    # prompts unpatched in the same call, as the baselines.
     cases = [(site, pos) for site in SITES for pos in (changed, last)]
-    asks = [TapRequest(capture="logits", blocks={"patch": patch_row(site, pos, rows[site][pos])})
+    asks = [TapRequest(capture="logits", params={PARAM[site]: {"positions": [pos], "rows": rows[site][[pos]]}})
             for site, pos in cases]
     outs = llm.generate([prompt(corrupt)] * len(cases) + [prompt(clean), prompt(corrupt)], one,
                         taps=asks + [TapRequest(capture="logits")] * 2)

@@ -19,7 +19,7 @@ from numbers import Integral
 from typing import Any
 
 from tapc.errors import RequestError
-from tapc.lang.edits import CALL, EDITS, POSITIONS, check_param, set_lengths
+from tapc.lang.edits import CALL, EDITS, POSITIONS, check_param, patch_rows, set_lengths
 from tapc.lang.quoted import shown
 from tapc.plan.tapplan import TapPlan
 from tapc.wire.protocol import Ask
@@ -36,7 +36,8 @@ class TapRequest:
     positions: "all" | "prompt" | "generated" | "last", or a list of absolute positions.
     params:    parameter name -> value: a vector (list, numpy array or tensor) for `vector`
                parameters, a number for `scalar`, column indices for `columns`, a number or a
-               list (one per column) for `values`. An edit tap applies to a request that binds
+               list (one per column) for `values`, `{"positions": [p, ...], "rows": [n, width]}` for
+               a `patch`'s rows. An edit tap applies to a request that binds
                all of its parameters; edits without parameters apply to every request.
     blocks:    block name -> a function `f(ctx, x)` run for this request instead of the engine's
                block of that name (see tapc.worker.runtime); it is pickled to the worker.
@@ -155,12 +156,25 @@ def _params(plan: TapPlan, params: Mapping[str, Any], where: str, partial: bool 
 
 
 def _value(plan: TapPlan, spec, value, where: str):
-    width = spec.width if spec.kind == "vector" else \
-        min(t.width for t in plan.taps if any(a.param == spec.name for a in t.args))
+    users = [t for t in plan.taps if any(a.param == spec.name for a in t.args)]
+    width = spec.width if spec.width is not None else min(t.width for t in users)
     try:
-        return check_param(spec.kind, value, width)
+        out = check_param(spec.kind, value, width)
     except ValueError as e:
         raise RequestError(f"{where}: parameter {spec.name!r} ({spec.kind}) {e}") from None
+    if spec.kind == "rows":   # no more than its tables hold
+        room, tap = min(((next(a.value for a in t.args if a.name == "rows"), t) for t in users), key=lambda rt: rt[0])
+        n = len(patch_rows(out)[0])
+        if n > room:
+            raise RequestError(f"{where}: parameter {spec.name!r} has {n} rows, but `{tap.source}` holds {room} "
+                               f"a request (set `rows=` in the tap: `patch({spec.name}, rows={n})`)")
+    return out
+
+
+def patch_positions(plan: TapPlan, params: Mapping) -> list[int]:
+    """The positions a request's patch() rows are for, all of its parameters together."""
+    names = {p.name for p in plan.params if p.kind == "rows"}
+    return sorted({int(p) for name, v in params.items() if name in names for p in patch_rows(v)[0]})
 
 
 def _check_set_lengths(tap, bound: dict, where: str) -> None:

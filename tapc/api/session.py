@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from tapc.api.prefix import PrefixPolicy, salted
-from tapc.api.requests import TapRequest, check, check_engine_params
+from tapc.api.requests import TapRequest, check, check_engine_params, patch_positions
 from tapc.errors import EngineError, ProtocolError, RequestError, TapcError
 from tapc.plan.tapplan import ENGINE, TapPlan
 from tapc.wire.arena import ArenaReader
@@ -135,14 +135,17 @@ class TapSession:
         """A `RequestError` where a listed position lies beyond any the request can reach (its
         prompt and max_tokens, the engine's max_model_len: tapc/wire/positions.py), which would
         come back with no row."""
-        if isinstance(checked.positions, str) or not checked.positions:
+        listed = () if isinstance(checked.positions, str) else checked.positions
+        patched = patch_positions(self.plan, checked.params) if checked.params else ()
+        if not listed and not patched:
             return
         bound = last_reachable(prompt_len, max_tokens, self.max_model_len)
-        if bound is not None and checked.positions[-1] > bound[0]:
-            beyond = [p for p in checked.positions if p > bound[0]]
-            raise RequestError(f"{where}: {'positions' if len(beyond) > 1 else 'position'} {shown_list(beyond)} "
-                               f"{'lie' if len(beyond) > 1 else 'lies'} beyond the last this request can reach, "
-                               f"{bound[0]} ({bound[1]})")
+        for what, positions in (("", listed), ("patch() rows at ", patched)):
+            beyond = [p for p in positions if bound is not None and p > bound[0]]
+            if beyond:
+                raise RequestError(f"{where}: {what}{'positions' if len(beyond) > 1 else 'position'} "
+                                   f"{shown_list(beyond)} {'lie' if len(beyond) > 1 else 'lies'} beyond the last "
+                                   f"this request can reach, {bound[0]} ({bound[1]})")
 
     def prepare(self, sampling_params, checked: Ask | None, where: str, prompt=None) -> Prepared:
         """One request to submit, from its checked ask: its tapc id (made here, once) travels

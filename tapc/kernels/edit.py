@@ -138,6 +138,33 @@ def _project_out_kernel(
             tl.store(ptrs, (v - dot * d).to(x_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _patch_kernel(
+    x_ptr, b_ptr, slot_ptr, pos_ptr, rows_ptr, at_ptr, width, num_slots, num_at,
+    stride_x, stride_xc, stride_b, stride_bc, stride_rows, stride_rows_k, stride_at,
+    HAS_B: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0)
+    s = tl.load(slot_ptr + row)
+    if (s < 0) | (s >= num_slots):
+        return
+    s64 = s.to(tl.int64)
+    # which of the slot's rows is for this row's position (-1 entries hold none)
+    k = tl.arange(0, BLOCK_K)
+    at = tl.load(at_ptr + s64 * stride_at + k, mask=k < num_at, other=-1)
+    p = tl.load(pos_ptr + row).to(tl.int32)
+    j = tl.max(tl.where((at == p) & (at >= 0), k, -1), axis=0)
+    if j < 0:
+        return
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    r = row.to(tl.int64)
+    v = tl.load(rows_ptr + s64 * stride_rows + j.to(tl.int64) * stride_rows_k + cols, mask=mask)
+    if HAS_B:
+        v -= tl.load(b_ptr + r * stride_b + cols * stride_bc, mask=mask).to(tl.float32)
+    tl.store(x_ptr + r * stride_x + cols * stride_xc, v.to(x_ptr.dtype.element_ty), mask=mask)
+
+
 def _check_common(x: torch.Tensor, b: torch.Tensor | None, slot: torch.Tensor) -> None:
     check_activation(x)
     if b is not None:
@@ -230,6 +257,31 @@ def project_out_(x: torch.Tensor, b: torch.Tensor | None, slot: torch.Tensor,
     )
 
 
+def patch_(x: torch.Tensor, b: torch.Tensor | None, slot: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
+           at: torch.Tensor) -> None:
+    """s = x (+ b) becomes rows[s, j] where at[s, j] == pos[i], s = slot[i] (activation
+    patching: the request's own rows at their positions); rows with no match stay (Triton)."""
+    _check_common(x, b, slot)
+    if pos.dtype not in (torch.int32, torch.int64) or pos.dim() != 1 or pos.shape[0] < x.shape[0]:
+        raise ValueError(f"pos must be 1-D int32 or int64 with an entry per row ({x.shape[0]}), got "
+                         f"{pos.dtype} of shape {tuple(pos.shape)}")
+    if at.dim() != 2:
+        raise ValueError(f"at must be [slots, k], got shape {tuple(at.shape)}")
+    slots, k = at.shape
+    check_slot_table(at, x, (slots, k), torch.int32, "at")
+    check_slot_table(rows, x, (slots, k, x.shape[1]), torch.float32, "rows")
+    num_tokens, width = x.shape
+    if num_tokens == 0:
+        return
+    block = col_block(width)
+    other, stride_b, stride_bc = _b_args(x, b)
+    _patch_kernel[(num_tokens, triton.cdiv(width, block))](
+        x, other, slot, pos, rows, at, width, slots, k,
+        x.stride(0), x.stride(1), stride_b, stride_bc, rows.stride(0), rows.stride(1), at.stride(0),
+        HAS_B=b is not None, BLOCK=block, BLOCK_K=triton.next_power_of_2(k), num_warps=warps_for(block),
+    )
+
+
 # Below this many rows project_out_ is bound by latency and by what one multiprocessor can
 # move for its row, not by the whole chip's bandwidth (measured on an H200: docs/kernels.md).
 FEW_ROWS = 512
@@ -294,3 +346,15 @@ def project_out_ref(x, b, slot, dirs) -> None:
     total = xs if b is None else xs + b[rows].float()
     dot = (total * d).sum(dim=1, keepdim=True)
     x[rows] = (xs - dot * d).to(x.dtype)
+
+
+def patch_ref(x, b, slot, pos, rows, at) -> None:
+    """Plain-torch reference of `patch_`."""
+    edited, s = _edited_rows(x, slot, at.shape[0])
+    hit = (at[s].long() == pos[edited].long()[:, None]) & (at[s] >= 0)
+    found = hit.any(dim=1)
+    edited, s, j = edited[found], s[found], hit[found].int().argmax(dim=1)
+    v = rows[s, j]
+    if b is not None:
+        v = v - b[edited].float()
+    x[edited] = v.to(x.dtype)

@@ -121,6 +121,12 @@ def project_out_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor,
     _run((slot,), _edit.project_out_, _edit.project_out_ref, x, b, slot, dirs)
 
 
+def patch_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor,
+           at: torch.Tensor) -> None:
+    """s = x (+ b) becomes rows[slot[i], j] where at[slot[i], j] == pos[i]; written through x."""
+    _run((slot,), _edit.patch_, _edit.patch_ref, x, b, slot, pos, rows, at)
+
+
 BoundaryHandler = Callable[[int, torch.Tensor, Optional[torch.Tensor]], None]
 _boundary_handler: Optional[BoundaryHandler] = None
 
@@ -159,4 +165,5 @@ _register("scale_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor factor) -> ()", s
 _register("set_cols_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor cols, Tensor vals) -> ()",
           set_cols_)
 _register("project_out_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor dirs) -> ()", project_out_)
+_register("patch_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor pos, Tensor rows, Tensor at) -> ()", patch_)
 _register("boundary(Tensor(a!) x, Tensor(b!)? b, int point) -> ()", boundary)

@@ -9,12 +9,13 @@ that `tapc explain` stays light; each kernel's torch reference is `tapc.kernels.
 An edit's op is `torch.ops.tapc.<kernel>(x, b, slot, *tables)`: `slot[i]` names the request
 slot of row i (-1: leave the row alone) and each table is `[slots, ...]`, one row per slot
 (docs/kernels.md). A table holds one argument's value: a literal in every slot, or the value a
-request binds in that request's slot.
+request binds in that request's slot. `patch` also reads the runner's positions, after `slot`:
+its rows are the request's own, each for one position.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,9 @@ REQUIRED = object()
 POSITIONS = ("all", "prompt", "generated", "last")
 # Per-request column lists (set/zero with a `columns` parameter) fill a fixed-width slot table.
 MAX_COLUMNS = 64
+
+# patch(src, rows=k): a slot holds up to k rows (k sizes its table: slots x k x width).
+MAX_PATCH_ROWS = 256
 
 # Every edit also takes `at=`: which rows of its request to edit.
 AT = ("at", "positions", "all")
@@ -59,6 +63,9 @@ EDITS: dict[str, EditOp] = {
                    constants=(("value", 0.0),)),
     "project_out": EditOp("project_out", (("direction", "vector", REQUIRED),), "project_out_", ("direction",),
                           unit=True),
+    # The request's rows replace its activation at their positions (activation patching); the
+    # op reads the row's position, and a slot's rows and their positions.
+    "patch": EditOp("patch", (("src", "rows", REQUIRED), ("rows", "count", 1)), "patch_", ("src", "src_at")),
 }
 # op -> ((argument, kind, default), ...), as the parser binds them.
 SIGNATURES = {op: e.args for op, e in EDITS.items()}
@@ -76,6 +83,10 @@ def check_literal(kind: str, value):
         return value
     if kind == "scalar" and not isinstance(value, (int, float)):
         raise ValueError("must be a number or a parameter name")
+    if kind == "rows":
+        raise ValueError("must be a parameter name: each request binds its own rows (their positions and values)")
+    if kind == "count" and not (isinstance(value, int) and 1 <= value <= MAX_PATCH_ROWS):
+        raise ValueError(f"must be a whole number of rows in 1..{MAX_PATCH_ROWS}")
     if kind == "columns":
         value = value if isinstance(value, tuple) else (value,)
         if not value or not all(isinstance(v, int) and v >= 0 for v in value):
@@ -133,6 +144,8 @@ def check_param(kind: str, value, width: int):
         if not _finite(value):
             raise ValueError(f"must be a finite number, got {shown(value)}")
         return float(value)
+    if kind == "rows":
+        return _checked_patch(value, width)
     if kind == "columns":
         cols = [value] if isinstance(value, (int, np.integer)) else list(value) if isinstance(value, Iterable) else None
         if not cols or len(cols) > MAX_COLUMNS or len(set(cols)) != len(cols) or \
@@ -143,6 +156,40 @@ def check_param(kind: str, value, width: int):
     if not vals or not all(_finite(v) for v in vals):
         raise ValueError(f"must be a number or a list of numbers, got {shown(value)}")
     return [float(v) for v in vals]
+
+
+def _checked_patch(value, width: int) -> bytes:
+    """patch() rows, `{"positions": [p, ...], "rows": [n, width]}`, in their wire form: n and the
+    n positions as int32, then the rows as float32 (`patch_rows` reads it back)."""
+    if not isinstance(value, Mapping) or set(value) != {"positions", "rows"}:
+        raise ValueError(f'must be {{"positions": [p, ...], "rows": [n, {width}] numbers}}, got {shown(value)}')
+    pos = value["positions"]
+    pos = list(pos) if isinstance(pos, Iterable) and not isinstance(pos, (str, bytes)) else None
+    if not pos or not all(isinstance(p, (int, np.integer)) and not isinstance(p, bool) and p >= 0 for p in pos) \
+            or len(set(pos)) != len(pos):
+        raise ValueError(f"positions must be distinct non-negative token positions, got {shown(value['positions'])}")
+    rows = value["rows"]
+    try:
+        arr = np.asarray(rows.detach().float().cpu() if hasattr(rows, "detach") else rows, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"rows must be [{len(pos)}, {width}] numbers, got {shown(rows)}") from None
+    if arr.shape != (len(pos), width):
+        raise ValueError(f"rows must be [{len(pos)}, {width}] (a row per position), got shape {tuple(arr.shape)}")
+    if not np.isfinite(arr).all():
+        raise ValueError("rows have non-finite entries")
+    return patch_wire(pos, arr)
+
+
+def patch_rows(wire: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """(positions [n] int32, rows [n, width] float32) of patch() rows in their wire form."""
+    n = int(np.frombuffer(wire, dtype=np.int32, count=1)[0])
+    return (np.frombuffer(wire, dtype=np.int32, count=n, offset=4),
+            np.frombuffer(wire, dtype=np.float32, offset=4 * (n + 1)).reshape(n, -1))
+
+
+def patch_wire(positions, rows: np.ndarray) -> bytes:
+    """patch() rows in their wire form (a GPU's columns of them under tensor parallelism)."""
+    return np.asarray([len(positions), *positions], dtype=np.int32).tobytes() + rows.astype(np.float32).tobytes()
 
 
 def _finite(v) -> bool:
@@ -185,6 +232,11 @@ def tables(action: str, args, width: int) -> tuple[Table, ...]:
         return tuple(Table(a.name, () if a.kind == "scalar" else (width,), "float32",
                            None if a.param is None else (a.param, False), a.param is None)
                      for a in args if a.name != AT[0])
+    if action == "patch":   # a slot's rows, and their positions (-1: none), shared by parameter name
+        by_name = {a.name: a for a in args}
+        k, src = by_name["rows"].value, by_name["src"].param
+        return (Table("src", (k, width), "float32", (src, "rows", k), False),
+                Table("src_at", (k,), "int32", (src, "positions", k), False))
     op = EDITS[action]
     by_name = {a.name: a for a in args}
     kinds = op.kinds()
@@ -212,6 +264,12 @@ def slot_row(action: str, table: Table, values: dict) -> np.ndarray:
     if action == CALL:
         value = values[table.arg]
         return np.frombuffer(value, dtype=np.float32).copy() if isinstance(value, bytes) else np.asarray(value, np.float32)
+    if action == "patch":
+        k = table.shape[0]
+        pos, rows = patch_rows(values["src"])
+        if table.arg == "src_at":
+            return np.concatenate([pos, np.full(k - len(pos), -1, np.int32)])
+        return np.concatenate([rows, np.zeros((k - len(rows), rows.shape[1]), np.float32)])
     op = EDITS[action]
     value = values.get(table.arg, dict(op.constants).get(table.arg))
     kind = op.kinds().get(table.arg, "values")

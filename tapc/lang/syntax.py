@@ -392,6 +392,9 @@ def _bind_call(text: str, args: list, where: str) -> Action:
 def _check_value(text: str, op: str, name: str, kind: str, value: Value, where: str) -> Value:
     if kind == "positions":   # a keyword, parsed as a name
         value = value.name if isinstance(value, Param) else value
+    elif isinstance(value, Param) and kind == "count":
+        raise _syntax_error(text, len(text), f"{op}(): argument {name!r} sizes the engine's tables: give a number, "
+                            f"not the parameter {value.name!r}", where)
     elif isinstance(value, Param):
         return value
     try:

@@ -95,6 +95,10 @@ def _specs(taps) -> tuple[TapSpec, ...]:
     return tuple(items) if items and all(isinstance(t, TapSpec) for t in items) else parse_taps(items)
 
 
+# parameter kinds as wide as their point: a vector, patch() rows
+WIDE = ("vector", "rows")
+
+
 def _collect_params(taps: list[PlannedTap]) -> tuple[ParamSpec, ...]:
     """One entry per parameter name; a name must mean one kind (and one width for vectors)."""
     found: dict[str, tuple[ParamSpec, PlannedTap]] = {}
@@ -107,11 +111,11 @@ def _collect_params(taps: list[PlannedTap]) -> tuple[ParamSpec, ...]:
                 if first.kind != a.kind:
                     raise PlanError(f"parameter {a.param!r} is a {first.kind} in `{where.source}` "
                                     f"but a {a.kind} in `{tap.source}`")
-                if a.kind == "vector" and where.width != tap.width:
-                    raise PlanError(f"parameter {a.param!r} is a vector of {where.width} at {where.key} "
-                                    f"but of {tap.width} at {tap.key}: use two names")
+                if a.kind in WIDE and where.width != tap.width:
+                    raise PlanError(f"parameter {a.param!r} is {where.width} wide at {where.key} "
+                                    f"but {tap.width} at {tap.key}: use two names")
                 continue
-            found[a.param] = (ParamSpec(a.param, a.kind, tap.width if a.kind == "vector" else None), tap)
+            found[a.param] = (ParamSpec(a.param, a.kind, tap.width if a.kind in WIDE else None), tap)
     return tuple(a for a, _ in found.values())
 
 

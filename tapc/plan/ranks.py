@@ -25,7 +25,7 @@ import dataclasses
 
 import numpy as np
 
-from tapc.lang.edits import EDITS
+from tapc.lang.edits import EDITS, patch_rows, patch_wire
 from tapc.plan.sharding import local_columns, local_vector
 from tapc.plan.shards import PointShard
 from tapc.plan.tapplan import BLOCK, Arg, PlannedTap
@@ -70,6 +70,9 @@ def local_args(shard: PointShard, tp_rank: int, action: str, values: dict) -> di
             whole = np.frombuffer(v, dtype=np.float32) if as_bytes else np.asarray(v, dtype=np.float64)
             part = local_vector(shard, tp_rank, whole)
             out[name] = part.astype(np.float32).tobytes() if as_bytes else tuple(float(x) for x in part)
+        elif kinds.get(name) == "rows":   # patch(): each row's columns, as a vector's
+            positions, rows = patch_rows(v)
+            out[name] = patch_wire(positions, local_vector(shard, tp_rank, rows))
     cols = values.get("cols")
     if cols is not None:
         local, picked = local_columns(shard, tp_rank, list(cols))

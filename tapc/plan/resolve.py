@@ -316,6 +316,9 @@ def _engine_tap(spec: TapSpec, tree: ModuleTree) -> PlannedTap:
     if spec.action.op == "call":
         raise ResolveError(f"{where}: compiled functions run inside the model's graphs, and the logits are made "
                            "outside them; edit the logits with set/zero/add/scale, or use a block (`logits -> name`)")
+    if spec.action.op == "patch":
+        raise ResolveError(f"{where}: patch() puts a request's own rows into the model's activations; the logits "
+                           "are its output: edit them with set/zero/add/scale")
     if spec.action.op in ("project_out",):
         raise ResolveError(f"{where}: `{spec.action.op}` on logits has no meaning; use set/zero to mask tokens, "
                            "add for a logit bias, scale for a temperature")

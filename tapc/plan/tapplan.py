@@ -60,8 +60,8 @@ class ParamSpec:
     """A named parameter the plan's edits use; values come per request or per engine."""
 
     name: str
-    kind: str                      # "vector" | "scalar" | "columns" | "values"
-    width: int | None = None       # vectors: elements (the tapped point's width)
+    kind: str                      # "vector" | "scalar" | "columns" | "values" | "rows" (patch)
+    width: int | None = None       # vectors and rows: elements (the tapped point's width)
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class PlannedTap:
 
     source: str                    # the tap line as the user wrote it
     point: Point
-    action: str                    # "capture" | "add" | "scale" | "set" | "zero" | "project_out" | "call" | "block"
+    action: str                    # "capture" | "add" | "scale" | "set" | "zero" | "project_out" | "patch" | "call" | "block"
     kind: str                      # READ | EDIT | BLOCK | ENGINE
     args: tuple[Arg, ...] = ()
     block: str | None = None       # name of the Python block for `-> name`

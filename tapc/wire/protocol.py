@@ -35,7 +35,8 @@ if TYPE_CHECKING:   # torch is imported where a tensor is made: `tapc explain` c
 VERSION = 4
 
 # A request's value of a named parameter as checked by requests.py: float32 bytes for a
-# vector, a float for a scalar, a list of ints for columns, a list of floats for values.
+# vector, a float for a scalar, a list of ints for columns, a list of floats for values, and
+# bytes for patch rows (tapc/lang/edits.py `patch_rows`).
 ParamValue = Union[bytes, float, list]
 
 

@@ -182,6 +182,12 @@ def _bind(module: torch.nn.Module, i: str, tap, what: tuple[str, int], layout: L
     edit = EDITS[tap.action]
     op = getattr(torch.ops.tapc, edit.kernel)
     tables = [reg(name, buffers.params.tables[index][name]) for name in edit.tables]
+    if tap.action == "patch":   # its rows are for positions: the op reads the row's
+        if calls.positions is None:
+            raise EngineError(f"`{tap.source}`: this runner's positions are unknown, and patch() rows are "
+                              "for positions")
+        pos = reg("positions", calls.positions)
+        return lambda x, b: op(x, b, getattr(module, slot), getattr(module, pos), *[getattr(module, t) for t in tables])
     return lambda x, b: op(x, b, getattr(module, slot), *[getattr(module, t) for t in tables])
 
 
