@@ -240,6 +240,31 @@ def test_the_digest_covers_the_functions_code_and_state():
     assert same in digests
 
 
+def test_the_workers_load_the_pickles_the_digest_was_made_from(monkeypatch):
+    """Around a plan and its shipped file each function is pickled once (an SAE's weights are
+    hundreds of MB); the workers' load gives the same function back. Outside, a module changed
+    in place between two plans is pickled afresh: another digest."""
+    import cloudpickle
+
+    from tapc.api.llm import ship_functions
+    from tapc.plan.calls import pickled_once
+    from tapc.worker.worker import _functions
+
+    dumps = []
+    real = cloudpickle.dumps
+    monkeypatch.setattr(cloudpickle, "dumps", lambda obj, *a, **k: dumps.append(obj) or real(obj, *a, **k))
+    probe = Probe()
+    with pickled_once():
+        plan = toy_plan(["model.layers.*.resid | call(probe)"], functions={"probe": probe})
+        loaded = _functions(str(ship_functions(plan, {"probe": probe})))
+    assert dumps == [probe]
+    x = torch.randn(5, HIDDEN)
+    torch.testing.assert_close(loaded["probe"](x, None)["logit"], probe(x, None)["logit"])
+    with torch.no_grad():
+        probe.w.add_(1.0)
+    assert toy_plan(["model.layers.*.resid | call(probe)"], functions={"probe": probe}).digest != plan.digest
+
+
 @tapc.function(params={"clean": "vector", "pos": "scalar"})
 def restore(x, batch):
     here = batch.position[:, None].float() == batch.params["pos"][:, None]

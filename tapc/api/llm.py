@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from tapc.api.requests import TapRequest
 from tapc.api.session import Taps, TapSession
 from tapc.api.specs import spec_functions
 from tapc.lang.blockpaths import import_blocks
+from tapc.plan.calls import pickled, pickled_once
 from tapc.plan.planner import build_plan
 from tapc.plan.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from tapc.plan.tapplan import TapPlan
@@ -87,10 +89,11 @@ def setup(model: str, taps: Sequence[str], blocks: dict | None, params: dict | N
     """What a tapped engine (offline or async) needs before vLLM starts: the plan, the session
     (blocks= and params= checked against the plan) and vLLM's engine arguments."""
     require_cuda()
-    plan, kwargs = plan_for(model, taps, capture_dtype, kwargs, functions)
-    args = engine_kwargs(plan, kwargs)
-    if plan.functions:
-        args["additional_config"]["tapc"]["functions"] = str(ship_functions(plan, functions))
+    with pickled_once():
+        plan, kwargs = plan_for(model, taps, capture_dtype, kwargs, functions)
+        args = engine_kwargs(plan, kwargs)
+        if plan.functions:
+            args["additional_config"]["tapc"]["functions"] = str(ship_functions(plan, functions))
     rows = bool(args["additional_config"]["tapc"].get("prefix_rows"))
     return plan, TapSession(plan, params, blocks or {}, prefix_rows=rows), args
 
@@ -111,13 +114,12 @@ def plan_for(model: str, taps: Sequence[str], capture_dtype: str | None, kwargs:
 def ship_functions(plan: TapPlan, functions: dict) -> Path:
     """The plan's compiled functions pickled by value (code, closures, a module's weights) into a
     file of tapc's cache named by the plan's digest, which covers their code: every worker
-    process loads them from there before vLLM traces the model (worker.py)."""
-    import cloudpickle
-
+    process loads them from there before vLLM traces the model (worker.py). Within
+    `pickled_once`, the pickles the plan's hash was made from."""
     path = settings.TAPC_CACHE / "functions" / f"{plan.digest}.pkl"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(cloudpickle.dumps({f.name: functions[f.name] for f in plan.functions}))
+    tmp.write_bytes(pickle.dumps({f.name: pickled(functions[f.name]) for f in plan.functions}))
     tmp.replace(path)
     return path
 

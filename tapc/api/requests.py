@@ -65,14 +65,18 @@ def check(plan: TapPlan, req: TapRequest, where: str) -> Ask:
 def _results_applied(plan: TapPlan, keys: list[str], params: dict, where: str) -> None:
     """A compiled function's result is the request's own only where the request applies the
     function (binds its parameters): other rows run it with another request's values."""
-    calls = {(dataclasses.replace(t.point, result=None), t.function): t for t in plan.taps if t.action == CALL}
-    for tap in plan.taps:
-        if tap.action == "capture" and tap.function is not None and tap.key in keys:
-            call = calls[(dataclasses.replace(tap.point, result=None), tap.function)]
-            missing = [a.param for a in call.args if a.param is not None and a.param not in params]
-            if missing:
-                raise RequestError(f"{where}: {tap.key} is a result of `{call.source}`, which runs with the "
-                                   f"request's {', '.join(map(repr, missing))}: bind them to capture it")
+    if not plan.functions:
+        return
+    wanted = set(keys)
+    asked = [t for t in plan.taps if t.action == "capture" and t.function is not None and t.key in wanted]
+    calls = {(dataclasses.replace(t.point, result=None), t.function): t for t in plan.taps if t.action == CALL} \
+        if asked else {}
+    for tap in asked:
+        call = calls[(dataclasses.replace(tap.point, result=None), tap.function)]
+        missing = [a.param for a in call.args if a.param is not None and a.param not in params]
+        if missing:
+            raise RequestError(f"{where}: {tap.key} is a result of `{call.source}`, which runs with the "
+                               f"request's {', '.join(map(repr, missing))}: bind them to capture it")
 
 
 def _blocks(plan: TapPlan, blocks: Mapping[str, Any], where: str) -> bytes | None:

@@ -10,6 +10,7 @@ torch.compile's reason and the user's line, before any engine starts.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import hashlib
 import inspect
@@ -36,12 +37,39 @@ def function_specs(functions: Mapping[str, Callable] | None) -> dict[str, Functi
     return out
 
 
-def code_hash(fn) -> str:
-    """sha256 of the function pickled by value (its code, closure and a module's weights) and of
-    the file it was defined in (cloudpickle pickles an importable function by reference)."""
+# While set (`pickled_once`): id(function) -> (the function, its pickle), so that the plan's hash
+# and the file the workers load are made from one pickle (an SAE's weights are hundreds of MB).
+_PICKLES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("tapc_pickles", default=None)
+
+
+@contextlib.contextmanager
+def pickled_once():
+    """Within it, `pickled` pickles each function once: around a plan and the file shipped
+    with it. Outside, every call pickles afresh (a module's weights may have changed since)."""
+    token = _PICKLES.set({})
+    try:
+        yield
+    finally:
+        _PICKLES.reset(token)
+
+
+def pickled(fn) -> bytes:
+    """`fn` pickled by value: its code, closure and a module's weights."""
     import cloudpickle
 
-    h = hashlib.sha256(cloudpickle.dumps(fn))
+    kept = _PICKLES.get()
+    if kept is not None and id(fn) in kept:
+        return kept[id(fn)][1]
+    data = cloudpickle.dumps(fn)
+    if kept is not None:
+        kept[id(fn)] = (fn, data)   # the function held with it: its id is no other's meanwhile
+    return data
+
+
+def code_hash(fn) -> str:
+    """sha256 of the function's pickle (`pickled`) and of the file it was defined in (cloudpickle
+    pickles an importable function by reference)."""
+    h = hashlib.sha256(pickled(fn))
     try:
         source = inspect.getsourcefile(fn if inspect.isfunction(fn) or inspect.isclass(fn) else type(fn))
         if source:

@@ -38,13 +38,15 @@ def serve_argv(model: str, taps: list[str], *, capture_dtype: str | None = None,
     from tapc.api.llm import plan_for, ship_functions
     from tapc.api.session import plan_blocks
     from tapc.lang.blockpaths import import_blocks
+    from tapc.plan.calls import pickled_once
     from tapc.wire.engine_args import engine_kwargs
 
     functions = import_blocks(functions or {}, "tapc serve", what="function")
-    plan, kwargs = plan_for(model, taps, capture_dtype, dict(engine or {}), functions)
-    args = engine_kwargs(plan, kwargs)
-    if plan.functions:
-        args["additional_config"]["tapc"]["functions"] = str(ship_functions(plan, functions))
+    with pickled_once():
+        plan, kwargs = plan_for(model, taps, capture_dtype, dict(engine or {}), functions)
+        args = engine_kwargs(plan, kwargs)
+        if plan.functions:
+            args["additional_config"]["tapc"]["functions"] = str(ship_functions(plan, functions))
     if spec_path is not None:   # the server loads the spec's parameter values from it
         args["additional_config"]["tapc"]["spec"] = os.path.abspath(spec_path)
     if blocks:

@@ -155,11 +155,12 @@ def runner_adapter(runner):
 
 
 def _functions(path: str | None) -> dict:
-    """The plan's compiled functions, which the API pickled by value into `path` (api/llm.py)."""
+    """The plan's compiled functions, which the API pickled by value into `path`, each on its own
+    (api/llm.py `ship_functions`)."""
     if path is None:
         return {}
     with open(path, "rb") as f:
-        return pickle.load(f)
+        return {name: pickle.loads(data) for name, data in pickle.load(f).items()}
 
 
 def _place(plan: TapPlan) -> tuple[int, int]:
