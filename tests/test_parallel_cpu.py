@@ -249,7 +249,7 @@ def test_a_missing_rank_is_an_error_not_a_short_tensor(tmp_path):
     out = NS(request_id="r1", prompt_token_ids=list(range(4)), outputs=[NS(token_ids=[1, 2, 3])])
     session.finish(out, wire, session.results(replies)["t1"])
     assert "lack the columns of tensor-parallel rank(s) [1]" in str(out.error)
-    with pytest.raises(ProtocolError, match="1 tapc_collect replies for an engine on 2 GPUs"):
+    with pytest.raises(ProtocolError, match="1 tapc_collect replies for engines of 2 GPUs each"):
         session.results(replies[0])
 
 

@@ -27,7 +27,7 @@ from tapc.api.session import Taps, TapSession
 from tapc.errors import RequestError
 from tapc.wire.protocol import Result
 
-__all__ = ["AsyncVLLM", "Collector"]
+__all__ = ["AsyncVLLM", "Collector", "every_worker"]
 
 log = logging.getLogger("tapc")
 
@@ -109,7 +109,7 @@ class AsyncVLLM:
         """What requests hold on each worker now (`TapWorker.tapc_held`), after the chunks the
         caller dropped are given back."""
         await self.collector.settle()
-        return await self.engine.collective_rpc("tapc_held")
+        return await every_worker(self.engine, "tapc_held")
 
     async def aclose(self) -> None:
         """Stop the collector (its task ends on this loop) and shut the engine down; call it on
@@ -131,8 +131,22 @@ class AsyncVLLM:
             import cloudpickle
 
             self._ready = asyncio.ensure_future(
-                self.engine.collective_rpc("tapc_set_blocks", args=(cloudpickle.dumps(dict(self._blocks)),)))
+                every_worker(self.engine, "tapc_set_blocks", (cloudpickle.dumps(dict(self._blocks)),)))
         await asyncio.shield(self._ready)
+
+
+async def every_worker(engine, method: str, args: tuple = ()) -> list:
+    """`collective_rpc` on every worker of every engine, one reply each, an engine's workers in
+    rank order and the engines in turn. Under data parallelism vLLM's own `collective_rpc`
+    answers with the first engine's workers only (`DPAsyncMPClient.call_utility_async`), and a
+    request's results are on the engine that ran it: each engine is asked itself."""
+    core = getattr(engine, "engine_core", None)
+    engines = getattr(core, "core_engines", None) or ()
+    if len(engines) < 2:
+        return await engine.collective_rpc(method, args=args)
+    replies = await asyncio.gather(*(core._call_utility_async("collective_rpc", method, None, args, None, engine=e)
+                                     for e in engines))
+    return [reply for one in replies for reply in one]
 
 
 class Collector:
@@ -238,9 +252,9 @@ class Collector:
         ids = [*waiting, *dropped]
         if not ids:
             if chunks:
-                await self.engine.collective_rpc("tapc_release", args=(chunks,))
+                await every_worker(self.engine, "tapc_release", (chunks,))
             return
-        got = self.session.results(await self.engine.collective_rpc("tapc_collect", args=(ids, chunks)))
+        got = self.session.results(await every_worker(self.engine, "tapc_collect", (ids, chunks)))
         for tid, fut in waiting.items():
             result = got.pop(tid, None)
             if fut.cancelled():          # its generate was cancelled while it waited

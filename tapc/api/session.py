@@ -202,19 +202,35 @@ class TapSession:
         return [p.wire.id for p in prepared if p.wire is not None]
 
     def results(self, replies) -> dict[str, Result]:
-        """The `tapc_collect` replies (wire form) by tapc id: one reply, or `collective_rpc`'s list
-        of one per worker (in rank order), merged into one result per request (`merge`)."""
+        """The `tapc_collect` replies (wire form) by tapc id: one reply, or a list of one per
+        worker (in rank order; under data parallelism each engine's in turn, `every_worker`),
+        merged into one result per request (`merge`) from the engine that ran it."""
         if isinstance(replies, Mapping):
             replies = [replies]
         per_rank = [CollectReply.from_wire(r).by_id() for r in replies]
         gpus = self.plan.tensor_parallel_size * self.plan.pipeline_parallel_size
-        if len(per_rank) != gpus:
-            raise ProtocolError(f"{len(per_rank)} tapc_collect replies for an engine on {gpus} GPUs: pass "
-                                "collective_rpc's whole list (one reply per worker)")
-        if len(per_rank) == 1:
+        if not per_rank or len(per_rank) % gpus:
+            raise ProtocolError(f"{len(per_rank)} tapc_collect replies for engines of {gpus} GPUs each: pass "
+                                "one reply per worker of every engine")
+        engines = [per_rank[i: i + gpus] for i in range(0, len(per_rank), gpus)]
+        if len(engines) == 1 and gpus == 1:
             return per_rank[0]
         ids = dict.fromkeys(tid for got in per_rank for tid in got)
-        return {tid: self.merge(tid, [got.get(tid) for got in per_rank]) for tid in ids}
+        return {tid: self._from_engines(tid, engines) for tid in ids}
+
+    def _from_engines(self, tid: str, engines: list[list[dict[str, Result]]]) -> Result:
+        """One request's result from the engine whose workers ran it: an engine whose every
+        worker never had it (data parallelism: another engine ran it) is passed over; with
+        none left, the first engine's answer (that no engine has it)."""
+        ran = [e for e in engines if not all(got.get(tid) is not None and got[tid].unknown for got in e)]
+        for extra in ran[1:]:   # one engine runs a request; another's rows for it would be a bug: given back
+            for got in extra:
+                if got.get(tid) is not None:
+                    self.discard(got[tid])
+        group = ran[0] if ran else engines[0]
+        if len(group) == 1 and tid in group[0]:   # one GPU an engine: its result as it is
+            return group[0][tid]
+        return self.merge(tid, [got.get(tid) for got in group])
 
     def merge(self, tid: str, results: Sequence[Result | None]) -> Result:
         """One request's results from every worker (global rank order: stage-major, tensor-parallel

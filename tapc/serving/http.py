@@ -32,6 +32,7 @@ import logging
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tapc.api.async_llm import every_worker
 from tapc.errors import RequestError, TapcError
 
 log = logging.getLogger("tapc")
@@ -145,7 +146,7 @@ def router() -> APIRouter:
         if server is None:
             return error(503, "tapc: this server runs no tap plan")
         await server.collector.settle()
-        return JSONResponse({"workers": await server.collector.engine.collective_rpc("tapc_held")})
+        return JSONResponse({"workers": await every_worker(server.collector.engine, "tapc_held")})
 
     @r.get("/v1/tapc/host-time")
     async def host_time(request: Request):
@@ -155,7 +156,7 @@ def router() -> APIRouter:
         server = server_of(request)
         if server is None:
             return error(503, "tapc: this server runs no tap plan")
-        return JSONResponse({"workers": await server.collector.engine.collective_rpc("tapc_host_time")})
+        return JSONResponse({"workers": await every_worker(server.collector.engine, "tapc_host_time")})
 
     @r.get("/v1/tapc/results/{tid}")
     async def results(request: Request, tid: str, wait: float = 60.0, via: str = "http"):

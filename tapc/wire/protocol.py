@@ -345,7 +345,9 @@ class StoreResult:
 @dataclass(frozen=True)
 class Result:
     """What the worker hands back for one request. `error`: why its taps were not served (it
-    then has nothing else); the chunks of `stores` belong to the API from now on."""
+    then has nothing else); the chunks of `stores` belong to the API from now on. `unknown`:
+    the worker never had the request (with `error` saying so): under data parallelism another
+    engine ran it."""
 
     id: str
     error: str | None = None
@@ -353,12 +355,14 @@ class Result:
     engine: Mapping[str, TensorData] = field(default_factory=dict)    # logits / samples rows
     saved: Mapping[str, tuple] = field(default_factory=dict)          # name -> encoded values, one per save
     block_error: BlockFailure | None = None
+    unknown: bool = False
 
     def to_wire(self) -> dict:
         return {"id": self.id, "error": self.error, "stores": [s.to_wire() for s in self.stores],
                 "engine": {k: t.to_wire() for k, t in self.engine.items()},
                 "saved": {k: list(v) for k, v in self.saved.items()},
-                "block_error": None if self.block_error is None else self.block_error.to_wire()}
+                "block_error": None if self.block_error is None else self.block_error.to_wire(),
+                "unknown": self.unknown}
 
     @classmethod
     def from_wire(cls, d) -> "Result":
@@ -368,7 +372,7 @@ class Result:
                    tuple(StoreResult.from_wire(s) for s in _get(d, "stores", (list, tuple), what)),
                    {k: TensorData.from_wire(t) for k, t in _get(d, "engine", Mapping, what).items()},
                    {k: tuple(v) for k, v in _get(d, "saved", Mapping, what).items()},
-                   None if block_error is None else BlockFailure.from_wire(block_error))
+                   None if block_error is None else BlockFailure.from_wire(block_error), bool(d.get("unknown")))
 
     def saved_values(self) -> dict[str, list]:
         return {k: [decode_value(v) for v in vs] for k, vs in self.saved.items()}

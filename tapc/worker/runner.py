@@ -200,7 +200,7 @@ class RunnerHooks:
             rec = self.by_id.pop(tid, None)
             if rec is None:
                 out[tid] = Result(tid, error="the engine has no captures for this request (it never ran, or was "
-                                             "collected already)")
+                                             "collected already)", unknown=True)
                 continue
             fields: dict = {}
             for c in self.components:
