@@ -9,7 +9,10 @@
 script=$1; shift
 name=${LOG:-${script%.py}}
 set -- "${@//\{LOG\}/$name}"
-rm -rf /tmp/site   # the bundle installs afresh: a warm machine may hold another's
+# the bundle installs afresh (a warm machine may hold another's), unless KEEP_SITE=1: a machine
+# that holds this bundle and Ray's (../shared/gpu/make-ray-bundle, installed by an earlier run;
+# /tmp/site is on PYTHONPATH, so `import ray` finds it)
+[ "${KEEP_SITE:-0}" = 1 ] || rm -rf /tmp/site
 export VLLM_DISABLE_COMPILE_CACHE=1
 source .gpu-serve/activate
 out=${OUT:-/tmp/out}; mkdir -p "$out"
