@@ -278,7 +278,8 @@ def patch_(x: torch.Tensor, b: torch.Tensor | None, slot: torch.Tensor, pos: tor
     _patch_kernel[(num_tokens, triton.cdiv(width, block))](
         x, other, slot, pos, rows, at, width, slots, k,
         x.stride(0), x.stride(1), stride_b, stride_bc, rows.stride(0), rows.stride(1), at.stride(0),
-        HAS_B=b is not None, BLOCK=block, BLOCK_K=triton.next_power_of_2(k), num_warps=warps_for(block),
+        # at least two entries a block: rows=1 then reduces a masked pair, not a one-element block
+        HAS_B=b is not None, BLOCK=block, BLOCK_K=max(2, triton.next_power_of_2(k)), num_warps=warps_for(block),
     )
 
 
