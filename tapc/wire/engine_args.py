@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from tapc import settings
 from tapc.errors import EngineError
+from tapc.wire.node import shm_identity
 
 if TYPE_CHECKING:   # a plan is what the API hands in; this side needs only its methods
     from tapc.plan.tapplan import TapPlan
@@ -78,6 +79,9 @@ def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
         out["compilation_config"] = _with_splits(plan, out.get("compilation_config"))
     additional = dict(out.get("additional_config") or {})
     additional["tapc"] = {"plan": plan.to_json(), "digest": digest(plan)}
+    shm = shm_identity()
+    if shm is not None:   # a worker that sees other shared memory sends its rows (worker.py `_on_api_node`)
+        additional["tapc"]["api_shm"] = shm
     if settings.TAPC_RINGS:   # rings change the graphs (the capture ops' arguments): in the hashed config
         additional["tapc"]["rings"] = True
     if reserve:

@@ -24,6 +24,7 @@ from tapc.kernels import ops
 from tapc.lang.blockpaths import import_blocks
 from tapc.plan.tapplan import TapPlan
 from tapc.wire.arena import Arena
+from tapc.wire.node import shm_identity
 from tapc.worker import patches
 from tapc.worker.buffers import Buffers
 from tapc.worker.copyout import CopyOut
@@ -80,7 +81,7 @@ class TapWorker(Worker):
                 raise EngineError(f"prefix_rows_gib: this engine runs vLLM's {backend!r} executor; the kept rows "
                                   "need its single-process one (\"uni\"), one GPU")
             rows = PrefixRows(layout, self.vllm_config.cache_config.block_size, config["prefix_rows"])
-        tables = StepTables(layout, buffers, copy_out, arena, inline=not _on_api_node())
+        tables = StepTables(layout, buffers, copy_out, arena, inline=not _on_api_node(config.get("api_shm")))
         self.tapc = RunnerHooks(layout, arena, tables, EditSlots(buffers), prefix_rows=rows, switch=switch,
                                 points=points)
         self.tapc_adapter = adapter_cls(runner, self.tapc)
@@ -184,11 +185,14 @@ def _place(plan: TapPlan) -> tuple[int, int]:
     return get_tensor_model_parallel_rank(), stage
 
 
-def _on_api_node() -> bool:
-    """Whether this worker shares a node (and so /dev/shm) with the API. The API runs on the node
-    of global rank 0 under vLLM's multiprocessing executor, several nodes included (the head
-    node); `in_the_same_node_as` asks every rank at once (a collective: every worker calls it at
-    load)."""
+def _on_api_node(api_shm: str | None) -> bool:
+    """Whether this worker shares tapc's shared-memory folder with the API: the API's identity
+    of it (`api_shm`, tapc/wire/node.py) is this process's (one it cannot read: no, its rows are
+    sent). Where the API could not read its own (every worker gets the same config): whether it
+    shares a node with global rank 0, the API's node under vLLM's multiprocessing executor
+    (`in_the_same_node_as`, a collective: every worker calls it at load)."""
+    if api_shm is not None:
+        return shm_identity() == api_shm
     from vllm.distributed.parallel_state import get_world_group, in_the_same_node_as
 
     world = get_world_group()
