@@ -7,6 +7,7 @@ streams captured, one steering edit).
     python3 benchmarks/bench_host.py --device  # on a GPU: fill, upload and copy-out as the worker runs them
     python3 benchmarks/bench_host.py --device --contend   # the same beside a thread that wants the GIL (the driver's and torch's events)
     python3 benchmarks/bench_host.py --device --busy      # the same behind a long kernel (a call that waits shows)
+    python3 benchmarks/bench_host.py --requests  # the caller's check of bench_tracing.py's patched requests
 
 The pools and host storage live on the meta device and the copies are built as the GPU path
 builds them, one batch of addresses for the driver (`issued`), but not sent: on the GPU they
@@ -272,7 +273,39 @@ def time_device_step(layout, buffers, copy_out, records, batch: StepBatch, repea
     return parts, segs
 
 
+def requests_main(prompts: int = 128, rounds: int = 5):
+    """The caller's host time a request before vLLM sees it (`TapSession.prepare_batch`: the
+    check against the plan, the reach of its positions, the prefix-cache salt, the wire form)
+    for bench_tracing.py's sweep: 32 taps `model.layers.i.resid | patch(clean_i)`, each request
+    binding one of them with one 4096-wide row."""
+    import gc
+
+    from vllm import SamplingParams
+
+    from tapc.api.session import TapSession
+
+    plan = build_plan("bench", [f"model.layers.{i}.resid | patch(clean{i})" for i in range(LAYERS)],
+                      max_num_batched_tokens=ROWS, max_num_seqs=SEQS, tree=tree())
+    session = TapSession(plan)
+    rng = np.random.default_rng(0)
+    prompts_ = [{"prompt_token_ids": rng.integers(0, 128000, 64).tolist()} for _ in range(prompts) for _ in range(LAYERS)]
+    clean = rng.standard_normal((prompts, HIDDEN)).astype(np.float32)
+    asks = [TapRequest(params={f"clean{i}": {"positions": [10], "rows": clean[p][None]}})
+            for p in range(prompts) for i in range(LAYERS)]
+    sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times = []
+    for _ in range(rounds):
+        gc.collect()
+        t0 = time.perf_counter()
+        session.prepare_batch(prompts_, sp, asks)
+        times.append((time.perf_counter() - t0) / len(asks) * 1e6)
+    print(f"| {len(asks)} patched requests (bench_tracing's sweep) | {statistics.median(times):.1f} us a request "
+          f"(rounds {min(times):.1f}-{max(times):.1f}) |")
+
+
 def main():
+    if "--requests" in sys.argv[1:]:
+        return requests_main()
     if "--device" in sys.argv[1:]:
         return device_main()
     if "--moe" in sys.argv[1:]:

@@ -129,6 +129,18 @@ def test_digest_is_stable_and_sensitive(trees):
     assert plan(trees, "llama", taps, max_num_batched_tokens=4096).digest != a.digest
 
 
+def test_param_users_are_the_taps_reading_each_parameter_in_plan_order(trees):
+    p = plan(trees, "llama", ["model.layers.*.resid", "model.layers[1:3].resid | add(v, alpha=a)",
+                              "model.layers.0.resid | scale(factor=a)", "model.layers.3.resid | patch(src)"])
+    users = {name: [(t.key, t.action) for t in ts] for name, ts in p.param_users.items()}
+    assert users == {"v": [("model.layers.1.resid", "add"), ("model.layers.2.resid", "add")],
+                     "a": [("model.layers.1.resid", "add"), ("model.layers.2.resid", "add"),
+                           ("model.layers.0.resid", "scale")],
+                     "src": [("model.layers.3.resid", "patch")]}
+    assert [t for ts in p.param_users.values() for t in ts if t not in p.taps] == []
+    assert dataclasses.asdict(p) == dataclasses.asdict(TapPlan.from_json(p.to_json()))   # not part of the value
+
+
 def test_json_round_trip_and_diff(trees):
     p = plan(trees, "llama", ["model.layers.*.resid", "model.layers.2.mlp.act_fn.output | set([1, 2], value=[0.5, 1])",
                               "model.layers.3.mlp.output -> probe", "samples"])

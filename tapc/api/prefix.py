@@ -49,6 +49,7 @@ class PrefixPolicy:
     """One engine's rule (the plan's edits and blocks) and its salt key."""
 
     def __init__(self, plan: TapPlan, key: bytes | None = None, rows_kept: bool = False):
+        self.plan = plan
         self.edits = [t for t in plan.taps if t.kind == EDIT]
         self.blocks = any(t.kind == BLOCK for t in plan.taps)
         # The engine keeps captured rows of shared prompt blocks (tapc/worker/prefixrows.py): its
@@ -68,7 +69,7 @@ class PrefixPolicy:
         if self._last is not None and self._last[0] is ask:
             return self._last[1]
         skip = bool(ask.capture) and ask.positions not in ALWAYS_COMPUTED and not self.rows_kept
-        applied = [t for t in self.edits if _binds(t, ask.params)]
+        applied = [t for t in self._reading(ask.params) if _binds(t, ask.params)]
         if not applied:
             use = CacheUse(skip_read=skip)
         else:
@@ -77,6 +78,14 @@ class PrefixPolicy:
             use = CacheUse(skip_read=skip, salt=self._sign(["edits", what]))
         self._last = (ask, use)
         return use
+
+    def _reading(self, params) -> list:
+        """The edits that read a parameter in `params`, in plan order (a sweep's request binds
+        one parameter of many: its taps are looked up, not every edit tested)."""
+        if len(params) == 1:
+            return [t for t in self.plan.param_users.get(next(iter(params)), ()) if t.kind == EDIT]
+        near = {id(t) for name in params for t in self.plan.param_users.get(name, ())}
+        return [t for t in self.edits if id(t) in near]
 
     def unique(self, tid: str) -> str:
         """A salt no other request has: for a server, which cannot set `skip_reading_prefix_cache`

@@ -148,10 +148,12 @@ def _params(plan: TapPlan, params: Mapping[str, Any], where: str, partial: bool 
             raise RequestError(f"{where}: parameter {name!r} is not named by any tap of this engine's plan "
                                f"(its parameters: {known})")
         out[name] = _value(plan, specs[name], value, where)
-    for tap in (t for t in plan.taps if t.action in EDITS or t.action == CALL):   # in the graphs and on the logits
+    # the edits and calls (in the graphs and on the logits) that read a bound parameter, in plan order
+    bound = {id(t): t for name in out for t in plan.param_users[name] if t.action in EDITS or t.action == CALL}
+    for tap in bound.values() if len(out) == 1 else [t for t in plan.taps if id(t) in bound]:
         names = [a.param for a in tap.args if a.param is not None]
         given = [n for n in names if n in out]
-        if given and len(given) != len(names) and not partial:
+        if len(given) != len(names) and not partial:
             missing = [n for n in names if n not in out]
             raise RequestError(f"{where}: `{tap.source}` needs {', '.join(map(repr, names))}; the request "
                                f"binds {', '.join(map(repr, given))} but not {', '.join(map(repr, missing))}")
@@ -160,7 +162,7 @@ def _params(plan: TapPlan, params: Mapping[str, Any], where: str, partial: bool 
 
 
 def _value(plan: TapPlan, spec, value, where: str):
-    users = [t for t in plan.taps if any(a.param == spec.name for a in t.args)]
+    users = plan.param_users[spec.name]
     width = spec.width if spec.width is not None else min(t.width for t in users)
     try:
         out = check_param(spec.kind, value, width)

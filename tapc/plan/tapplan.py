@@ -6,6 +6,7 @@ The plan is a value: print it, JSON round-trip it (`to_json` / `from_json`), dif
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -138,6 +139,17 @@ class TapPlan:
             if t.action == "capture":
                 seen.setdefault(t.key)
         return tuple(seen)
+
+    @functools.cached_property
+    def param_users(self) -> dict[str, tuple[PlannedTap, ...]]:
+        """Parameter name -> the taps that read it, in plan order: a request's check looks up the
+        taps of the parameters it binds rather than scanning every tap (a 32-layer sweep binds
+        one parameter of 32)."""
+        users: dict[str, list[PlannedTap]] = {p.name: [] for p in self.params}
+        for t in self.taps:
+            for name in dict.fromkeys(a.param for a in t.args if a.param is not None):
+                users.setdefault(name, []).append(t)
+        return {name: tuple(ts) for name, ts in users.items()}
 
     @property
     def shard_map(self) -> dict:
