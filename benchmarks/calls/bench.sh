@@ -13,7 +13,7 @@ script=$1; shift
 name=${LOG:-${script%.py}}
 set -- "${@//\{LOG\}/$name}"
 # the bundle installs afresh (a warm machine may hold another's), unless KEEP_SITE=1: a machine
-# that holds this bundle and Ray's (../shared/gpu/make-ray-bundle, installed by an earlier run;
+# that holds this bundle and Ray's (benchmarks/calls/make-ray-bundle, installed by an earlier run;
 # /tmp/site is on PYTHONPATH, so `import ray` finds it)
 [ "${KEEP_SITE:-0}" = 1 ] || rm -rf /tmp/site
 export VLLM_DISABLE_COMPILE_CACHE=1

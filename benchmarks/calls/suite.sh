@@ -7,7 +7,7 @@
 #     bash benchmarks/calls/suite.sh          (on the GPU machine)
 # The log goes to $OUT/suite.log; its last lines are printed.
 # the bundle installs afresh (a warm machine may hold another's), unless KEEP_SITE=1: a machine
-# that holds this bundle and Ray's (../shared/gpu/make-ray-bundle, installed by an earlier run;
+# that holds this bundle and Ray's (benchmarks/calls/make-ray-bundle, installed by an earlier run;
 # /tmp/site is on PYTHONPATH, so `import ray` finds it)
 [ "${KEEP_SITE:-0}" = 1 ] || rm -rf /tmp/site
 export VLLM_DISABLE_COMPILE_CACHE=1
