@@ -137,7 +137,7 @@ def main():
                 for name, ask in variants(args.shape, config["hidden_size"]).items()}
 
     vanilla = started("vanilla", lambda: LLM(model, **common))
-    vanilla_run = {"vanilla": lambda ps, sp: vanilla.generate(ps, sp, use_tqdm=False)}
+    vanilla_run = {"vanilla": lambda ps, sp, llm=vanilla: llm.generate(ps, sp, use_tqdm=False)}
     if side_by_side:
         tapped = started("tapc", lambda: VLLM(model, taps=taps_for(args.shape), **common))
         rounds(workloads, {**vanilla_run, **tapped_runs(tapped)}, args.repeats, results, report)
