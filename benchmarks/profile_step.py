@@ -5,6 +5,7 @@ caller's while one engine decodes, for vanilla vLLM and tapc variants, with tok/
     python3 benchmarks/profile_step.py --shape 8b --runner v1 --out profile_8b.md
     python3 benchmarks/profile_step.py --shape 8b --tp 2 --batch 64 --generate 256 --out profile_tp2.md
     python3 benchmarks/profile_step.py --shape 8b --ablate --batch 64 --generate 256 --out profile_po.md
+    python3 benchmarks/profile_step.py --shape 8b --probe --out profile_probe.md   # bench_blocks' compiled probe
 
 At batch 1 a decode step takes a few milliseconds of GPU time, and vLLM prepares the next step on
 the host meanwhile; host work added per step (tapc's table fill, copies, bookkeeping) shows in
@@ -184,6 +185,9 @@ def main():
     ap.add_argument("--ablate", action="store_true",
                     help="8b only: the tapped engine's plan is bench_engine's ablation (project_out on every "
                          "layer's residual stream); variants nothing asked and project_out")
+    ap.add_argument("--probe", action="store_true",
+                    help="8b only: the tapped engine runs bench_blocks.py's compiled probe on every layer's "
+                         "residual stream; variants nothing asked and the probe's scores kept")
     ap.add_argument("--capture-sizes", default=None, metavar="N,N",
                     help="the batch sizes both engines capture CUDA graphs for (vLLM's cudagraph_capture_sizes; "
                          "default: vLLM's list, 35 sizes on the MoE shape): fewer graphs start each engine sooner")
@@ -210,6 +214,7 @@ def main():
     common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"), tensor_parallel_size=args.tp)
     if args.capture_sizes:
         common["compilation_config"] = {"cudagraph_capture_sizes": [int(n) for n in args.capture_sizes.split(",")]}
+    functions = None
     if args.shape == "moe":
         layers = args.layers or 24
         path, taps, runner = model_dir(QWEN3_30B_A3B, layers), [RESID, *ROUTER], "v1"
@@ -221,12 +226,20 @@ def main():
         if args.ablate:
             taps = ABLATE_TAPS
             asks = {"tapc, nothing asked": None, **ablation(None, "decode")}   # bench_engine's request
+        elif args.probe:
+            import bench_blocks
+            from bench_blocks import Probe
+
+            cloudpickle.register_pickle_by_value(bench_blocks)   # the workers get the class itself
+            taps, functions = [f"{RESID} | call(probe)"], {"probe": Probe(LLAMA_31_8B["hidden_size"])}
+            asks = {"tapc, nothing asked": None, "tapc, probe scores kept": TapRequest(capture="*")}
         else:
             taps = [RESID]
             asks = {"tapc, nothing asked": None, "tapc, residual": TapRequest(capture=RESID)}
     with model_runner(runner):
         vanilla = started("vanilla", lambda: LLM(path, gpu_memory_utilization=0.42, **common))
-        tapped = started("tapc", lambda: VLLM(path, taps=taps, gpu_memory_utilization=0.42, **common))
+        tapped = started("tapc", lambda: VLLM(path, taps=taps, gpu_memory_utilization=0.42, functions=functions,
+                                               **common))
     sp = SamplingParams(max_tokens=args.generate, temperature=0.0, ignore_eos=True)
     variants = {"vanilla": lambda ps: vanilla.generate(ps, sp, use_tqdm=False)}
     for name, ask in asks.items():
