@@ -286,21 +286,21 @@ def requests_main(prompts: int = 128, rounds: int = 5):
 
     plan = build_plan("bench", [f"model.layers.{i}.resid | patch(clean{i})" for i in range(LAYERS)],
                       max_num_batched_tokens=ROWS, max_num_seqs=SEQS, tree=tree())
-    session = TapSession(plan)
     rng = np.random.default_rng(0)
     prompts_ = [{"prompt_token_ids": rng.integers(0, 128000, 64).tolist()} for _ in range(prompts) for _ in range(LAYERS)]
     clean = rng.standard_normal((prompts, HIDDEN)).astype(np.float32)
     asks = [TapRequest(params={f"clean{i}": {"positions": [10], "rows": clean[p][None]}})
             for p in range(prompts) for i in range(LAYERS)]
     sp = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    times = []
-    for _ in range(rounds):
-        gc.collect()
-        t0 = time.perf_counter()
-        session.prepare_batch(prompts_, sp, asks)
-        times.append((time.perf_counter() - t0) / len(asks) * 1e6)
-    print(f"| {len(asks)} patched requests (bench_tracing's sweep) | {statistics.median(times):.1f} us a request "
-          f"(rounds {min(times):.1f}-{max(times):.1f}) |")
+    for caching in (True, False):   # bench_tracing's engines run with prefix caching off
+        session, times = TapSession(plan, prefix_caching=caching), []
+        for _ in range(rounds):
+            gc.collect()
+            t0 = time.perf_counter()
+            session.prepare_batch(prompts_, sp, asks)
+            times.append((time.perf_counter() - t0) / len(asks) * 1e6)
+        print(f"| {len(asks)} patched requests (bench_tracing's sweep), prefix caching {'on' if caching else 'off'} | "
+              f"{statistics.median(times):.1f} us a request (rounds {min(times):.1f}-{max(times):.1f}) |")
 
 
 def main():

@@ -11,7 +11,7 @@ from test_engine_cpu import check as check_rows
 
 from tapc.wire.protocol import Ask
 from tapc.api.requests import TapRequest, check
-from tapc.api.prefix import PrefixPolicy, salted
+from tapc.api.prefix import CacheUse, PrefixPolicy, salted
 
 STEER = "model.layers.1.resid | add(steer, alpha=2.0)"
 TAPS = ["model.layers.*.resid", STEER]
@@ -102,6 +102,14 @@ def test_salts_say_what_changes_the_kv():
     assert PrefixPolicy(plan).use(check(plan, TapRequest(params={"steer": v}), "r"), "id").salt != \
         use(params={"steer": v}).salt, "salts are keyed per engine: not forgeable from outside"
     assert policy.use(None, None).salt is None and not policy.use(None, None).skip_read
+
+
+def test_an_engine_without_prefix_caching_salts_and_skips_nothing():
+    plan = toy_plan(["model.layers.*.resid", STEER, "model.layers.0.resid -> probe"])
+    off = PrefixPolicy(plan, caching=False)
+    for ask in (TapRequest(params={"steer": np.ones(HIDDEN)}), TapRequest(capture="*")):
+        assert off.use(check(plan, ask, "r"), "id") == CacheUse()
+    assert PrefixPolicy(plan).use(check(plan, TapRequest(capture="*"), "r"), "id").salt, "with caching on, blocks salt"
 
 
 def test_a_batchs_requests_each_get_their_own_asks_salt():

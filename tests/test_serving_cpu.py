@@ -739,7 +739,8 @@ def test_the_plugin_shares_a_folder_only_with_several_api_servers(monkeypatch, t
 
     monkeypatch.setattr(results, "shared_folder", lambda: str(tmp_path))
     config = {"tapc": {"plan": toy_plan(TAPS).to_json()}}
-    engine = NS(model_config=NS(max_model_len=64))   # vLLM's engine client, as the plugin reads it
+    engine = NS(model_config=NS(max_model_len=64),   # vLLM's engine client, as the plugin reads it
+                vllm_config=NS(cache_config=NS(enable_prefix_caching=True)))
     one = server_for(engine, NS(additional_config=config, api_server_count=None))
     two = server_for(engine, NS(additional_config=config, api_server_count=2))
     assert one.session.max_model_len == 64, "requests' positions are bounded by the engine's context"

@@ -95,7 +95,8 @@ def setup(model: str, taps: Sequence[str], blocks: dict | None, params: dict | N
         if plan.functions:
             args["additional_config"]["tapc"]["functions"] = str(ship_functions(plan, functions))
     rows = bool(args["additional_config"]["tapc"].get("prefix_rows"))
-    return plan, TapSession(plan, params, blocks or {}, prefix_rows=rows), args
+    caching = args.get("enable_prefix_caching") is not False   # vLLM's default (None) is on
+    return plan, TapSession(plan, params, blocks or {}, prefix_rows=rows, prefix_caching=caching), args
 
 
 def plan_for(model: str, taps: Sequence[str], capture_dtype: str | None, kwargs: dict,

@@ -23,6 +23,7 @@ them. A tapped engine keeps prefix caching on for all traffic and decides per re
 - Python blocks are opaque (they may read every row and edit), and they run on every request:
   each request gets a salt of its own, i.e. no sharing at all on an engine with blocks.
 Edits of the logits change which token is sampled, not the KV of a given token: no salt.
+An engine with prefix caching off reads and shares no KV: nothing to decide, no salt to make.
 """
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ class CacheUse:
 class PrefixPolicy:
     """One engine's rule (the plan's edits and blocks) and its salt key."""
 
-    def __init__(self, plan: TapPlan, key: bytes | None = None, rows_kept: bool = False):
+    def __init__(self, plan: TapPlan, key: bytes | None = None, rows_kept: bool = False, caching: bool = True):
+        self.caching = caching             # the engine's enable_prefix_caching
         self.plan = plan
         self.edits = [t for t in plan.taps if t.kind == EDIT]
         self.blocks = any(t.kind == BLOCK for t in plan.taps)
@@ -62,7 +64,7 @@ class PrefixPolicy:
 
     def use(self, ask: Ask | None, tid: str | None) -> CacheUse:
         """The cache use of a request with checked ask `ask` and tapc id `tid` (None: untapped)."""
-        if ask is None:
+        if ask is None or not self.caching:
             return CacheUse()
         if self.blocks:
             return CacheUse(skip_read=True, salt=self.unique(tid))

@@ -87,10 +87,11 @@ def plan_blocks(plan: TapPlan, names: Iterable[str] = ()) -> set[str]:
 
 class TapSession:
     """`plan`: the engine's plan; `params`: engine-wide parameter values (checked now, so a bad
-    one fails at construction); `blocks`: names of the blocks registered on the engine."""
+    one fails at construction); `blocks`: names of the blocks registered on the engine;
+    `prefix_caching`: the engine's enable_prefix_caching."""
 
     def __init__(self, plan: TapPlan, params: dict | None = None, blocks: Iterable[str] = (),
-                 prefix_rows: bool = False, max_model_len: int | None = None):
+                 prefix_rows: bool = False, max_model_len: int | None = None, prefix_caching: bool = True):
         self.plan = plan
         self.max_model_len = max_model_len   # the engine's, once it is known: bounds requests' positions
         self.block_names = plan_blocks(plan, blocks)
@@ -101,7 +102,8 @@ class TapSession:
         # Blocks and engine points run for every request: each needs an id to bring results back.
         self.every = bool(self.block_names) or any(t.kind == ENGINE for t in plan.taps)
         self.arena = ArenaReader()
-        self.prefix = PrefixPolicy(plan, rows_kept=prefix_rows)   # the engine keeps prefix rows (prefixrows.py)
+        # rows_kept: the engine keeps prefix rows (prefixrows.py)
+        self.prefix = PrefixPolicy(plan, rows_kept=prefix_rows, caching=prefix_caching)
 
     # ---------------------------------------------------------------- going in
 

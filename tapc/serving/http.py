@@ -89,7 +89,8 @@ def server_for(engine_client, args):
         save = SaveFolder(plan, **tapc["save"])
     # the plan's blocks run on the workers, which import them (worker.py): requests need not send any
     session = TapSession(plan, params, tapc.get("blocks") or (), prefix_rows=bool(tapc.get("prefix_rows")),
-                         max_model_len=engine_client.model_config.max_model_len)
+                         max_model_len=engine_client.model_config.max_model_len,
+                         prefix_caching=engine_client.vllm_config.cache_config.enable_prefix_caching is not False)
     return TapcServer(engine_client, session, shared=shared, save=save)
 
 
