@@ -138,6 +138,8 @@ def test_param_users_are_the_taps_reading_each_parameter_in_plan_order(trees):
                            ("model.layers.0.resid", "scale")],
                      "src": [("model.layers.3.resid", "patch")]}
     assert [t for ts in p.param_users.values() for t in ts if t not in p.taps] == []
+    assert [(t.key, t.action) for t in p.taps_reading(["src", "v"])] == \
+        [("model.layers.1.resid", "add"), ("model.layers.2.resid", "add"), ("model.layers.3.resid", "patch")]
     assert dataclasses.asdict(p) == dataclasses.asdict(TapPlan.from_json(p.to_json()))   # not part of the value
 
 

@@ -52,7 +52,6 @@ class PrefixPolicy:
     def __init__(self, plan: TapPlan, key: bytes | None = None, rows_kept: bool = False, caching: bool = True):
         self.caching = caching             # the engine's enable_prefix_caching
         self.plan = plan
-        self.edits = [t for t in plan.taps if t.kind == EDIT]
         self.blocks = any(t.kind == BLOCK for t in plan.taps)
         # The engine keeps captured rows of shared prompt blocks (tapc/worker/prefixrows.py): its
         # scheduler lets a capture read cached KV as far as those go, so it need not skip.
@@ -71,7 +70,7 @@ class PrefixPolicy:
         if self._last is not None and self._last[0] is ask:
             return self._last[1]
         skip = bool(ask.capture) and ask.positions not in ALWAYS_COMPUTED and not self.rows_kept
-        applied = [t for t in self._reading(ask.params) if _binds(t, ask.params)]
+        applied = [t for t in self.plan.taps_reading(ask.params) if t.kind == EDIT and _binds(t, ask.params)]
         if not applied:
             use = CacheUse(skip_read=skip)
         else:
@@ -80,14 +79,6 @@ class PrefixPolicy:
             use = CacheUse(skip_read=skip, salt=self._sign(["edits", what]))
         self._last = (ask, use)
         return use
-
-    def _reading(self, params) -> list:
-        """The edits that read a parameter in `params`, in plan order (a sweep's request binds
-        one parameter of many: its taps are looked up, not every edit tested)."""
-        if len(params) == 1:
-            return [t for t in self.plan.param_users.get(next(iter(params)), ()) if t.kind == EDIT]
-        near = {id(t) for name in params for t in self.plan.param_users.get(name, ())}
-        return [t for t in self.edits if id(t) in near]
 
     def unique(self, tid: str) -> str:
         """A salt no other request has: for a server, which cannot set `skip_reading_prefix_cache`

@@ -148,9 +148,8 @@ def _params(plan: TapPlan, params: Mapping[str, Any], where: str, partial: bool 
             raise RequestError(f"{where}: parameter {name!r} is not named by any tap of this engine's plan "
                                f"(its parameters: {known})")
         out[name] = _value(plan, specs[name], value, where)
-    # the edits and calls (in the graphs and on the logits) that read a bound parameter, in plan order
-    bound = {id(t): t for name in out for t in plan.param_users[name] if t.action in EDITS or t.action == CALL}
-    for tap in bound.values() if len(out) == 1 else [t for t in plan.taps if id(t) in bound]:
+    # the edits and calls (in the graphs and on the logits) that read a bound parameter
+    for tap in (t for t in plan.taps_reading(out) if t.action in EDITS or t.action == CALL):
         names = [a.param for a in tap.args if a.param is not None]
         given = [n for n in names if n in out]
         if len(given) != len(names) and not partial:

@@ -151,6 +151,14 @@ class TapPlan:
                 users.setdefault(name, []).append(t)
         return {name: tuple(ts) for name, ts in users.items()}
 
+    def taps_reading(self, names) -> list[PlannedTap]:
+        """The taps that read any of the parameters `names`, in plan order."""
+        names = list(names)
+        if len(names) == 1:
+            return list(self.param_users.get(names[0], ()))
+        near = {id(t) for name in names for t in self.param_users.get(name, ())}
+        return [t for t in self.taps if id(t) in near]
+
     @property
     def shard_map(self) -> dict:
         """key -> PointShard (empty on one GPU)."""
