@@ -10,6 +10,11 @@ harvest writes every prompt row (positions="prompt") to safetensors shards under
 (local disk, not /dev/shm), removed after each run. Runs are interleaved, `--repeats` rounds
 after one warmup round; the table shows medians, the ratio is harvest time / vanilla time.
 `--workloads 8192x128` picks some; `TAPC_ATTENTION_BACKEND` picks the attention backend.
+`--ray` adds a row per workload, the same harvest over Ray (`tapc.harvest.cluster.harvest_ray`, as
+`tapc harvest --ray` runs it): a Ray on this host, a Ray Data pool of one actor holding its own
+1-layer engine, the prompts in parts of `--part-prompts`; its tokens/s over the parts after the
+first (the actor's engine start and first part left out, as the warm engines' start is) against
+the in-process harvest's. The Ray engine is started anew each round, beside the others.
 `--profile MD` adds, after the measured rounds, one watched run of vanilla and of each harvest on
 the first workload: the Python stacks of every thread of the caller (feed, writer, its column
 threads) and of the engine-core process, and the GPU's own kernel time (CUPTI), written to MD.
@@ -69,6 +74,40 @@ def harvest_run(llm, ps, root: str) -> tuple[float, float]:
     return dt, gb
 
 
+def ray_run(model: str, ps, root: str, part_prompts: int) -> tuple[float, float, float, float]:
+    """(seconds end to end, rows after the first part, their seconds as the driver saw the parts
+    come back, the actor's own seconds for them) of one harvest over Ray into a fresh folder."""
+    import ray
+    import torch
+    from vllm import SamplingParams
+
+    from tapc.harvest.cluster import harvest_ray
+    from tapc.harvest.engines import ModelEngine
+
+    engine = ModelEngine(model, tuple(LAYERS[1]), dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"),
+                                                       gpu_memory_utilization=0.28))
+    out = tempfile.mkdtemp(prefix="harvest-ray-", dir=root)
+    parts = []
+    free = torch.cuda.mem_get_info()[0]
+    try:
+        t0 = time.perf_counter()
+        m = harvest_ray(engine, ray.data.from_items([{"prompt": p} for p in ps]), out, engines=1,
+                        part_prompts=part_prompts, positions="prompt", shard_tokens=1_000_000,
+                        sampling_params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                        on_part=lambda row: parts.append((time.perf_counter(), row["rows"], row["seconds"])))
+        dt = time.perf_counter() - t0
+        assert not m.failed and m.rows == sum(map(len, ps)) and len(parts) > 1, (m.rows, m.failed[:3], len(parts))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    # the pool's actor ends once the dataset is done, and its engine's processes with it: wait for
+    # its GPU memory, which the next round's engine needs
+    deadline = time.monotonic() + 120
+    while torch.cuda.mem_get_info()[0] < free - (2 << 30) and time.monotonic() < deadline:
+        time.sleep(1)
+    later = parts[1:]
+    return dt, sum(r for _, r, _ in later), parts[-1][0] - parts[0][0], sum(s for _, _, s in later)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
@@ -80,10 +119,14 @@ def main():
     ap.add_argument("--out", default=None, help="also write the table to this markdown file")
     ap.add_argument("--profile", default=None, metavar="MD",
                     help="after the rounds, one watched run per engine on the first workload; its report to MD")
+    ap.add_argument("--ray", action="store_true", help="also the 1-layer harvest over a Ray of this host (above)")
+    ap.add_argument("--part-prompts", type=int, default=1024, help="with --ray: prompts a part (default 1024)")
     args = ap.parse_args()
     workloads = args.workloads or (QUICK if args.quick else FULL)
     repeats = 1 if args.quick else args.repeats
     args.layers = args.layers or ([1] if args.quick else [1, 4])
+    if args.ray and 1 not in args.layers:
+        args.layers.insert(0, 1)   # the Ray row's reference
 
     if args.profile:   # the samplers reach the engine core through collective_rpc, as functions
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
@@ -99,6 +142,10 @@ def main():
     engines = {"vanilla": LLM(model, **common)}
     for n in args.layers:
         engines[n] = VLLM(model, taps=LAYERS[n], **common)
+    if args.ray:   # a Ray of this host, its one GPU for the pool's actor (whose engine shares it with these)
+        import ray
+
+        ray.init(num_gpus=1, object_store_memory=2 << 30)
 
     times: dict = {}
 
@@ -115,6 +162,17 @@ def main():
                     dt = statistics.median(t for t, _ in times[(w, n)])
                     gb = times[(w, n)][0][1]
                     lines.append(f"| {w} | {n} | {van:.2f} | {dt:.2f} | {dt / van:.3f} | {gb:.2f} | {gb / dt:.2f} |")
+        if args.ray:
+            lines += ["", "| workload | in-process harvest tok/s | Ray harvest tok/s (parts after the first) | ratio "
+                      "| Ray, the actor's own time | Ray s end to end (engine start included) |", "|---|---|---|---|---|---|"]
+            for w in workloads:
+                if (w, "ray") in times and (w, 1) in times:
+                    n, length = map(int, w.split("x"))
+                    own = statistics.median(n * length / t for t, _ in times[(w, 1)])
+                    rate = statistics.median(r / s for _, r, s, _ in times[(w, "ray")])
+                    actor = statistics.median(r / a for _, r, _, a in times[(w, "ray")])
+                    wall = statistics.median(t for t, _, _, _ in times[(w, "ray")])
+                    lines.append(f"| {w} | {own:,.0f} | {rate:,.0f} | {rate / own:.3f} | {actor:,.0f} | {wall:.1f} |")
         table = "\n".join(lines)
         print(table, flush=True)
         if args.out:
@@ -133,6 +191,11 @@ def main():
                 print(f"round {rnd} {w} {n} layer(s) {dt:.2f} s, {gb:.2f} GB", file=sys.stderr, flush=True)
                 if rnd:
                     times.setdefault((w, n), []).append((dt, gb))
+            if args.ray and rnd:   # each Ray round starts its actor's engine: no warmup round for it
+                got = ray_run(model, ps, args.dir, args.part_prompts)
+                print(f"round {rnd} {w} ray {got[0]:.2f} s end to end, {got[1]} rows in {got[2]:.2f} s after the "
+                      f"first part (the actor's own {got[3]:.2f} s)", file=sys.stderr, flush=True)
+                times.setdefault((w, "ray"), []).append(got)
         if rnd:
             report()
     if args.profile:

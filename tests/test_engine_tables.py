@@ -5,6 +5,8 @@ import pytest
 import torch
 from engine_toy import HIDDEN, INTER, toy_plan
 
+from conftest import CONFIGS
+from tapc.plan.planner import build_plan
 from tapc.wire.engine_args import WORKER, engine_kwargs
 from tapc.worker.fill import fill_step, tapped_of
 from tapc.worker.rings import Repeat
@@ -374,6 +376,19 @@ def test_capture_memory_reaches_the_workers_in_the_plans_config_and_not_vllm():
 def test_engine_kwargs_refuse(kwargs, words):
     with pytest.raises(EngineError, match=words):
         engine_kwargs(toy_plan(PLAN_TAPS, slots=8), kwargs)
+
+
+@pytest.mark.parametrize("backend,kept", [(None, "mp"), ("mp", "mp"), ("ray", "ray")])
+def test_several_gpus_run_on_vllms_multiprocessing_or_ray_executor(backend, kept):
+    plan = build_plan(str(CONFIGS / "llama"), ["model.layers.0.resid"], max_num_batched_tokens=64, max_num_seqs=8,
+                      engine_args={"tensor_parallel_size": 2})
+    kw = engine_kwargs(plan, {"tensor_parallel_size": 2, "distributed_executor_backend": backend})
+    assert kw["distributed_executor_backend"] == kept
+    with pytest.raises(EngineError) as refused:
+        engine_kwargs(plan, {"tensor_parallel_size": 2, "distributed_executor_backend": "uni"})
+    assert str(refused.value) == ("distributed_executor_backend='uni': tapped engines on several GPUs run vLLM's "
+                                  "multiprocessing executor (\"mp\", the default) or its Ray executor (\"ray\") "
+                                  "(docs/distributed.md)")
 
 
 def test_expert_parallelism_is_refused_in_one_line_by_the_engine_and_by_tapc_serve(capsys):

@@ -83,6 +83,7 @@ def test_the_pool_harvest_equals_one_process_and_the_model(whole, tmp_path):
     assert m.complete and m.prompts == len(LENS) and not m.failed
     assert sorted(r["part"] for r in rows) == [f"part-{i:06d}" for i in range(-(-len(LENS) // PART_PROMPTS))]
     assert len({r["node"] for r in rows}) == 2, "an engine on each node"
+    assert all(r["seconds"] > 0 and r["rows"] > 0 for r in rows), rows
     assert json.loads((folder / "manifest.json").read_text())["complete"]
     llm, _ = toy_vllm(list(TAPS))
     one = harvest(llm, prompts(), tmp_path / "one", shard_tokens=SHARD_TOKENS, positions="all",
@@ -152,6 +153,17 @@ def test_a_harvest_to_s3_goes_through_staging_into_the_bucket(whole, prompts_fil
     _same_files(tmp_path / "got", whole[0])
     staging = Path(os.environ["TAPC_STAGING_DIR"])
     assert not list(staging.glob("*/part-*")), "staging folders left behind"
+
+
+def test_a_ray_dataset_of_token_ids_harvests_as_the_prompts_file(whole, tmp_path):
+    """Prompts as a Ray dataset whose column holds token ids (no file, no text): the files of
+    the same prompts' harvest from a prompts file."""
+    import ray.data
+
+    m = run(ray.data.from_items([{"prompt": p} for p in prompts()]), tmp_path / "acts",
+            actor_options={"resources": ENGINE})
+    assert m.complete and m.rows == whole[1].rows
+    _same_files(tmp_path / "acts", whole[0])
 
 
 def test_bad_input_is_one_line_naming_what_is_wrong(cluster, prompts_file, tmp_path):

@@ -1,26 +1,32 @@
-"""tapc's engine on two GPUs (vLLM's multiprocessing executor, one worker per GPU, V2 runner):
-captures of replicated and sharded points at tensor_parallel_size=2 and at
-pipeline_parallel_size=2 equal the same engine's at size 1 on the same weights; steering (a
+"""tapc's engine on several GPUs (vLLM's multiprocessing executor, one worker per GPU, V2 runner)
+and on vLLM's Ray executors: captures of replicated and sharded points at tensor_parallel_size=2
+and at pipeline_parallel_size=2 equal the same engine's at size 1 on the same weights; steering (a
 replicated and a sharded edit) gives TP=1's greedy tokens; a request that fails on one GPU fails
 as a whole, the others in its batch return, and every GPU's chunks go back; a GPU answering as
 one on another node does (its rows in the reply, not places in its files) gives the same captures.
+The Ray engines (`distributed_executor_backend="ray"`: vLLM's RayExecutorV2, workers as Ray
+actors behind the multiprocessing executor's message queues, and "ray-classic", its older
+RayDistributedExecutor, which answers RPCs through Ray's own return path) pass the same tests on
+one GPU and, where two are at hand, at TP=2 and PP=2.
 
 Engines (each TP=2 start is about 85 s), started as the tests first ask for them: the TP=1
-reference, TP=2 and PP=2 on the small Llama checkpoint of tests/gpu_engines.py, and the same
-three on its Qwen3 checkpoint. The whole module is about 10 minutes on the 2-GPU machine: split
-it with `-k qwen3` / `-k "not qwen3"` under a shorter limit. TP=1 against HF transformers is
-tests/test_engine_gpu.py's."""
+reference, TP=2 and PP=2 on the small Llama checkpoint of tests/gpu_engines.py, the Ray ones,
+and the same TP=2 / PP=2 on its Qwen3 checkpoint. Each Ray engine starts a Ray of its own on this
+host, inside its engine-core process. The whole module is about 10 minutes on the 2-GPU machine:
+split it with `-k qwen3` / `-k "not qwen3"` / `-k ray` under a shorter limit. TP=1 against HF
+transformers is tests/test_engine_gpu.py's."""
 import gc
+import importlib.util
 import os
 import sys
 
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL, Engines, engine_args
+from gpu_engines import SMALL, Engines, engine_args, environ
 from test_engine_gpu import assert_matches
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
+pytestmark = pytest.mark.gpu
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")                   # NVLink multicast off on the lent machines
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the failure test sends a function to workers
@@ -53,7 +59,25 @@ def _steer():
             "inner": (0.5 * rng.standard_normal(SMALL["intermediate_size"])).tolist()}
 
 
-SIZES = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2}}
+RAY = {"distributed_executor_backend": "ray"}
+SIZES = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2},
+         "ray": RAY, "ray-classic": RAY, "ray-tp2": {**RAY, "tensor_parallel_size": 2},
+         "ray-pp2": {**RAY, "pipeline_parallel_size": 2}}
+CLASSIC = {"ray-classic": "0"}   # VLLM_USE_RAY_V2_EXECUTOR_BACKEND, read as the engine core starts
+_TWO = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+_RAY = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="vLLM's Ray executor needs ray (tapc[ray])")
+
+
+def sizes(*names: str) -> list:
+    """`names` as parameters, each skipped where its GPUs or Ray are not at hand."""
+    def marks(name):
+        return [m for m, needed in ((_TWO, "2" in name), (_RAY, name.startswith("ray"))) if needed]
+
+    return [pytest.param(name, marks=marks(name)) for name in names]
+
+
+SHARDED_SIZES = sizes("tp2", "pp2", "ray-tp2", "ray-pp2")
+EVERY_SIZE = sizes("tp2", "pp2", "ray", "ray-classic", "ray-tp2", "ray-pp2")
 # Qwen3 at TP=2: its attention's per-head q/k norms are refused under TP (a norm over each head's
 # columns, which a rank holds only some of), so its taps are Llama's without `.source` points.
 QWEN3_TAPS = REPLICATED + SHARDED[:6] + EDITS
@@ -69,8 +93,11 @@ class _Lazy:
     def __getitem__(self, name):
         from tapc import VLLM
 
-        return self.engines.get(name, lambda: VLLM(self.path, taps=self.taps, **self.kwargs, **engine_args(),
-                                                   **SIZES[name]))
+        def start():
+            with environ("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", CLASSIC.get(name)):
+                return VLLM(self.path, taps=self.taps, **self.kwargs, **engine_args(), **SIZES[name])
+
+        return self.engines.get(name, start)
 
     def close(self) -> None:
         self.engines.close()
@@ -124,14 +151,14 @@ def _same_rows(r, g) -> tuple[int, int]:
     return len(r.prompt_token_ids) + min(k, len(a) - 1), min(k + 1, len(a))
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", EVERY_SIZE)
 @pytest.mark.parametrize("steered", [False, True])
 def test_captures_equal_one_gpus(llama_engines, name, steered):
     params = _steer() if steered else {}
     ref, got = _run(llama_engines["tp1"], params), _run(llama_engines[name], params)
     plan = llama_engines[name].plan
     layouts = {t.key: t.layout for t in plan.taps}
-    want = {"qkv", "q_heads", "kv_heads", "gate_up", "columns"} if name == "tp2" else {"replicated"}
+    want = {"qkv", "q_heads", "kv_heads", "gate_up", "columns"} if "tp2" in name else {"replicated"}
     assert {layouts[k] for k in SHARDED} == want
     _assert_same_captures(ref, got, plan, f"{name}{' steered' if steered else ''}")
 
@@ -155,7 +182,7 @@ def _as_if_on_another_node(worker, on: bool) -> bool:
     return worker.tapc.inline
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", SHARDED_SIZES)
 def test_a_gpu_on_another_node_sends_its_rows_and_they_equal_one_gpus(llama_engines, name):
     """The several-node capture path on one host: rank 1's captures travel through vLLM's RPC
     return as bytes, not as places in its /dev/shm files, and the merged result is TP=1's."""
@@ -172,7 +199,7 @@ def test_a_gpu_on_another_node_sends_its_rows_and_they_equal_one_gpus(llama_engi
         engine.llm.collective_rpc(_as_if_on_another_node, args=(False,))
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", EVERY_SIZE)
 def test_steering_gives_one_gpus_greedy_tokens(llama_engines, name):
     """The same edits (a replicated residual add, a sharded act_fn add): TP=1's tokens, except
     where TP=1's top two logits are a bf16 tie at the first divergence; and the edits matter."""
@@ -220,10 +247,11 @@ def _held(worker) -> int:
     return sum(worker.tapc.arena.held.values())
 
 
-def test_a_request_failing_on_one_gpu_fails_whole_and_the_others_return(llama_engines):
+@pytest.mark.parametrize("name", sizes("tp2", "ray-tp2"))
+def test_a_request_failing_on_one_gpu_fails_whole_and_the_others_return(llama_engines, name):
     from tapc import TapRequest
 
-    llm, ref_llm = llama_engines["tp2"], llama_engines["tp1"]
+    llm, ref_llm = llama_engines[name], llama_engines["tp1"]
     ask = TapRequest(capture=[f"{L1}.mlp.act_fn.output", "model.layers.3.resid"])
     prompts = _prompts()
     import cloudpickle
@@ -247,7 +275,7 @@ def test_a_request_failing_on_one_gpu_fails_whole_and_the_others_return(llama_en
     assert llm.llm.collective_rpc(_held) == [0, 0], "every GPU's chunks went back, the failed request's too"
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", EVERY_SIZE)
 def test_a_block_at_a_sharded_point_sees_whole_rows_and_its_edit_is_tp1s(llama_engines, name):
     """A block at L2's act_fn output (sharded by columns at TP=2): what it saw equals TP=1's
     block input, once per request (not once per GPU), and its in-place add gives the tokens of
@@ -268,7 +296,7 @@ def test_a_block_at_a_sharded_point_sees_whole_rows_and_its_edit_is_tp1s(llama_e
         _tie_or_same(r, g, name)
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", sizes("tp2", "pp2"))
 def test_qwen3_on_two_gpus_captures_and_steers_as_on_one_gpu(qwen3_engines, name):
     """Qwen3 (per-head q/k norms, head_dim apart from hidden/heads): the replicated and sharded
     points at TP=2, and every point at PP=2 (each stage its own layers), equal TP=1's, plain and

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -54,7 +55,8 @@ def harvest_ray(engine, prompts, out: str | os.PathLike, *, engines: int | None 
     or a Ray dataset (its column `text_field`, default `prompt`); `text_field` makes the files
     documents, a prompt each, or with `context_size` packed into windows on the driver (needs
     `tokenizer`, the engine's). `part_prompts`: prompts a part (a restart must keep it).
-    `on_part(row)`: after each part written, with its name, prompts, rows, failures and node.
+    `on_part(row)`: after each part written, with its name, prompts, rows, failures, the seconds
+    its engine took (harvest and put) and its node.
     The rest is as `tapc.harvest.run.harvest` takes it."""
     ray = require_ray()
     if not ray.is_initialized():
@@ -108,8 +110,9 @@ def harvest_ray(engine, prompts, out: str | os.PathLike, *, engines: int | None 
             if row["error"]:
                 raise TapcError(f"{row['part']}: {row['error']}")
             done += 1
-            log.info("tapc harvest: %s written (%d prompts, %d rows, %d failed) on node %s: %d of %d parts",
-                     row["part"], row["prompts"], row["rows"], row["failed"], row["node"][:12], done, len(parts))
+            log.info("tapc harvest: %s written (%d prompts, %d rows, %d failed, %.1f s) on node %s: %d of %d parts",
+                     row["part"], row["prompts"], row["rows"], row["failed"], row["seconds"], row["node"][:12], done,
+                     len(parts))
             if on_part is not None:
                 on_part(row)
     return merge(store, top, layout, parts)
@@ -135,8 +138,8 @@ class PartWorker:
         index = block.column("index").to_numpy()
         start = int(index[0])
         part = Part(start // self.size, start, start + len(index))
-        row = {"part": [part.name], "prompts": [len(index)], "rows": [0], "failed": [0], "error": [self.error],
-               "node": [ray.get_runtime_context().get_node_id()]}
+        row = {"part": [part.name], "prompts": [len(index)], "rows": [0], "failed": [0], "seconds": [0.0],
+               "error": [self.error], "node": [ray.get_runtime_context().get_node_id()]}
         if self.error:
             return row
         try:
@@ -144,11 +147,12 @@ class PartWorker:
                 raise TapcError(f"a block of prompts {start} to {int(index[-1])} is not one part of {self.size}: "
                                 "Ray Data split or joined the parts")
             prompts = decode(block.column("prompt").to_pylist(), self.kind, start)
+            t0 = time.perf_counter()
             m = harvest_part(self.llm, self.store, part, prompts, progress=False, **self.options)
         except TapcError as e:
             row["error"] = [str(e)]
             return row
-        return {**row, "rows": [m.rows], "failed": [len(m.failed)]}
+        return {**row, "rows": [m.rows], "failed": [len(m.failed)], "seconds": [time.perf_counter() - t0]}
 
 
 def require_ray():

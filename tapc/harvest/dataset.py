@@ -64,7 +64,8 @@ def read_dataset(prompts, text_field: str | None = None):
 def stream(ds, column: str, *, drop: str | None = None, pack: Callable | None = None,
            limit: int | None = None) -> Iterator:
     """The prompts of `ds`'s `column` in input order, as pyarrow arrays. `drop`: "blank" leaves
-    out whitespace-only strings (prompt lines), "empty" empty ones (documents); `pack(texts)`:
+    out whitespace-only strings (prompt lines), "empty" empty ones (documents); token-id prompts
+    are kept as they are (an empty one is refused as the harvest reads it); `pack(texts)`:
     the token-id windows of the texts, made here (tapc.harvest.corpus.pack); `limit`: only the
     first prompts (windows when packing)."""
     import pyarrow as pa
@@ -75,9 +76,10 @@ def stream(ds, column: str, *, drop: str | None = None, pack: Callable | None = 
     def arrays():
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=BATCH):
             a = batch.column(column).combine_chunks()
-            if drop == "blank":
+            text = pa.types.is_string(a.type) or pa.types.is_large_string(a.type)
+            if text and drop == "blank":
                 a = a.filter(pc.not_equal(pc.utf8_trim_whitespace(a), ""))
-            elif drop == "empty":
+            elif text and drop == "empty":
                 a = a.filter(pc.not_equal(a, ""))
             yield a
 

@@ -9,7 +9,9 @@
   prefix cache skip the forward, so the API decides per request what it may read and share
   (tapc/api/prefix.py: captures of prompt rows read no cache, edits get a `cache_salt`).
 - on several GPUs (tensor / pipeline parallel sizes as the plan was built for): vLLM's
-  multiprocessing executor, one worker process per GPU (docs/distributed.md).
+  multiprocessing executor, one worker process per GPU, unless the user asks for its Ray
+  executor (`"ray"`: a worker per GPU as Ray actors, placed by Ray, on several nodes too);
+  the worker answers tapc's calls alike under both (docs/distributed.md).
 Compilation settings are left as the user gave them (vLLM's default: FULL_AND_PIECEWISE),
 except that with Python blocks `tapc::boundary` joins vLLM's splitting ops: PIECEWISE graphs
 split there, and FULL graphs are captured broken there (graphs.py).
@@ -29,6 +31,9 @@ if TYPE_CHECKING:   # a plan is what the API hands in; this side needs only its 
     from tapc.plan.tapplan import TapPlan
 
 WORKER = "tapc.worker.worker.TapWorker"
+# vLLM's executors a tapped engine runs on several GPUs: each worker answers tapc's calls through
+# the executor's RPCs, and sends its rows there when it sees other shared memory (another node)
+SEVERAL_GPUS = ("mp", "ray")
 
 # Modules whose code ends up inside the compiled graphs, or decides what does (which call a
 # `.source` tap wraps, which op and tables an edit reads, the tables' shapes): a change to any of
@@ -64,10 +69,11 @@ def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
             raise EngineError(f"{name}={out.get(name, 1)} but the plan was built for {getattr(plan, name)}")
     if plan.tensor_parallel_size * plan.pipeline_parallel_size > 1:
         backend = out.get("distributed_executor_backend")
-        if backend not in (None, "mp"):
+        if backend not in (None, *SEVERAL_GPUS):
             raise EngineError(f"distributed_executor_backend={backend!r}: tapped engines on several GPUs run vLLM's "
-                              "multiprocessing executor (\"mp\"), the one whose capture path is built (docs/distributed.md)")
-        out["distributed_executor_backend"] = "mp"
+                              "multiprocessing executor (\"mp\", the default) or its Ray executor (\"ray\") "
+                              "(docs/distributed.md)")
+        out["distributed_executor_backend"] = backend or "mp"
     if out.get("worker_cls", "auto") not in ("auto", WORKER):
         raise EngineError(f"worker_cls={out['worker_cls']!r}: a tapped engine runs tapc's worker ({WORKER})")
     out["worker_cls"] = WORKER
