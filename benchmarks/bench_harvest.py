@@ -13,8 +13,8 @@ after one warmup round; the table shows medians, the ratio is harvest time / van
 `--ray` adds a row per workload, the same harvest over Ray (`tapc.harvest.cluster.harvest_ray`, as
 `tapc harvest --ray` runs it): a Ray on this host, a Ray Data pool of one actor holding its own
 1-layer engine, the prompts in parts of `--part-prompts`; its tokens/s over the parts after the
-first (the actor's engine start and first part left out, as the warm engines' start is) against
-the in-process harvest's. The Ray engine is started anew each round, beside the others.
+first, timed in the actor (its engine's start and first part left out, as the warm engines'
+start is), against the in-process harvest's. The Ray engine is started anew each round, beside the others.
 `--profile MD` adds, after the measured rounds, one watched run of vanilla and of each harvest on
 the first workload: the Python stacks of every thread of the caller (feed, writer, its column
 threads) and of the engine-core process, and the GPU's own kernel time (CUPTI), written to MD.
@@ -74,9 +74,10 @@ def harvest_run(llm, ps, root: str) -> tuple[float, float]:
     return dt, gb
 
 
-def ray_run(model: str, ps, root: str, part_prompts: int) -> tuple[float, float, float, float]:
-    """(seconds end to end, rows after the first part, their seconds as the driver saw the parts
-    come back, the actor's own seconds for them) of one harvest over Ray into a fresh folder."""
+def ray_run(model: str, ps, root: str, part_prompts: int) -> tuple[float, int, float]:
+    """(seconds end to end, rows of the parts after the first, the seconds the actor took for
+    them) of one harvest over Ray into a fresh folder. The actor's own seconds, not the times the
+    driver sees the parts' rows come back: Ray Data hands those on late and unevenly."""
     import ray
     import torch
     from vllm import SamplingParams
@@ -94,7 +95,7 @@ def ray_run(model: str, ps, root: str, part_prompts: int) -> tuple[float, float,
         m = harvest_ray(engine, ray.data.from_items([{"prompt": p} for p in ps]), out, engines=1,
                         part_prompts=part_prompts, positions="prompt", shard_tokens=1_000_000,
                         sampling_params=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-                        on_part=lambda row: parts.append((time.perf_counter(), row["rows"], row["seconds"])))
+                        on_part=lambda row: parts.append((row["rows"], row["seconds"])))
         dt = time.perf_counter() - t0
         assert not m.failed and m.rows == sum(map(len, ps)) and len(parts) > 1, (m.rows, m.failed[:3], len(parts))
     finally:
@@ -105,7 +106,7 @@ def ray_run(model: str, ps, root: str, part_prompts: int) -> tuple[float, float,
     while torch.cuda.mem_get_info()[0] < free - (2 << 30) and time.monotonic() < deadline:
         time.sleep(1)
     later = parts[1:]
-    return dt, sum(r for _, r, _ in later), parts[-1][0] - parts[0][0], sum(s for _, _, s in later)
+    return dt, sum(r for r, _ in later), sum(s for _, s in later)
 
 
 def main():
@@ -163,16 +164,15 @@ def main():
                     gb = times[(w, n)][0][1]
                     lines.append(f"| {w} | {n} | {van:.2f} | {dt:.2f} | {dt / van:.3f} | {gb:.2f} | {gb / dt:.2f} |")
         if args.ray:
-            lines += ["", "| workload | in-process harvest tok/s | Ray harvest tok/s (parts after the first) | ratio "
-                      "| Ray, the actor's own time | Ray s end to end (engine start included) |", "|---|---|---|---|---|---|"]
+            lines += ["", "| workload | in-process harvest tok/s | Ray harvest tok/s (the actor's parts after the "
+                      "first) | ratio | Ray s end to end (its engine's start included) |", "|---|---|---|---|---|"]
             for w in workloads:
                 if (w, "ray") in times and (w, 1) in times:
                     n, length = map(int, w.split("x"))
                     own = statistics.median(n * length / t for t, _ in times[(w, 1)])
-                    rate = statistics.median(r / s for _, r, s, _ in times[(w, "ray")])
-                    actor = statistics.median(r / a for _, r, _, a in times[(w, "ray")])
-                    wall = statistics.median(t for t, _, _, _ in times[(w, "ray")])
-                    lines.append(f"| {w} | {own:,.0f} | {rate:,.0f} | {rate / own:.3f} | {actor:,.0f} | {wall:.1f} |")
+                    rate = statistics.median(r / s for _, r, s in times[(w, "ray")])
+                    wall = statistics.median(t for t, _, _ in times[(w, "ray")])
+                    lines.append(f"| {w} | {own:,.0f} | {rate:,.0f} | {rate / own:.3f} | {wall:.1f} |")
         table = "\n".join(lines)
         print(table, flush=True)
         if args.out:
@@ -193,8 +193,8 @@ def main():
                     times.setdefault((w, n), []).append((dt, gb))
             if args.ray and rnd:   # each Ray round starts its actor's engine: no warmup round for it
                 got = ray_run(model, ps, args.dir, args.part_prompts)
-                print(f"round {rnd} {w} ray {got[0]:.2f} s end to end, {got[1]} rows in {got[2]:.2f} s after the "
-                      f"first part (the actor's own {got[3]:.2f} s)", file=sys.stderr, flush=True)
+                print(f"round {rnd} {w} ray {got[0]:.2f} s end to end, the parts after the first {got[1]} rows in "
+                      f"{got[2]:.2f} s", file=sys.stderr, flush=True)
                 times.setdefault((w, "ray"), []).append(got)
         if rnd:
             report()

@@ -41,7 +41,8 @@ def cluster(tmp_path_factory):
            "RAY_USAGE_STATS_ENABLED": "0", "TAPC_STAGING_DIR": str(tmp_path_factory.mktemp("staging"))}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)   # the nodes' processes start with this environment
-    node = {"num_cpus": 1, "resources": ENGINE, "object_store_memory": 150 << 20}
+    # a GPU a node, as Ray counts them (the toy engine uses none): the pool asks for them as on GPUs
+    node = {"num_cpus": 1, "num_gpus": 1, "resources": ENGINE, "object_store_memory": 150 << 20}
     c = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
     c.add_node(**node)
     ray.init(address=c.address, log_to_driver=False)
@@ -70,7 +71,7 @@ def whole(cluster, prompts_file, tmp_path_factory):
     """The harvest over the pool, uninterrupted, with each part's node."""
     rows = []
     folder = tmp_path_factory.mktemp("whole") / "acts"
-    m = run(prompts_file, folder, actor_options={"resources": ENGINE}, on_part=rows.append)
+    m = run(prompts_file, folder, gpus_per_engine=1, on_part=rows.append)
     return folder, m, rows
 
 
@@ -185,17 +186,25 @@ def test_bad_input_is_one_line_naming_what_is_wrong(cluster, prompts_file, tmp_p
         run(prompts_file, tmp_path / "f", part_prompts=0)
 
 
-def test_the_cli_on_ray_says_when_no_engine_fits(cluster, capsys):
-    """`tapc harvest SPEC PROMPTS --ray ADDRESS`: the spec's plan is built on the driver; on a
-    cluster without GPUs no engine fits, said in one line before anything starts."""
+def test_the_cli_on_ray_says_in_one_line_what_stops_its_engines(cluster, capsys):
+    """`tapc harvest SPEC PROMPTS --ray ADDRESS`: the spec's plan is built on the driver, and an
+    actor that cannot make its engine (here: Ray counts a GPU on each node, torch sees none) says
+    why in one line naming its part."""
     from tapc.cli import main
 
     spec = HERE.parent / "examples" / "harvest.yaml"
     argv = ["harvest", str(spec), str(HERE.parent / "examples" / "prompts.jsonl"), "--ray", cluster.address]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == ("tapc: TapcError: the Ray cluster has 0 GPUs and an engine takes 1 (its tensor x pipeline "
-                       "parallel size): no engine fits"), err
+    assert err[-1] == ("tapc: TapcError: part-000000: the engine needs a CUDA GPU, and torch sees none here; "
+                       "`tapc explain` shows the plan on any machine"), err
+
+
+def test_no_engine_fitting_the_clusters_gpus_is_said_before_anything_starts(cluster, prompts_file, tmp_path):
+    with pytest.raises(TapcError, match=r"^the Ray cluster has 2 GPUs and an engine takes 3 \(gpus_per_engine; by "
+                                        r"default the plan's tensor x pipeline parallel size\): no engine fits$"):
+        run(prompts_file, tmp_path / "acts", engines=None, gpus_per_engine=3)
+    assert not (tmp_path / "acts").exists()
 
 
 def _same_files(got: Path, want: Path) -> None:

@@ -4,10 +4,9 @@ and at pipeline_parallel_size=2 equal the same engine's at size 1 on the same we
 replicated and a sharded edit) gives TP=1's greedy tokens; a request that fails on one GPU fails
 as a whole, the others in its batch return, and every GPU's chunks go back; a GPU answering as
 one on another node does (its rows in the reply, not places in its files) gives the same captures.
-The Ray engines (`distributed_executor_backend="ray"`: vLLM's RayExecutorV2, workers as Ray
-actors behind the multiprocessing executor's message queues, and "ray-classic", its older
-RayDistributedExecutor, which answers RPCs through Ray's own return path) pass the same tests on
-one GPU and, where two are at hand, at TP=2 and PP=2.
+The Ray engines (`distributed_executor_backend="ray"`: vLLM 0.26's default Ray executor,
+RayExecutorV2, its workers Ray actors placed by Ray behind the multiprocessing executor's message
+queues) pass the same tests on one GPU and, where two are at hand, at TP=2 and PP=2.
 
 Engines (each TP=2 start is about 85 s), started as the tests first ask for them: the TP=1
 reference, TP=2 and PP=2 on the small Llama checkpoint of tests/gpu_engines.py, the Ray ones,
@@ -23,7 +22,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL, Engines, engine_args, environ
+from gpu_engines import SMALL, Engines, engine_args
 from test_engine_gpu import assert_matches
 
 pytestmark = pytest.mark.gpu
@@ -61,9 +60,7 @@ def _steer():
 
 RAY = {"distributed_executor_backend": "ray"}
 SIZES = {"tp1": {}, "tp2": {"tensor_parallel_size": 2}, "pp2": {"pipeline_parallel_size": 2},
-         "ray": RAY, "ray-classic": RAY, "ray-tp2": {**RAY, "tensor_parallel_size": 2},
-         "ray-pp2": {**RAY, "pipeline_parallel_size": 2}}
-CLASSIC = {"ray-classic": "0"}   # VLLM_USE_RAY_V2_EXECUTOR_BACKEND, read as the engine core starts
+         "ray": RAY, "ray-tp2": {**RAY, "tensor_parallel_size": 2}, "ray-pp2": {**RAY, "pipeline_parallel_size": 2}}
 _TWO = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 _RAY = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="vLLM's Ray executor needs ray (tapc[ray])")
 
@@ -77,7 +74,7 @@ def sizes(*names: str) -> list:
 
 
 SHARDED_SIZES = sizes("tp2", "pp2", "ray-tp2", "ray-pp2")
-EVERY_SIZE = sizes("tp2", "pp2", "ray", "ray-classic", "ray-tp2", "ray-pp2")
+EVERY_SIZE = sizes("tp2", "pp2", "ray", "ray-tp2", "ray-pp2")
 # Qwen3 at TP=2: its attention's per-head q/k norms are refused under TP (a norm over each head's
 # columns, which a rank holds only some of), so its taps are Llama's without `.source` points.
 QWEN3_TAPS = REPLICATED + SHARDED[:6] + EDITS
@@ -93,11 +90,8 @@ class _Lazy:
     def __getitem__(self, name):
         from tapc import VLLM
 
-        def start():
-            with environ("VLLM_USE_RAY_V2_EXECUTOR_BACKEND", CLASSIC.get(name)):
-                return VLLM(self.path, taps=self.taps, **self.kwargs, **engine_args(), **SIZES[name])
-
-        return self.engines.get(name, start)
+        return self.engines.get(name, lambda: VLLM(self.path, taps=self.taps, **self.kwargs, **engine_args(),
+                                                   **SIZES[name]))
 
     def close(self) -> None:
         self.engines.close()

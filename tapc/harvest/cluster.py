@@ -99,7 +99,9 @@ def harvest_ray(engine, prompts, out: str | os.PathLike, *, engines: int | None 
                        dtype=dtype, context_size=context_size, source=source, window_tokens=window_tokens,
                        collect_every=collect_every)
         rows = ray.data.from_arrow_refs(todo).map_batches(
-            PartWorker, batch_size=None, batch_format="pyarrow",
+            # a batch is a part: each block holds one, and all but the last are part_prompts long (Ray
+            # Data wants a batch size where actors take GPUs)
+            PartWorker, batch_size=part_prompts, batch_format="pyarrow",
             compute=ray.data.ActorPoolStrategy(size=min(engines, len(todo))),
             num_gpus=gpus, num_cpus=cpus_per_engine,
             fn_constructor_kwargs=dict(engine=engine, store=(store.url, storage_options, filesystem),
@@ -177,6 +179,6 @@ def _engines_fitting(ray, gpus: float) -> int:
     if not gpus:
         raise TapcError("engines: give how many engines to run (they take no GPU, so the cluster's GPUs do not say)")
     if total < gpus:
-        raise TapcError(f"the Ray cluster has {total:g} GPUs and an engine takes {gpus:g} (its tensor x pipeline "
-                        "parallel size): no engine fits")
+        raise TapcError(f"the Ray cluster has {total:g} GPUs and an engine takes {gpus:g} (gpus_per_engine; by "
+                        "default the plan's tensor x pipeline parallel size): no engine fits")
     return int(total // gpus)
