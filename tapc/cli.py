@@ -171,7 +171,7 @@ def _serve(args, rest: list[str]) -> int:
     from tapc.serving.launch import run, serve_argv, sizes
     from tapc.wire.engine_args import require_cuda
 
-    engine, rest = sizes(rest)   # the plan is built for these: they go to the plan, not past it
+    engine, rest = sizes(rest)   # the plan is built for these (and the executor checked): not past it
     if args.capture_memory_gib is not None:
         engine["capture_memory_gib"] = args.capture_memory_gib
     if args.prefix_rows_gib is not None:

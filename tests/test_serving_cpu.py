@@ -61,6 +61,19 @@ def test_tapc_serve_takes_the_sizes_into_the_plan(capsys):
     assert "give a spec .yaml, or a model and its taps" in capsys.readouterr().err
 
 
+def test_tapc_serve_takes_the_executor_into_the_engines_arguments(capsys):
+    """`--distributed-executor-backend` goes where tapc checks it against the plan's sizes: once,
+    as given ("ray"), and an executor a tapped engine on several GPUs cannot run is said in one line."""
+    tap = ["--tap", "model.layers.0.resid", "-tp", "2", "--print"]
+    assert main(["serve", LLAMA, *tap, "--distributed-executor-backend", "ray"]) == 0
+    cmd = capsys.readouterr().out
+    assert cmd.count("--distributed-executor-backend") == 1 and "--distributed-executor-backend ray" in cmd
+    assert main(["serve", LLAMA, *tap, "--distributed-executor-backend=uni"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "distributed_executor_backend='uni': tapped engines on several GPUs run vLLM's multiprocessing executor "
+        "(\"mp\", the default) or its Ray executor (\"ray\") (docs/distributed.md)")
+
+
 def test_tapc_serve_reserves_capture_memory_through_the_plans_config(capsys, cpu_platform):
     from vllm.entrypoints.openai.cli_args import make_arg_parser
     from vllm.utils.argparse_utils import FlexibleArgumentParser

@@ -62,23 +62,26 @@ def serve_argv(model: str, taps: list[str], *, capture_dtype: str | None = None,
     return ["serve", model, *flags(args), *extra]
 
 
-# vLLM options the plan is sized for: `tapc serve` takes them into the plan.
-SIZES = {"--max-num-seqs": "max_num_seqs", "--max-num-batched-tokens": "max_num_batched_tokens",
-         "--tensor-parallel-size": "tensor_parallel_size", "-tp": "tensor_parallel_size",
-         "--pipeline-parallel-size": "pipeline_parallel_size", "-pp": "pipeline_parallel_size"}
+# vLLM options `tapc serve` takes into the engine's arguments rather than past them: the plan is
+# sized for the first six, and engine_kwargs checks the executor against the plan's sizes.
+TAKEN = {"--max-num-seqs": ("max_num_seqs", int), "--max-num-batched-tokens": ("max_num_batched_tokens", int),
+         "--tensor-parallel-size": ("tensor_parallel_size", int), "-tp": ("tensor_parallel_size", int),
+         "--pipeline-parallel-size": ("pipeline_parallel_size", int), "-pp": ("pipeline_parallel_size", int),
+         "--distributed-executor-backend": ("distributed_executor_backend", str)}
 
 
 def sizes(rest: list[str]) -> tuple[dict, list[str]]:
-    """(engine sizes, the other options) of `vllm serve` options (`--opt N` or `--opt=N`)."""
+    """(engine arguments of TAKEN, the other options) of `vllm serve` options (`--opt V` or `--opt=V`)."""
     engine, out, i = {}, [], 0
     while i < len(rest):
         opt, eq, value = rest[i].partition("=")
-        if opt in SIZES:
+        if opt in TAKEN:
             if not eq:
                 i += 1
                 value = rest[i] if i < len(rest) else ""
+            name, kind = TAKEN[opt]
             try:
-                engine[SIZES[opt]] = int(value)
+                engine[name] = kind(value)
             except ValueError:
                 raise TapcError(f"tapc serve: {opt} takes a number, got {value!r}") from None
         else:
