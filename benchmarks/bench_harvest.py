@@ -122,6 +122,8 @@ def main():
                     help="after the rounds, one watched run per engine on the first workload; its report to MD")
     ap.add_argument("--ray", action="store_true", help="also the 1-layer harvest over a Ray of this host (above)")
     ap.add_argument("--part-prompts", type=int, default=1024, help="with --ray: prompts a part (default 1024)")
+    ap.add_argument("--no-vanilla", action="store_true", help="with --ray: no vanilla engine (the Ray row's "
+                    "reference is the in-process harvest)")
     args = ap.parse_args()
     workloads = args.workloads or (QUICK if args.quick else FULL)
     repeats = 1 if args.quick else args.repeats
@@ -140,7 +142,7 @@ def main():
     with open(os.path.join(model, "config.json"), "w") as f:
         json.dump(LLAMA_31_8B, f)
     common = dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"), gpu_memory_utilization=0.28)
-    engines = {"vanilla": LLM(model, **common)}
+    engines = {} if args.no_vanilla else {"vanilla": LLM(model, **common)}
     for n in args.layers:
         engines[n] = VLLM(model, taps=LAYERS[n], **common)
     if args.ray:   # a Ray of this host, its one GPU for the pool's actor (whose engine shares it with these)
@@ -182,10 +184,11 @@ def main():
     for rnd in range(repeats + 1):   # round 0 warms every engine up on every workload
         for w in workloads:
             ps = prompts(w, seed=rnd)
-            dt = vanilla_run(engines["vanilla"], ps)
-            print(f"round {rnd} {w} vanilla {dt:.2f} s", file=sys.stderr, flush=True)
-            if rnd:
-                times.setdefault((w, "vanilla"), []).append(dt)
+            if not args.no_vanilla:
+                dt = vanilla_run(engines["vanilla"], ps)
+                print(f"round {rnd} {w} vanilla {dt:.2f} s", file=sys.stderr, flush=True)
+                if rnd:
+                    times.setdefault((w, "vanilla"), []).append(dt)
             for n in args.layers:
                 dt, gb = harvest_run(engines[n], ps, args.dir)
                 print(f"round {rnd} {w} {n} layer(s) {dt:.2f} s, {gb:.2f} GB", file=sys.stderr, flush=True)

@@ -67,6 +67,40 @@ def test_arrow_parts_through_object_storage_read_as_one_harvest_and_one_hf_datas
     assert ds["request"] == list(range(11)) and ds["token_ids"] == prompts
 
 
+def test_a_part_smaller_than_a_shard_is_made_at_its_size(tmp_path, monkeypatch):
+    """A part's rows are counted before its first shard opens: a part smaller than `shard_tokens`
+    is one shard made at its size, never rewritten after the engine is done, though the engine's
+    first rows come before the part's last prompt is submitted (a window of two prompts); merged,
+    the parts hold the rows of the harvest in one process."""
+    import os
+
+    import pyarrow as pa
+    from vllm import SamplingParams
+
+    prompts = windows()
+    options = dict(format="safetensors", dtype="float32", shard_tokens=1000, context_size=CONTEXT, positions="prompt")
+    llm, _ = toy_vllm(TAPS)
+    harvest(llm, prompts, tmp_path / "one", sampling_params=SamplingParams(max_tokens=1), progress=False, **options)
+
+    def no_rewrite(*args):
+        raise AssertionError("a part's shard was rewritten (copy_file_range)")
+
+    monkeypatch.setattr(os, "copy_file_range", no_rewrite)
+    store = Store(tmp_path / "acts")
+    source = {"kind": "prompts"}
+    top, layout = open_top(store, llm.plan, part_prompts=8, more={"max_tokens": 1, "source": source}, **options)
+    every = [part for part, _ in cut(iter([pa.array(range(len(prompts)))]), 8)]
+    for part in every:
+        m = harvest_part(llm, store, part, prompts[part.start: part.stop], sampling_params=SamplingParams(max_tokens=1),
+                         progress=False, source=source, window_tokens=2 * (CONTEXT + 1), **options)
+        assert [s.rows for s in m.shards] == [(part.stop - part.start) * CONTEXT] and not m.failed
+    merge(store, top, layout, every)
+    got, one = Shards(tmp_path / "acts"), Shards(tmp_path / "one")
+    for key in one.keys:
+        assert torch.equal(torch.cat(list(got.batches(key, 100, shuffle=False))),
+                           torch.cat(list(one.batches(key, 100, shuffle=False)))), key
+
+
 def test_a_part_goes_on_only_as_the_same_part_of_the_same_harvest(tmp_path):
     store = Store(tmp_path / "acts")
     top, layout, every = in_parts(store, windows(), 4, parts=[0, 2])

@@ -184,6 +184,14 @@ def harvest(llm, prompts: Iterable, out_dir: str | os.PathLike, *, shard_tokens:
         if sized:   # one token made, or prompt rows (which do not depend on how many)
             promised += expected_rows(positions, tokens, 1)
 
+    if sized and part:
+        # A part's prompts are few: read first, so the writer knows its rows before the first
+        # shard opens. A part smaller than a shard is then made at its size, not opened at
+        # `shard_tokens` and rewritten after the engine is done (a second of copying a GB a part).
+        counted = list(todo)
+        writer.expect(promised + sum(expected_rows(positions, len(tokens), 1) for _, tokens in counted))
+        todo = iter(counted)
+
     try:
         with bar, _one_cpu_thread(), _counting_nonfinite(llm):
             feed(llm, todo, params, ask, window, writer.put, collect_every, submitted=submitted,
