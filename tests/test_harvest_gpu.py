@@ -79,11 +79,14 @@ def test_cli_harvest_writes_what_the_api_does(tmp_path, checkpoints, monkeypatch
         start += len(p)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_cli_harvest_over_two_gpus_equals_hf(tmp_path, checkpoints):
-    """`tapc harvest --gpus 2`: a Ray of this host, an engine per GPU, each taking parts of two
-    prompts, one manifest; every row equals HF on the same weights, and a second run finds it
-    complete."""
+@pytest.mark.parametrize("where", [
+    pytest.param(["--ray"], id="a new Ray of this host"),
+    pytest.param(["--gpus", "2"], id="two GPUs", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                                         reason="needs 2 GPUs"))])
+def test_cli_harvest_over_ray_equals_hf(tmp_path, checkpoints, where):
+    """`tapc harvest --ray` (no address: a Ray of this host, its GPUs) and `--gpus 2`: a Ray Data
+    pool of an engine per GPU, each taking parts of two prompts, one manifest; every row equals HF
+    on the same weights, and a second run finds it complete."""
     import json
 
     import yaml
@@ -99,9 +102,16 @@ def test_cli_harvest_over_two_gpus_equals_hf(tmp_path, checkpoints):
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump({
         "model": path, "engine": engine, "taps": ["model.layers.1.resid"],
         "capture": {"positions": "prompt"}, "output": {"dir": "acts", "shard_tokens": 64}}))
-    pytest.importorskip("ray.data", reason="tapc[ray] runs --gpus")
-    argv = ["harvest", str(tmp_path / "spec.yaml"), str(tmp_path / "prompts.jsonl"), "--gpus", "2", "--part-prompts", "2"]
-    assert main(argv) == 0
+    pytest.importorskip("ray.data", reason="tapc[ray] runs --ray and --gpus")
+    import ray
+
+    argv = ["harvest", str(tmp_path / "spec.yaml"), str(tmp_path / "prompts.jsonl"), *where, "--part-prompts", "2"]
+    try:
+        assert main(argv) == 0
+        manifest = (tmp_path / "acts" / "manifest.json").read_bytes()
+        assert main(argv) == 0, "a second run finds the harvest complete"
+    finally:
+        ray.shutdown()   # this process's Ray, and the pool's actors with it
     acts = Shards(tmp_path / "acts")
     m = acts.manifest
     assert m.complete and m.prompts == len(prompts) and len(acts) == sum(map(len, prompts))
@@ -111,5 +121,4 @@ def test_cli_harvest_over_two_gpus_equals_hf(tmp_path, checkpoints):
         rows = got["request"] == i
         assert got["token_ids"][rows].tolist() == p
         assert_matches(got["model.layers.1.resid"][rows], hf_reference(path, p)["model.layers.1.resid"], f"prompt {i}")
-    before = (tmp_path / "acts" / "manifest.json").read_bytes()
-    assert main(argv) == 0 and (tmp_path / "acts" / "manifest.json").read_bytes() == before
+    assert (tmp_path / "acts" / "manifest.json").read_bytes() == manifest
