@@ -74,7 +74,7 @@ def harvest_run(llm, ps, root: str) -> tuple[float, float]:
     return dt, gb
 
 
-def ray_run(model: str, ps, root: str, part_prompts: int) -> tuple[float, int, float]:
+def ray_run(model: str, engine_args: dict, ps, root: str, part_prompts: int) -> tuple[float, int, float]:
     """(seconds end to end, rows of the parts after the first, the seconds the actor took for
     them) of one harvest over Ray into a fresh folder. The actor's own seconds, not the times the
     driver sees the parts' rows come back: Ray Data hands those on late and unevenly."""
@@ -85,8 +85,7 @@ def ray_run(model: str, ps, root: str, part_prompts: int) -> tuple[float, int, f
     from tapc.harvest.cluster import harvest_ray
     from tapc.harvest.engines import ModelEngine
 
-    engine = ModelEngine(model, tuple(LAYERS[1]), dict(ENGINE, attention_backend=os.environ.get("TAPC_ATTENTION_BACKEND"),
-                                                       gpu_memory_utilization=0.28))
+    engine = ModelEngine(model, tuple(LAYERS[1]), engine_args)
     out = tempfile.mkdtemp(prefix="harvest-ray-", dir=root)
     parts = []
     free = torch.cuda.mem_get_info()[0]
@@ -195,7 +194,7 @@ def main():
                 if rnd:
                     times.setdefault((w, n), []).append((dt, gb))
             if args.ray and rnd:   # each Ray round starts its actor's engine: no warmup round for it
-                got = ray_run(model, ps, args.dir, args.part_prompts)
+                got = ray_run(model, common, ps, args.dir, args.part_prompts)
                 print(f"round {rnd} {w} ray {got[0]:.2f} s end to end, the parts after the first {got[1]} rows in "
                       f"{got[2]:.2f} s", file=sys.stderr, flush=True)
                 times.setdefault((w, "ray"), []).append(got)
