@@ -166,6 +166,20 @@ def test_request_values_are_written_as_each_gpus_columns():
 # ----------------------------------------------------------------------------- the API merges
 
 
+@pytest.fixture
+def arenas(tmp_path):
+    """`arenas(n)`: n workers' arenas of small segments, removed after the test (a worker's
+    default segment is a GiB of disk each)."""
+    made = []
+
+    def make(n):
+        made.extend(Arena(directory=str(tmp_path), segment_bytes=1 << 20) for _ in range(n))
+        return made[-n:]
+    yield make
+    for arena in made:
+        arena.close()
+
+
 def _reply(arenas, plan, tid, whole, tp, error_on=None):
     """Each worker's collect reply for one request, as the worker builds it (rank_taps' captures,
     local columns of `whole[key]` in the worker's own arena), over the wire."""
@@ -190,7 +204,7 @@ def _reply(arenas, plan, tid, whole, tp, error_on=None):
 
 
 @pytest.mark.parametrize("tp,pp", [(2, 1), (2, 2), (4, 1), (1, 2)])
-def test_session_merges_every_gpus_reply_into_single_gpu_tensors(tmp_path, tp, pp):
+def test_session_merges_every_gpus_reply_into_single_gpu_tensors(arenas, tp, pp):
     taps = [t for t in CAPTURES if t != "logits"]
     plan = build_plan(LLAMA, taps, max_num_batched_tokens=ROWS, max_num_seqs=SEQS, capture_dtype="float32",
                       engine_args={"tensor_parallel_size": tp, "pipeline_parallel_size": pp})
@@ -200,8 +214,7 @@ def test_session_merges_every_gpus_reply_into_single_gpu_tensors(tmp_path, tp, p
     rows = expected_rows("all", 5, 3)
     gen = torch.Generator().manual_seed(tp * 10 + pp)
     whole = {t.key: torch.randn(rows, t.width, generator=gen) for t in plan.taps}
-    arenas = [Arena(directory=str(tmp_path)) for _ in range(tp * pp)]
-    got = session.results(_reply(arenas, plan, "t1", whole, tp))
+    got = session.results(_reply(arenas(tp * pp), plan, "t1", whole, tp))
     session.finish(out, wire, got["t1"])
     assert out.error is None and set(out.taps) == set(whole)
     for key, t in whole.items():
@@ -210,14 +223,14 @@ def test_session_merges_every_gpus_reply_into_single_gpu_tensors(tmp_path, tp, p
     assert bool(sharded) == (tp > 1)
 
 
-def test_a_request_failed_on_one_gpu_fails_whole_and_the_others_chunks_go_back(tmp_path):
+def test_a_request_failed_on_one_gpu_fails_whole_and_the_others_chunks_go_back(arenas):
     plan = build_plan(LLAMA, CAPTURES[:3], max_num_batched_tokens=ROWS, max_num_seqs=SEQS, capture_dtype="float32",
                       engine_args={"tensor_parallel_size": 2, "pipeline_parallel_size": 2})
     session = TapSession(plan)
     wire = wire_for(plan, TapRequest(capture=list(plan.capture_keys)), "t1")
     whole = {t.key: torch.randn(6, t.width) for t in plan.taps}
-    arenas = [Arena(directory=str(tmp_path)) for _ in range(4)]
-    replies = _reply(arenas, plan, "t1", whole, 2, error_on=3)
+    workers = arenas(4)
+    replies = _reply(workers, plan, "t1", whole, 2, error_on=3)
     held = [(c.path, c.offset) for w in replies for r in CollectReply.from_wire(w).results for s in r.stores
             for c in s.chunks]
     assert held, "the other GPUs hold chunks for the request"
@@ -230,20 +243,20 @@ def test_a_request_failed_on_one_gpu_fails_whole_and_the_others_chunks_go_back(t
     released = session.released()
     assert sorted(released) == sorted(held)
     # every worker gets the same list and gives back its own files' chunks only
-    for arena in arenas:
+    for arena in workers:
         mine = [(p, o) for p, o in released if arena.owns(p)]
         for p, o in mine:
             arena.give_back(p, o)
         assert not arena.held
 
 
-def test_a_missing_rank_is_an_error_not_a_short_tensor(tmp_path):
+def test_a_missing_rank_is_an_error_not_a_short_tensor(arenas):
     plan = build_plan(LLAMA, ["model.layers.2.mlp.act_fn.output"], max_num_batched_tokens=ROWS, max_num_seqs=SEQS,
                       capture_dtype="float32", engine_args={"tensor_parallel_size": 2})
     session = TapSession(plan)
     wire = wire_for(plan, TapRequest(capture=list(plan.capture_keys)), "t1")
     whole = {t.key: torch.randn(6, t.width) for t in plan.taps}
-    replies = _reply([Arena(directory=str(tmp_path)) for _ in range(2)], plan, "t1", whole, 2)
+    replies = _reply(arenas(2), plan, "t1", whole, 2)
     one = CollectReply.from_wire(replies[1]).results[0]
     replies[1] = CollectReply((Result("t1", stores=(dataclasses.replace(one.stores[0], rank=0),)),)).to_wire()
     out = NS(request_id="r1", prompt_token_ids=list(range(4)), outputs=[NS(token_ids=[1, 2, 3])])
