@@ -72,6 +72,9 @@ def test_tapc_serve_takes_the_executor_into_the_engines_arguments(capsys):
     assert capsys.readouterr().err.strip().endswith(
         "distributed_executor_backend='uni': tapped engines on several GPUs run vLLM's multiprocessing executor "
         "(\"mp\", the default) or its Ray executor (\"ray\") (docs/distributed.md)")
+    for given in (["--distributed-executor-backend="], ["--distributed-executor-backend"]):
+        assert main(["serve", LLAMA, "--tap", "model.layers.0.resid", "--print", *given]) == 2
+        assert capsys.readouterr().err.strip().endswith("tapc serve: --distributed-executor-backend needs a value")
 
 
 def test_tapc_serve_reserves_capture_memory_through_the_plans_config(capsys, cpu_platform):

@@ -80,6 +80,8 @@ def sizes(rest: list[str]) -> tuple[dict, list[str]]:
                 i += 1
                 value = rest[i] if i < len(rest) else ""
             name, kind = TAKEN[opt]
+            if not value:
+                raise TapcError(f"tapc serve: {opt} needs a value")
             try:
                 engine[name] = kind(value)
             except ValueError:
