@@ -26,6 +26,16 @@ if not _cuda():
 
 CONFIGS = Path(__file__).parent / "configs"
 
+
+def pytest_configure(config):
+    # An inherited interpreter switch runs every engine's inductor kernels on the CPU, where the
+    # engines then die compiling their graphs: refuse the run rather than fail it test by test.
+    from tapc.wire.engine_args import triton_interpreter
+
+    if _cuda() and triton_interpreter():
+        raise pytest.UsageError(f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET']!r} on a machine with CUDA: "
+                                "the GPU tests need compiled Triton kernels; unset it")
+
 # The GPU tests' shared checkpoints and engines (fixtures; nothing heavy is imported here).
 from gpu_engines import checkpoints, engines, tapped_engine, vanilla_llama  # noqa: E402,F401
 

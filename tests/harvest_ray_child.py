@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]   # engine_toy, tapc
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
 

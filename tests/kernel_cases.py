@@ -1,18 +1,15 @@
 """What the kernel tests share: device, per-dtype tolerances, random data and tables.
 
 Not a test module. On a machine without CUDA the kernels run through Triton's interpreter,
-which must be switched on before tapc.kernels is first imported.
+which conftest.py switches on before anything imports tapc.kernels.
 """
-import os
 import zlib
 
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tapc.kernels.common import INTERPRET
 
-from tapc.kernels.common import INTERPRET  # noqa: E402  (after the switch above)
+ON_GPU = torch.cuda.is_available()
 
 if not ON_GPU and not INTERPRET:
     raise RuntimeError(

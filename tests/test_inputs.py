@@ -395,3 +395,22 @@ def test_vllm_without_a_gpu_refuses_before_starting_anything():
     # before anything else: the model, which does not exist, is not even looked at
     with pytest.raises(EngineError, match="the engine needs a CUDA GPU"):
         VLLM("/nonexistent/model", taps=["model.layers.1.resid"])
+
+
+def test_an_engine_under_tritons_interpreter_on_a_gpu_is_refused_naming_the_variable(monkeypatch, capsys):
+    from tapc import VLLM
+    from tapc.errors import EngineError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    line = ("TRITON_INTERPRET='1' switches on Triton's interpreter, under which vLLM's compiled graphs cannot "
+            "run on a GPU: unset it to start an engine")
+    with pytest.raises(EngineError) as e:
+        VLLM("/nonexistent/model", taps=["model.layers.1.resid"])
+    assert str(e.value) == line
+    assert main(["serve", LLAMA, "--tap", "model.layers.1.resid"]) == 2
+    assert capsys.readouterr().err == f"tapc: EngineError: {line}\n"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")   # switched off: the engine goes on to the model
+    with pytest.raises(Exception) as e:
+        VLLM("/nonexistent/model", taps=["model.layers.1.resid"])
+    assert "TRITON_INTERPRET" not in str(e.value) and "/nonexistent/model" in str(e.value)

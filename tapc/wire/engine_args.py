@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -47,12 +48,24 @@ GRAPH_PACKAGES = ("tapc.kernels",)   # every module of these
 
 def require_cuda() -> None:
     """Refuse at once, in one line, where there is no CUDA GPU: vLLM would start and fail seconds
-    later in a page of traceback ("Device string must not be empty")."""
+    later in a page of traceback ("Device string must not be empty"); and where Triton's
+    interpreter is switched on, which the engine's processes inherit: inductor's kernels then run
+    on the CPU and the engine dies compiling its graphs."""
     import torch
 
     if not torch.cuda.is_available():
         raise EngineError("the engine needs a CUDA GPU, and torch sees none here; `tapc explain` shows "
                           "the plan on any machine")
+    if triton_interpreter():
+        raise EngineError(f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET']!r} switches on Triton's interpreter, "
+                          "under which vLLM's compiled graphs cannot run on a GPU: unset it to start an engine")
+
+
+def triton_interpreter() -> bool:
+    """Whether TRITON_INTERPRET switches Triton's interpreter on, read as Triton reads it."""
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
 
 
 def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
