@@ -1,6 +1,6 @@
 """The request side of a tapped engine, without I/O: what goes into vLLM and what comes back.
 
-`VLLM.generate` (api.py) drives these steps around its own engine calls, and so can an async
+`VLLM.generate` (llm.py) drives these steps around its own engine calls, and so can an async
 engine or an HTTP route around theirs:
 
     checked = session.check(ask, "request 3")             # RequestError before anything is sent

@@ -7,6 +7,7 @@ tapc's kernels can run graphs that call them. This package imports nothing else 
 - `edit`: edit rows in place (`add_`, `scale_`, `set_cols_`, `project_out_`).
 - `ops`: the custom ops, `set_boundary_handler` for `tapc::boundary`, and `set_launch_observer`
   (told each op's row tables after its launch: how the engine finds the ops' graph nodes).
+- `common`: what the launchers share: when Triton runs, block sizes, argument checks.
 See docs/kernels.md for the tables the engine fills.
 """
 from . import ops

@@ -9,7 +9,7 @@
   set through the OpenAI API) and, when streamed, `stream_options.include_usage` (the usage
   chunk tells the server how many tokens the request has).
 - `finished(tid, usage)`: after the response went out: the result is collected (batched,
-  async_engine.Collector), assembled, and kept (results.py) until the client fetches it.
+  async_llm.Collector), assembled, and kept (results.py) until the client fetches it.
 - `abandoned(tid)`: the response did not complete (the client went away, an error): what the
   request held on the workers goes back.
 - `fetch(tid)`: a finished request's results, as safetensors bytes, once; or `lend(tid)`, for a

@@ -4,7 +4,8 @@ internals (docs/architecture.md walks the route).
 - `worker`: the vLLM worker class that installs all of it after the model loads.
 - `layout`: this GPU's part of the plan's in-graph taps, as table rows and capture groups.
 - `buffers`: the device tables and capture pools; `copyout`: a step's captured rows to host memory.
-- `install`, `source`: patched module forwards, so the tap ops land in the compiled graphs.
+- `install`, `source`: patched module forwards, so the tap ops land in the compiled graphs;
+  `calls`: a compiled function's call at its point, traced with the model.
 - `patches`: every change to vLLM's and torch's objects, each undoable.
 - `runner`: the step loop, over the step components (`component`): `tables` (the row tables,
   filled by `fill` / `fill_jit`, repeated and ringed by `rings`, copied out by `memcpy`),

@@ -27,7 +27,7 @@ from tapc.worker.memcpy import BatchCopy, DriverEvent, DriverEvents, Repeated, c
 from tapc.worker.step import Segment
 
 # A step that copies out at most this many bytes copies straight from the pools, on the compute
-# stream (`Buffers._copy_direct`). Copies of 128 KiB or less are bound by latency, not bandwidth
+# stream (`CopyOut._copy_direct`). Copies of 128 KiB or less are bound by latency, not bandwidth
 # (cudf chose the same bound for its batched copies).
 DIRECT_BYTES = 128 << 10
 

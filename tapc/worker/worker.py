@@ -1,6 +1,6 @@
 """The vLLM worker of a tapped engine: vLLM's GPU worker plus the taps, installed at load.
 
-`config.engine_kwargs` names this class as `worker_cls` and puts the plan in
+`wire.engine_args.engine_kwargs` names this class as `worker_cls` and puts the plan in
 `additional_config["tapc"]`, so it reaches every worker process (the engine core runs in a
 child process by default) and its digest is part of vLLM's compile-cache key. `load_model`
 runs before vLLM's first forward (memory profiling, where torch.compile traces), which is when
