@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from numbers import Integral
 from typing import Any
 
@@ -25,6 +26,8 @@ from tapc.plan.tapplan import TapPlan
 from tapc.wire.protocol import Ask
 
 ENGINE_POINTS = ("logits", "samples")
+# Without the engine's max_model_len, the most positions a request may list.
+MAX_LISTED = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,8 @@ class TapRequest:
     """One request's taps: what to capture, where, and the values of named edit parameters.
 
     capture:   point keys (`model.layers.3.resid`), tap lines of the plan (a glob line means all
-               its points), or "*" for every capture point of the plan.
+               its points), or "*" for every capture the request can have: every capture of
+               the plan but the results of compiled functions it does not apply.
     positions: "all" | "prompt" | "generated" | "last", or a list of absolute positions.
     params:    parameter name -> value: a vector (list, numpy array or tensor) for `vector`
                parameters, a number for `scalar`, column indices for `columns`, a number or a
@@ -49,34 +53,52 @@ class TapRequest:
     blocks: Mapping[str, Any] = field(default_factory=dict)
 
 
-def check(plan: TapPlan, req: TapRequest, where: str) -> Ask:
+def check(plan: TapPlan, req: TapRequest, where: str, max_model_len: int | None = None) -> Ask:
     """Check `req` against `plan`; what the engine's workers read. `where` names the request in
-    error messages (e.g. "request 3")."""
-    keys = _capture_keys(plan, req.capture, where)
-    positions = _positions(req.positions, where)
+    error messages (e.g. "request 3"); `max_model_len`, the engine's, where known, bounds how
+    many positions it may list."""
+    check_fields(req, where)
+    positions = _positions(req.positions, where, max_model_len)
     params = _params(plan, req.params, where)
-    _results_applied(plan, keys, params, where)
+    unapplied = _unapplied(plan, params)
+    keys = _capture_keys(plan, req.capture, where, unapplied)
+    asked = [k for k in keys if k in unapplied]
+    if asked:
+        raise RequestError(f"{where}: {unapplied[asked[0]]}")
     return Ask(capture=tuple(k for k in keys if k not in ENGINE_POINTS),
                engine=tuple(k for k in keys if k in ENGINE_POINTS),
                positions=positions if isinstance(positions, str) else tuple(positions),
                params=params, blocks=_blocks(plan, req.blocks, where))
 
 
-def _results_applied(plan: TapPlan, keys: list[str], params: dict, where: str) -> None:
-    """A compiled function's result is the request's own only where the request applies the
-    function (binds its parameters): other rows run it with another request's values."""
+def _unapplied(plan: TapPlan, params: dict) -> dict[str, str]:
+    """The compiled functions' results that are not the request's own, key -> why: a result is
+    the request's only where it applies the function (binds its parameters); other rows run it
+    with another request's values."""
     if not plan.functions:
-        return
-    wanted = set(keys)
-    asked = [t for t in plan.taps if t.action == "capture" and t.function is not None and t.key in wanted]
-    calls = {(dataclasses.replace(t.point, result=None), t.function): t for t in plan.taps if t.action == CALL} \
-        if asked else {}
-    for tap in asked:
+        return {}
+    calls = {(dataclasses.replace(t.point, result=None), t.function): t for t in plan.taps if t.action == CALL}
+    out = {}
+    for tap in (t for t in plan.taps if t.action == "capture" and t.function is not None):
         call = calls[(dataclasses.replace(tap.point, result=None), tap.function)]
         missing = [a.param for a in call.args if a.param is not None and a.param not in params]
         if missing:
-            raise RequestError(f"{where}: {tap.key} is a result of `{call.source}`, which runs with the "
-                               f"request's {', '.join(map(repr, missing))}: bind them to capture it")
+            out[tap.key] = (f"{tap.key} is a result of `{call.source}`, which runs with the request's "
+                            f"{', '.join(map(repr, missing))}: bind them to capture it")
+    return out
+
+
+def check_fields(req, where: str) -> None:
+    """`req` is a TapRequest whose fields have types they take; `check` checks their values
+    against the plan."""
+    if not isinstance(req, TapRequest):
+        raise RequestError(f"{where}: taps must be a tapc.TapRequest, got {shown(req)}")
+    capture = req.capture
+    if not isinstance(capture, (str, Iterable)) or isinstance(capture, (bytes, bytearray, Mapping)):
+        raise RequestError(f'{where}: capture must be a capture\'s name, "*" or a list of them, got {shown(capture)}')
+    for name in ("params", "blocks"):
+        if not isinstance(getattr(req, name), Mapping):
+            raise RequestError(f"{where}: {name} must be a mapping of name -> value, got {shown(getattr(req, name))}")
 
 
 def _blocks(plan: TapPlan, blocks: Mapping[str, Any], where: str) -> bytes | None:
@@ -95,13 +117,17 @@ def _blocks(plan: TapPlan, blocks: Mapping[str, Any], where: str) -> bytes | Non
     return cloudpickle.dumps(dict(blocks))
 
 
-def _capture_keys(plan: TapPlan, capture, where: str) -> list[str]:
-    items = [capture] if isinstance(capture, str) else list(capture)
+def _capture_keys(plan: TapPlan, capture, where: str, unapplied: Mapping) -> list[str]:
+    """The keys `capture` names; "*": every capture the request can have (not the `unapplied`
+    results of functions it does not apply)."""
+    items = [capture] if isinstance(capture, str) else capture
     reads = [t for t in plan.taps if t.action == "capture"]
     keys: dict[str, None] = {}
     for item in items:
+        if not isinstance(item, str):
+            raise RequestError(f"{where}: capture names captures by strings, got {shown(item)} in {shown(capture)}")
         if item == "*":
-            keys.update(dict.fromkeys(t.key for t in reads))
+            keys.update(dict.fromkeys(t.key for t in reads if t.key not in unapplied))
             continue
         matched = [t.key for t in reads if item in (t.key, t.source)]
         if not matched:
@@ -115,16 +141,23 @@ def _capture_keys(plan: TapPlan, capture, where: str) -> list[str]:
     return list(keys)
 
 
-def _positions(positions, where: str):
+def _positions(positions, where: str, max_model_len: int | None):
     if isinstance(positions, str):
         if positions not in POSITIONS:
             raise RequestError(f"{where}: positions {positions!r}: use one of {', '.join(POSITIONS)} "
                                "or a list of token positions")
         return positions
-    try:
-        out = list(positions)
-    except TypeError:
-        out = None
+    # no more are read than a request can have rows: a range(10**9) is refused, not made a list
+    most, of = (max_model_len - 1, f"a request of max_model_len={max_model_len} has") if max_model_len \
+        else (MAX_LISTED, "a list may hold")
+    iterable = isinstance(positions, Iterable) and not isinstance(positions, (bytes, bytearray, Mapping))
+    out = list(islice(positions, most + 1)) if iterable else None
+    if out is not None and len(out) > most:
+        raise RequestError(f"{where}: positions lists more than {most} positions, the most {of}, "
+                           f"got {shown(positions)}")
+    if out == []:   # an empty selection would capture nothing, and say so nowhere
+        raise RequestError(f"{where}: positions [] lists no position; list one or more, or use one of "
+                           f"{', '.join(POSITIONS)}")
     # numpy's integers count (Integral); 2.5 or True is not a position
     if out is None or not all(isinstance(p, Integral) and not isinstance(p, bool) and p >= 0 for p in out) \
             or len(set(out)) != len(out):

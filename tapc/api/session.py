@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from tapc.api.prefix import PrefixPolicy, salted
-from tapc.api.requests import TapRequest, check, check_engine_params, patch_positions
+from tapc.api.requests import TapRequest, check, check_engine_params, check_fields, patch_positions
 from tapc.errors import EngineError, ProtocolError, RequestError, TapcError
 from tapc.plan.tapplan import ENGINE, TapPlan
 from tapc.wire.arena import ArenaReader
@@ -123,10 +123,12 @@ class TapSession:
     def check(self, ask: TapRequest | None, where: str) -> Ask | None:
         """The checked ask of one request (engine defaults applied), or None when it runs
         untapped. A `RequestError` names `where`."""
+        if ask is not None:   # its types, before the engine's values are merged into its params
+            check_fields(ask, where)
         ask = self.with_defaults(TapRequest() if ask is None and self.every else ask)
         if ask is None:
             return None
-        checked = check(self.plan, ask, where)
+        checked = check(self.plan, ask, where, self.max_model_len)
         missing = self.block_names - self.engine_blocks - set(ask.blocks)
         if missing:
             raise RequestError(f"{where}: the plan runs block(s) {', '.join(sorted(missing))}, but neither the "

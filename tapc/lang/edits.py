@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import islice
+from numbers import Real
 
 import numpy as np
 
@@ -30,6 +32,10 @@ MAX_COLUMNS = 64
 
 # patch(src, rows=k): a slot holds up to k rows (k sizes its table: slots x k x width).
 MAX_PATCH_ROWS = 256
+# Positions travel and fill the tables as int32.
+MAX_POSITION = 2**31 - 1
+# Values fill float32 tables: past this they would be inf there.
+F32_MAX = float(np.finfo(np.float32).max)
 
 # Every edit also takes `at=`: which rows of its request to edit.
 AT = ("at", "positions", "all")
@@ -131,30 +137,30 @@ def check_param(kind: str, value, width: int):
     form (vectors as float32 bytes: msgpack sends them as one binary field, not thousands of
     Python floats). Raises ValueError with what is wrong."""
     if kind == "vector":
-        try:
-            arr = np.asarray(value.detach().float().cpu() if hasattr(value, "detach") else value, dtype=np.float64)
-        except (TypeError, ValueError, OverflowError):   # not numbers, ragged, or past float64
-            raise ValueError(f"must be {width} numbers, got {shown(value)}") from None
+        arr = _float32(value)
+        if arr is None:
+            raise ValueError(f"must be {width} numbers, got {shown(value)}")
         if arr.ndim != 1 or arr.shape[0] != width:
             raise ValueError(f"must be {width} numbers, got shape {tuple(arr.shape)}")
         if not np.isfinite(arr).all():
-            raise ValueError("has non-finite entries")
-        return arr.astype(np.float32).tobytes()
+            raise ValueError(f"has non-finite entries in float32 (its range is ±{F32_MAX:.4g}), got {shown(value)}")
+        return arr.tobytes()
     if kind == "scalar":
         if not _finite(value):
-            raise ValueError(f"must be a finite number, got {shown(value)}")
+            raise ValueError(f"must be a finite number in float32 (its range is ±{F32_MAX:.4g}), got {shown(value)}")
         return float(value)
     if kind == "rows":
         return _checked_patch(value, width)
     if kind == "columns":
-        cols = [value] if isinstance(value, (int, np.integer)) else list(value) if isinstance(value, Iterable) else None
+        cols = [value] if isinstance(value, (int, np.integer)) else _items(value)
         if not cols or len(cols) > MAX_COLUMNS or len(set(cols)) != len(cols) or \
                 not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) and 0 <= c < width for c in cols):
             raise ValueError(f"must be 1..{MAX_COLUMNS} distinct column indices in 0..{width - 1}, got {shown(value)}")
         return [int(c) for c in cols]
-    vals = [value] if isinstance(value, (int, float)) else list(value) if isinstance(value, Iterable) else None
+    vals = [value] if isinstance(value, Real) else _items(value)
     if not vals or not all(_finite(v) for v in vals):
-        raise ValueError(f"must be a number or a list of numbers, got {shown(value)}")
+        raise ValueError(f"must be a number or a list of numbers, finite in float32 (its range is ±{F32_MAX:.4g}), "
+                         f"got {shown(value)}")
     return [float(v) for v in vals]
 
 
@@ -164,19 +170,20 @@ def _checked_patch(value, width: int) -> bytes:
     if not isinstance(value, Mapping) or set(value) != {"positions", "rows"}:
         raise ValueError(f'must be {{"positions": [p, ...], "rows": [n, {width}] numbers}}, got {shown(value)}')
     pos = value["positions"]
-    pos = list(pos) if isinstance(pos, Iterable) and not isinstance(pos, (str, bytes)) else None
-    if not pos or not all(isinstance(p, (int, np.integer)) and not isinstance(p, bool) and p >= 0 for p in pos) \
-            or len(set(pos)) != len(pos):
-        raise ValueError(f"positions must be distinct non-negative token positions, got {shown(value['positions'])}")
+    # no more than a slot's rows are read: a range(10**9) is not made a list first
+    pos = _items(pos, MAX_PATCH_ROWS + 1)
+    if not pos or len(pos) > MAX_PATCH_ROWS or len(set(pos)) != len(pos) or \
+            not all(isinstance(p, (int, np.integer)) and not isinstance(p, bool) and 0 <= p <= MAX_POSITION for p in pos):
+        raise ValueError(f"positions must be distinct non-negative token positions (1..{MAX_PATCH_ROWS} of them, "
+                         f"each up to {MAX_POSITION}), got {shown(value['positions'])}")
     rows = value["rows"]
-    try:
-        arr = np.asarray(rows.detach().float().cpu() if hasattr(rows, "detach") else rows, dtype=np.float64)
-    except (TypeError, ValueError, OverflowError):
-        raise ValueError(f"rows must be [{len(pos)}, {width}] numbers, got {shown(rows)}") from None
+    arr = _float32(rows)
+    if arr is None:
+        raise ValueError(f"rows must be [{len(pos)}, {width}] numbers, got {shown(rows)}")
     if arr.shape != (len(pos), width):
         raise ValueError(f"rows must be [{len(pos)}, {width}] (a row per position), got shape {tuple(arr.shape)}")
     if not np.isfinite(arr).all():
-        raise ValueError("rows have non-finite entries")
+        raise ValueError(f"rows have non-finite entries in float32 (its range is ±{F32_MAX:.4g})")
     return patch_wire(pos, arr)
 
 
@@ -193,13 +200,38 @@ def patch_wire(positions, rows: np.ndarray) -> bytes:
 
 
 def _finite(v) -> bool:
-    """A number (not a flag) that float64 holds finite: an int past 1e308 is not."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    """A number (not a flag) that float32, the tables' type, holds finite: 1e39 is not."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, Real):
         return False
     try:
-        return math.isfinite(v)
-    except OverflowError:
+        return math.isfinite(v) and abs(v) <= F32_MAX
+    except OverflowError:   # an int past float64
         return False
+
+
+def _items(value, most: int | None = None) -> list | None:
+    """The items of a list (up to `most` of them: no more are read); None for what is not a
+    list: a number, text, bytes or a mapping (which iterate too)."""
+    if not isinstance(value, Iterable) or isinstance(value, (str, bytes, bytearray, Mapping)):
+        return None
+    return list(islice(value, most))
+
+
+def _float32(value) -> np.ndarray | None:
+    """Numbers (nested lists, a numpy array or a tensor) as the float32 the tables hold, where
+    an entry past float32 is inf; None for what is not numbers: flags (True is no number), text,
+    ragged lists, None entries."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu()
+        value = value.float().numpy() if value.is_floating_point() else value.numpy()   # numpy has no bfloat16
+    try:
+        arr = np.asarray(value)
+    except (TypeError, ValueError, OverflowError):   # ragged, or ints past int64 in an array of its own
+        return None
+    if arr.dtype.kind not in "iuf" or isinstance(value, (list, tuple)) and any(isinstance(v, bool) for v in value):
+        return None
+    with np.errstate(over="ignore"):   # past float32 is inf, refused by the caller
+        return arr.astype(np.float32)
 
 
 # ----------------------------------------------------------------------------- slot tables

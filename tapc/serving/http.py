@@ -16,7 +16,7 @@ Routes, all under `/v1/` so that vLLM's `--api-key` guards them as it guards its
                                      steps, since it started
 and a middleware on vLLM's `/v1/completions` and `/v1/chat/completions`: a body with
 `vllm_xargs["tapc"]` is checked and rewritten (server.py `admit`; a bad one gets HTTP 400 with
-`RequestError`'s words, and vLLM never sees it), its response carries the request's tapc id
+its `TapcError`'s words, and vLLM never sees it), its response carries the request's tapc id
 in the `x-tapc-id` header (streamed responses too: headers go first), and once the response
 went out whole the results are collected; a response that did not (the client went away)
 gives back what its request held. A request that asked for its results inline gets them in
@@ -222,7 +222,7 @@ class TapcMiddleware:
             data = json.loads(body)
             if isinstance(data, dict):
                 data, tid = server.admit(data, f"request to {path}")
-        except RequestError as e:
+        except TapcError as e:   # anything checking finds wrong is the request's: vLLM never sees it
             await error(400, str(e))(scope, receive, send)
             return
         except ValueError:

@@ -37,6 +37,7 @@ from tapc.api.async_llm import Collector
 from tapc.api.prefix import salted
 from tapc.api.session import TapSession, prompt_tokens
 from tapc.errors import RequestError
+from tapc.lang.quoted import shown
 from tapc.serving.asks import HttpAsk, parse_ask
 from tapc.serving.results import FolderResults, MemoryResults, Reply, Stored, safetensors_bytes
 from tapc.serving.saving import SaveFolder
@@ -71,6 +72,9 @@ class TapcServer:
     def admit(self, body: dict, where: str) -> tuple[dict, str | None]:
         """The body vLLM must see, and the request's tapc id (None: it runs untapped)."""
         xargs = body.get("vllm_xargs") or {}
+        for name, value in (("vllm_xargs", xargs), ("stream_options", body.get("stream_options") or {})):
+            if not isinstance(value, dict):   # tapc adds to both
+                raise RequestError(f"{where}: {name} must be an object, got {shown(value)}")
         raw = xargs.get("tapc")
         asked = parse_ask(raw, self.results.vectors(), where) if raw is not None else HttpAsk(None)
         ask = asked.request
