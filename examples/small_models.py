@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import tempfile
 
 SMALL = dict(hidden_size=256, intermediate_size=704, num_attention_heads=8, num_key_value_heads=4,
@@ -130,6 +131,18 @@ def engine_args(**more) -> dict:
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     backend = os.environ.get("TAPC_ATTENTION_BACKEND")
     return {**ENGINE, **({"attention_backend": backend} if backend else {}), **more}
+
+
+def require_gpu() -> None:
+    """Every example runs vLLM engines: where none can start (no CUDA GPU), say so in one line and
+    exit, before anything is written (tests/test_examples_cpu.py checks what runs without one)."""
+    from tapc.errors import EngineError
+    from tapc.wire.engine_args import require_cuda
+
+    try:
+        require_cuda()
+    except EngineError as e:
+        raise SystemExit(f"{os.path.basename(sys.argv[0])}: {e}") from None
 
 
 def verdict(wrong: list[str], checked: str) -> int:

@@ -4,11 +4,14 @@ options]` (vLLM's OpenAI server with the plan: docs/serving.md)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
+import logging
 import os
 import sys
 
+from tapc import paths
 from tapc.errors import TapcError
 from tapc.lang.schema import EngineArgs, checked
 from tapc.plan.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
@@ -69,13 +72,30 @@ def _explain(args) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _skips_noted(noted: bool):
+    """Where the plan's table is printed, its notes say what a `*` skipped: not a warning on stderr
+    too. A filter, as vLLM's logging setup at its import turns a logger's `disabled` back off."""
+    log = logging.getLogger("tapc.plan.resolve")
+    quiet = lambda record: not noted   # noqa: E731
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
+
+
 def _harvest(args) -> int:
     from tapc.lang.specfile import load_spec
     from tapc.wire.engine_args import require_cuda
 
-    spec = load_spec(args.spec)  # a spec's errors are worth knowing on any machine
+    if args.gpus < 1:
+        raise TapcError(f"tapc harvest: --gpus {args.gpus}: give 1 or more (this host's GPUs the harvest uses)")
+    spec = load_spec(args.spec)  # a spec's errors, and a missing prompts file, are worth knowing on any machine
     if spec.output is None:
         raise TapcError(f"{args.spec}: a harvest needs an `output:` section (dir, shard_tokens)")
+    if "://" not in args.prompts and paths.kind(args.prompts, "prompts", TapcError) is None:   # a URL: Ray reads it
+        raise TapcError(f"{paths.shown(args.prompts)}: no such prompts file")
     if args.ray is not None or args.gpus > 1:
         return _harvest_ray(args, spec)
     require_cuda()  # then, before prompts are read or vLLM is imported
@@ -284,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args, rest)
         if args.command == "harvest":
             return _harvest(args)
-        rc = _explain(args)
+        with _skips_noted(not args.json):
+            rc = _explain(args)
         sys.stdout.flush()   # here, where a closed pipe can be caught, not at the interpreter's exit
         return rc
     except TapcError as e:

@@ -39,9 +39,13 @@ class Shards:
         return self.manifest.rows * (self.context or 1)
 
     def load(self, key: str, shard: int) -> torch.Tensor:
-        """All rows of `key` in one shard."""
+        """All rows of `key` in one shard (0 to the count less one: -1 is no last shard here)."""
         if key not in self.keys:
             raise TapcError(f"{key!r} is not in this harvest; it has {', '.join(self.keys)}")
+        count = len(self.manifest.shards)
+        if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < count:
+            raise TapcError(f"shard {shard!r}: {self.folder} has {count} shard(s), numbered 0 to {count - 1}"
+                            if count else f"shard {shard!r}: {self.folder} has no shards")
         path = self.folder / self.manifest.shards[shard].file
         if not path.is_file():
             raise TapcError(f"{path}: shard {shard} of {self.folder}'s manifest is missing")

@@ -71,8 +71,9 @@ BAD_PARAMS = [  # (params section, files to write, the words of the message)
     ("params: {steer: {file: v.safetensors, key: v}}", {"v.safetensors": (3, 256)}, "must be 256 numbers, got shape (3, 256)"),
     ("params: {steer: {file: v.pt, key: v}}", {"v.pt": (255,)}, "must be 256 numbers, got shape (255,)"),
     ("params: {steer: {file: v.safetensors, key: v}}", {"v.safetensors": b"\x10\x00\x00\x00\x00\x00\x00\x00{\"v\": junk"},
-     "params.steer.file: v.safetensors is not a readable .safetensors tensor file"),
-    ("params: {steer: {file: v.pt, key: v}}", {"v.pt": b"not a pickle at all"}, "params.steer.file: v.pt is not a readable .pt tensor file"),
+     "params.steer.file: {dir}/v.safetensors cannot be loaded: not a safetensors file of tensors"),
+    ("params: {steer: {file: v.pt, key: v}}", {"v.pt": b"not a pickle at all"},
+     "params.steer.file: {dir}/v.pt cannot be loaded: not a torch.save file of tensors"),
     ("params: {alpha: hello}", {}, "params.alpha must be a number, a list of numbers or {file, key}, not 'hello'"),
     ("params: {alpha: " + "9" * 400 + "}", {}, "parameter 'alpha' (scalar) must be a finite number"),
 ]
@@ -89,6 +90,7 @@ def test_explain_checks_parameter_values_as_the_engine_does(capsys, tmp_path, pa
             save_file({"v": torch.randn(*content)}, str(tmp_path / name))
     path = spec(tmp_path, STEER + params + "\n")
     rc, out, err = explain(capsys, path)
+    words = words.replace("{dir}", str(tmp_path))
     assert rc == 2 and out == "" and words in err and str(path) in err and "Traceback" not in err, err
 
 
@@ -194,7 +196,7 @@ def test_paths_over_255_bytes_are_one_line(capsys, tmp_path):
     (tmp_path / "s.yaml").write_text(f"model: {LONG}\ntaps: [model.layers.1.resid]\n")
     cases = [([tmp_path / LONG, "model.layers.1.resid"], "ResolveError: model "),
              ([tmp_path / (LONG + ".yaml")], "SpecError: spec file "),
-             ([tmp_path / "s.yaml"], "SpecError: model ")]
+             ([tmp_path / "s.yaml"], f"SpecError: {tmp_path / 's.yaml'}: model ")]
     for args, words in cases:
         rc, out, err = explain(capsys, *args)
         assert rc == 2 and out == "" and len(err.splitlines()) == 1, err
@@ -368,12 +370,14 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machin
 
 @no_gpu
 def test_harvest_without_a_gpu_says_so_in_one_line_and_exits_2(capsys, tmp_path):
-    # the prompts, which do not exist, are never read
-    rc = main(["harvest", str(ROOT / "examples" / "harvest.yaml"), str(tmp_path / "none.jsonl")])
+    # a prompts file that is there (it is not read); one that is not is said first, on any machine
+    rc = main(["harvest", str(ROOT / "examples" / "harvest.yaml"), str(ROOT / "examples" / "prompts.jsonl")])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err
     assert err.splitlines()[-1] == ("tapc: EngineError: the engine needs a CUDA GPU, and torch sees none here; "
                                     "`tapc explain` shows the plan on any machine")
+    assert main(["harvest", str(ROOT / "examples" / "harvest.yaml"), str(tmp_path / "none.jsonl")]) == 2
+    assert capsys.readouterr().err == f"tapc: TapcError: {tmp_path / 'none.jsonl'}: no such prompts file\n"
 
 
 @no_gpu

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # examples/, for small_models
-from small_models import SMALL, engine_args, small_model, verdict  # noqa: E402
+from small_models import SMALL, engine_args, require_gpu, small_model, verdict  # noqa: E402
 
 RANK, ALPHA = 8, 16
 TARGETS = {"q_proj": "self_attn", "v_proj": "self_attn", "down_proj": "mlp"}   # module -> its parent
@@ -86,6 +86,7 @@ def relative(a, b) -> float:
 
 
 def main() -> int:
+    require_gpu()
     import tempfile
 
     from safetensors.torch import load_file

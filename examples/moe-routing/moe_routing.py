@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # examples/, for small_models
-from small_models import MOE, engine_args, small_model, verdict  # noqa: E402
+from small_models import MOE, engine_args, require_gpu, small_model, verdict  # noqa: E402
 
 LAYERS, EXPERTS, TOP_K = MOE["num_hidden_layers"], 8, 2
 ROUTING = "model.layers.*.mlp.experts.router.output"
@@ -32,6 +32,7 @@ def expert_use(taps):
 
 
 def main() -> int:
+    require_gpu()
     from vllm import SamplingParams
 
     from tapc import VLLM, TapRequest

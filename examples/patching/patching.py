@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # examples/, for small_models
-from small_models import SMALL, engine_args, small_model, verdict  # noqa: E402
+from small_models import SMALL, engine_args, require_gpu, small_model, verdict  # noqa: E402
 
 CLEAN = "The tower is in the city of Paris, so the tower is in"
 CORRUPT = "The tower is in the city of Rome, so the tower is in"
@@ -35,6 +35,7 @@ def name(site: str) -> str:
 
 
 def main() -> int:
+    require_gpu()
     from vllm import SamplingParams
 
     from tapc import VLLM, TapRequest

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # examples/, for small_models
-from small_models import engine_args, small_model, verdict  # noqa: E402
+from small_models import engine_args, require_gpu, small_model, verdict  # noqa: E402
 
 LAYER = 2
 KEY = f"model.layers.{LAYER}.resid"
@@ -146,6 +146,7 @@ async def run(model: str) -> int:
 
 
 def main() -> int:
+    require_gpu()
     return asyncio.run(run(small_model("llama")))
 
 

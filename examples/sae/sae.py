@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # examples/, for small_models
-from small_models import WORDS, engine_args, small_model, verdict  # noqa: E402
+from small_models import WORDS, engine_args, require_gpu, small_model, verdict  # noqa: E402
 
 LAYER = 2
 KEY = f"model.layers.{LAYER}.resid"
@@ -83,6 +83,7 @@ def train_sae(folder: Path, manifest, key: str = KEY, steps: int = STEPS, batch:
 
 
 def main() -> int:
+    require_gpu()
     import torch
 
     folder = Path(tempfile.mkdtemp(prefix="tapc-sae-")) / "acts"

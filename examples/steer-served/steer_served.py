@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # examples/, for small_models
-from small_models import SMALL, engine_args, small_model, verdict  # noqa: E402
+from small_models import SMALL, engine_args, require_gpu, small_model, verdict  # noqa: E402
 
 LAYER, ALPHA = 2, 4.0
 KEY = f"model.layers.{LAYER}.resid"
@@ -65,6 +65,7 @@ def wait_ready(server: subprocess.Popen, port: int, log: Path, timeout: float = 
 
 
 def main() -> int:
+    require_gpu()
     import torch
 
     from tapc.serving.client import TapcClient

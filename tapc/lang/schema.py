@@ -111,7 +111,9 @@ def checked(cls: type[Section], data, where: str, at: tuple = (), error: type[Ex
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise error(message(cls, e.errors()[0], where, at, label)) from None
+        # an unknown key before a missing one: `tapz:` is most likely `taps:` misspelt
+        first = min(e.errors(), key=lambda err: err["type"] == "missing")
+        raise error(message(cls, first, where, at, label)) from None
 
 
 def message(cls: type[Section], err: dict, where: str, at: tuple = (), label=None) -> str:
@@ -136,6 +138,9 @@ def message(cls: type[Section], err: dict, where: str, at: tuple = (), label=Non
         prefix += "." if prefix else ""
         hint = f"; did you mean `{prefix}{near[0]}`?" if near else f"; known keys: {', '.join(known)}"
         return f"{head}unknown key `{path(loc)}`{hint}"
+    if err["type"] == "invalid_key":   # a key YAML read as a number, a list, ...
+        parent = path(loc[:-1])
+        return f"{head}{parent + ': ' if parent else ''}the key {shown(loc[-1])} is not a string; keys are names"
     return f"{head}{path(loc) or 'the value'} must be {_expected(err)}, not {shown(err.get('input'))}"
 
 

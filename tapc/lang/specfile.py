@@ -19,11 +19,13 @@ opened. Every error is one line naming the key path (`params.steer.file`) and wh
 from __future__ import annotations
 
 import difflib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tapc import paths
 from tapc.errors import SpecError
+from tapc.installed import YAML_KINDS, vllm_names
 from tapc.lang.blockpaths import FORM as BLOCK_FORM
 from tapc.lang.blockpaths import split_path
 from tapc.lang.quoted import shown
@@ -84,7 +86,7 @@ def spec_from_dict(data, base: Path = Path("."), name: str = "spec") -> Spec:
     engine = raw.engine.model_dump(exclude_unset=True)
     _check_engine_args(engine, name)
     model = raw.model
-    if not Path(model).is_absolute() and paths.kind(base / model, "model", SpecError) == "dir":
+    if not Path(model).is_absolute() and paths.kind(base / model, f"{name}: model", SpecError) == "dir":
         model = str(base / model)
     output = raw.output
     if output is not None:
@@ -130,12 +132,15 @@ def _tensor_keys(path: Path, where: str) -> list[str]:
                 return list(f.keys())
         import torch
 
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a damaged or foreign file raises whatever its reader hits first
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise SpecError(f"{where}.file: {path.name} is not a readable {path.suffix} tensor file ({why})") from None
+        with warnings.catch_warnings():   # torch's about a foreign pickle's protocol: the error below says it
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # a damaged or foreign file: its reader's words (torch's advice to load it unsafely) help no one
+        kind = "safetensors" if path.suffix == ".safetensors" else "torch.save"
+        raise SpecError(f"{where}.file: {paths.shown(path)} cannot be loaded: not a {kind} file of tensors") from None
     if not isinstance(obj, dict):
-        raise SpecError(f"{path}: a .pt parameter file must hold a dict of tensors, not {type(obj).__name__}")
+        raise SpecError(f"{where}.file: {paths.shown(path)} holds a {type(obj).__name__}; a .pt parameter file must "
+                        "hold a dict of tensors")
     return list(obj)
 
 
@@ -151,12 +156,32 @@ def load_tensor(ref: TensorFile):
 
 
 def _check_engine_args(engine: dict, name: str) -> None:
-    """Engine keys must be vLLM EngineArgs fields (the installed vLLM's, cached: no vLLM import)."""
-    from tapc.installed import vllm_names
-
-    known = vllm_names().get("engine_args", []) if engine else []
-    for key in engine if known else ():   # no names: no vLLM here, the engine checks when it starts
+    """Engine keys must be vLLM EngineArgs fields, their values of the field's type: both read from
+    the installed vLLM once and cached (tapc.installed), as vLLM may not be imported here (`tapc
+    explain` of a spec stays off it), so any machine refuses what only the engine would."""
+    names = vllm_names() if engine else {}
+    known, types = names.get("engine_args", []), names.get("engine_types", {})
+    for key, value in engine.items() if known else ():   # no names: no vLLM here, the engine checks when it starts
         if key not in known:
             near = difflib.get_close_matches(str(key), known, n=1)
             hint = f"; did you mean `engine.{near[0]}`?" if near else ""
             raise SpecError(f"{name}: unknown key `{dotted(('engine', key))}`{hint}")
+        if key in types and not _of_kinds(value, **types[key]):
+            raise SpecError(f"{name}: {dotted(('engine', key))} must be {_kinds_said(**types[key])}, not {shown(value)}")
+
+
+_KIND_SAID = {"bool": "true or false", "int": "an integer", "float": "a number", "string": "a string", "list": "a list",
+              "dict": "a mapping", "null": "null"}
+
+
+def _of_kinds(value, kinds: list, choices: list) -> bool:
+    kind = YAML_KINDS.get(type(value))
+    return (kind in kinds or (kind == "int" and "float" in kinds)
+            or any(type(c) is type(value) and c == value for c in choices))   # True is not the choice 1
+
+
+def _kinds_said(kinds: list, choices: list) -> str:
+    said = [_KIND_SAID[k] for k in kinds]
+    if choices:
+        said.append("one of " + ", ".join(map(shown, choices)))
+    return " or ".join(said)

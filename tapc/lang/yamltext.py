@@ -36,6 +36,8 @@ def load_yaml(text: str, name: str):
     try:
         loader = _Loader(text)   # its reader refuses characters YAML does not allow here, at once
         root = loader.get_single_node()
+        if root is not None:
+            _refuse_duplicate_keys(root, name)
         return None if root is None else loader.construct_document(root)
     except _Unbuilt as e:
         raise SpecError(f"{name}: {_unbuilt(root, e)}") from None
@@ -54,6 +56,28 @@ def load_yaml(text: str, name: str):
     finally:
         if loader is not None:
             loader.dispose()
+
+
+def _refuse_duplicate_keys(root, name: str) -> None:
+    """PyYAML keeps the last of a key given twice (a second `taps:` replaces the first, silently)."""
+    stack = [root]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:   # an alias: walked where its anchor is
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                    at = first.setdefault((key.tag, key.value), key)
+                    if at is not key:
+                        raise SpecError(f"{name}: key `{_path(root, key).removesuffix(' (a key)')}` given twice (lines "
+                                        f"{at.start_mark.line + 1} and {key.start_mark.line + 1})")
+                stack.append(value)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
 
 
 def _line_column(text: str, index: int) -> tuple[int, int]:

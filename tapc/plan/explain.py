@@ -7,7 +7,9 @@ import shutil
 from io import StringIO
 
 from rich.console import Console
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from tapc.plan.sizing import host_row_bytes, param_slots
 from tapc.plan.tapplan import BLOCK, EDIT, READ, TapPlan
@@ -20,6 +22,12 @@ def human_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def _kind(tap) -> str:
+    """A tap's kind as `tapc explain` says it: a compiled function's call is the plan's `edit` (it
+    reads the edit row table) but runs as the function's own code, no tap kernel: `call`."""
+    return "call" if tap.action == "call" else tap.kind
 
 
 def _args(tap) -> str:
@@ -52,7 +60,7 @@ def taps_table(plan: TapPlan, width: int | None = None) -> tuple[Table, list[str
         else:
             action = tap.action + (f"({_args(tap)})" if tap.args else f" {_args(tap)}" if tap.block else "")
         where = (f"{tap.layout}, stage {tap.stage}",) if parallel else ()
-        rows.append((tap.key, tap.kind, action, f"{tap.width} x {tap.dtype}", *where,
+        rows.append((tap.key, _kind(tap), action, f"{tap.width} x {tap.dtype}", *where,
                      human_bytes(tap.buffer_bytes) if tap.buffer_bytes else "-", tap.source))
     widest = [max(len(name), *(len(r[i]) for r in rows)) for i, (name, _) in enumerate(cols)]
     # a point's name stays whole (its widest); the others may wrap down to NARROWEST
@@ -124,7 +132,7 @@ def totals(plan: TapPlan) -> list[str]:
     where = "most loaded GPU" if plan.shards else "GPU"
     kinds: dict[str, int] = {}
     for tap in plan.taps:
-        kinds[tap.kind] = kinds.get(tap.kind, 0) + 1
+        kinds[_kind(tap)] = kinds.get(_kind(tap), 0) + 1
     params = ", ".join(f"{p.name} ({p.kind}{f' of {p.width}' if p.width else ''})" for p in plan.params)
     return [
         f"taps: {len(plan.taps)} ({', '.join(f'{n} {k}' for k, n in kinds.items())})",
@@ -185,15 +193,15 @@ def _layer_pattern(node: Node) -> str:
     return node.path if node.layer is None else re.sub(rf"\.{node.layer}(?=\.|$)", ".*", node.path, count=1)
 
 
-def points_table(tree: ModuleTree) -> Table:
+POINT_COLUMNS = ("module", "class", "output", "width", "input")
+
+
+def point_rows(tree: ModuleTree) -> list[tuple[str, ...]]:
     """Every module once (decoder layers folded into `*`), what can be tapped there and how wide."""
-    table = Table(title=f"tap points of {tree.model} ({tree.architecture}: {tree.num_layers} layers under "
-                        f"`{tree.layers_path}`, hidden {tree.hidden_size}, {tree.dtype})", title_justify="left")
-    for col in ("module", "class", "output", "width", "input"):
-        table.add_column(col, overflow="fold")
     rows: dict[str, list[Node]] = {}
     for node in tree.nodes:
         rows.setdefault(_layer_pattern(node), []).append(node)
+    out = []
     for path, nodes in rows.items():
         kinds: dict[str, list[int]] = {}
         for n in nodes:
@@ -208,10 +216,26 @@ def points_table(tree: ModuleTree) -> Table:
         if n.in_moe_op and n.output != "none":
             output += _IN_MOE_OP
         width = "-" if n.out_width is None or n.output in ("none", "tuple", "heads") else str(n.out_width)
-        table.add_row(path, n.cls, output, width, "-" if n.in_width is None else str(n.in_width))
-    table.add_row("logits", "(engine point)", "logits of each request's last token", f"{tree.vocab_size}", "-")
-    table.add_row("samples", "(engine point)", "the sampled token id", "1", "-")
+        out.append((path, n.cls, output, width, "-" if n.in_width is None else str(n.in_width)))
+    out.append(("logits", "(engine point)", "logits of each request's last token", f"{tree.vocab_size}", "-"))
+    out.append(("samples", "(engine point)", "the sampled token id", "1", "-"))
+    return out
+
+
+def points_table(title: str, rows: list[tuple[str, ...]]) -> Table:
+    """The tap points as a table; a module's path is never folded (a path copied from it must be whole)."""
+    table = Table(title=title, title_justify="left")
+    for i, col in enumerate(POINT_COLUMNS):
+        table.add_column(col, overflow="fold", no_wrap=i == 0, min_width=max(len(r[0]) for r in rows) if i == 0 else None)
+    for row in rows:
+        table.add_row(*row)
     return table
+
+
+def _points_fit(rows: list[tuple[str, ...]], width: int) -> bool:
+    """Whether the table fits `width` with each path whole and the other columns at NARROWEST."""
+    widest = [max(len(name), *(len(r[i]) for r in rows)) for i, name in enumerate(POINT_COLUMNS)]
+    return widest[0] + sum(min(w, NARROWEST) for w in widest[1:]) + 3 * len(widest) + 1 <= width
 
 
 def _span(layers: list[int]) -> str:
@@ -248,7 +272,15 @@ def source_lines(tree: ModuleTree) -> list[str]:
 def render_points(tree: ModuleTree, width: int | None = None) -> str:
     out = StringIO()
     console = _console(out, width)
-    console.print(points_table(tree))
+    title, rows = (f"tap points of {tree.model} ({tree.architecture}: {tree.num_layers} layers under "
+                   f"`{tree.layers_path}`, hidden {tree.hidden_size}, {tree.dtype})"), point_rows(tree)
+    if _points_fit(rows, console.width):
+        console.print(points_table(title, rows))
+    else:   # too narrow for whole paths beside the other columns: each path on a line of its own
+        console.print(title, markup=False)
+        for path, cls, output, out_width, in_width in rows:
+            console.print(Text(path), overflow="ignore", crop=False)
+            console.print(Padding(Text(f"{cls}; output: {output}; width {out_width}; input {in_width}"), (0, 0, 0, 4)))
     for line in source_lines(tree):
         console.print(line, markup=False)
     return out.getvalue()

@@ -17,7 +17,7 @@ from tapc.lang.syntax import Param, Slice, Star, TapSpec, parse_tap
 from tapc.plan.tapplan import BLOCK, EDIT, ENGINE, READ, Arg, PlannedTap, Point, TapPlan
 from tapc.plan.tree import ModuleTree, Node
 
-log = logging.getLogger("tapc")
+log = logging.getLogger(__name__)   # "tapc.plan.resolve": `tapc explain` says its skips as notes instead
 
 
 def resolve_tap(spec: TapSpec, tree: ModuleTree) -> list[PlannedTap]:
