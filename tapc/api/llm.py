@@ -37,7 +37,9 @@ class VLLM:
     does not pass its own; `capture_dtype`: dtype captures are stored in (default: the model's);
     `capture_memory_gib`: host memory for captures each GPU makes and pins at start (default 0:
     as requests need it, which stalls the step that first needs each GiB for about a second;
-    docs/engine.md); `prefix_rows_gib`: host memory for captured rows of shared prompt blocks, which
+    docs/engine.md); `capture_memory_keep_gib`: host memory for captures each GPU keeps once
+    idle, what a burst grew past it going back (default: all of it, for the engine's life);
+    `prefix_rows_gib`: host memory for captured rows of shared prompt blocks, which
     lets captures of prompt rows read the prefix cache (default 0: they compute every prompt row;
     one GPU; tapc/worker/prefixrows.py). Other keyword arguments go to `vllm.LLM`. Prefix caching stays as vLLM sets it: requests that
     capture prompt rows or edit are kept apart from cached KV by tapc/api/prefix.py."""
@@ -134,5 +136,6 @@ def spec_arguments(spec, overrides: dict) -> tuple[str, list[str], dict]:
     blocks = import_blocks(spec.blocks, f"{spec.path}: blocks") or None   # blocks= in overrides wins
     return spec.model, [t.text for t in spec.taps], {"params": params or None, "capture_dtype": spec.capture.dtype,
                                                      "capture_memory_gib": spec.capture.memory_gib,
+                                                     "capture_memory_keep_gib": spec.capture.memory_keep_gib,
                                                      "blocks": blocks, "functions": spec_functions(spec) or None,
                                                      **spec.engine, **overrides}
