@@ -302,6 +302,12 @@ class ArenaReader:
             del self._maps[path]
             self._bases = [b for b in self._bases if b[2] != path]
 
+    def close(self) -> None:
+        """Forget every mapping: each goes once no tensor of the caller uses it."""
+        self._maps.clear()
+        self._bases.clear()
+        self._unused.clear()
+
     def where(self, t: torch.Tensor) -> tuple[str, int] | None:
         """The file and byte offset of the memory under `t` (its storage's first byte), where that
         is one of the arena's blocks; None for any other memory (a copy, a tensor made here)."""

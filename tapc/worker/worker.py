@@ -101,6 +101,11 @@ class TapWorker(Worker):
     def tapc_release(self, chunks: list[tuple[str, int]]) -> None:
         self.tapc.release(chunks)
 
+    def tapc_close(self) -> None:
+        """The engine stops (`VLLM.close`): the arena's files go now, not when the process exits;
+        the caller's tensors over them keep their memory."""
+        self.tapc.arena.close()
+
     def tapc_held(self) -> dict[str, int]:
         """What requests hold on this worker now (`RunnerHooks.held`): all 0 on an idle engine
         whose callers dropped their captures, aborted requests included."""
