@@ -27,7 +27,7 @@ DOCS = ("the tap language: docs/dsl.md; YAML specs and plans: docs/spec.md; harv
 def _explain(args) -> int:
     from tapc.lang.blockpaths import import_blocks
     from tapc.lang.specfile import is_spec_path
-    from tapc.plan.explain import render, render_points
+    from tapc.plan.explain import host_memory, render, render_points
     from tapc.plan.planner import build_plan
     from tapc.plan.tree import load_tree
 
@@ -44,9 +44,10 @@ def _explain(args) -> int:
         spec = dataclasses.replace(spec, engine={**spec.engine, **flags})  # a flag given overrides the spec
         plan = spec_plan(spec)
         engine_args = spec.engine   # the tree the plan was resolved on is the engine's (LoRA: tree.py)
+        after = host_memory(spec.capture.memory_gib, spec.capture.memory_keep_gib)
         if spec.output is not None and not args.json:
-            after = (f"harvest (`tapc harvest {args.target} PROMPTS`): the captures at {spec.capture.positions} "
-                     f"positions go to {spec.output.dir}, {spec.output.shard_tokens} rows per shard\n")
+            after += (f"harvest (`tapc harvest {args.target} PROMPTS`): the captures at {spec.capture.positions} "
+                      f"positions go to {spec.output.dir}, {spec.output.shard_tokens} rows per shard\n")
     else:
         if not args.taps:
             if flags:   # the tree is the single-GPU one, whatever the engine's sizes
@@ -194,6 +195,8 @@ def _serve(args, rest: list[str]) -> int:
     engine, rest = sizes(rest)   # the plan is built for these (and the executor checked): not past it
     if args.capture_memory_gib is not None:
         engine["capture_memory_gib"] = args.capture_memory_gib
+    if args.capture_memory_keep_gib is not None:
+        engine["capture_memory_keep_gib"] = args.capture_memory_keep_gib
     if args.prefix_rows_gib is not None:
         engine["prefix_rows_gib"] = args.prefix_rows_gib
     save = _save_folder(args)
@@ -285,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--capture-dtype", default=None, help="dtype captures are kept in (default: the model's)")
     sv.add_argument("--capture-memory-gib", type=float, default=None, metavar="GIB",
                     help="host memory for captures each GPU pins at start, so no request waits for it")
+    sv.add_argument("--capture-memory-keep-gib", type=float, default=None, metavar="GIB",
+                    help="host memory for captures each GPU keeps once idle: what a burst grew past it goes back "
+                         "when no capture is held in it (default: all of it, for the server's life)")
     sv.add_argument("--prefix-rows-gib", type=float, default=None, metavar="GIB",
                     help="host memory for captured rows of shared prompt blocks, so that captures of prompt rows "
                          "read the prefix cache (one GPU; docs/serving.md)")

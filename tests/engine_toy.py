@@ -499,6 +499,16 @@ def output_of(req: Req):
               outputs=[NS(token_ids=req.tokens[len(req.prompt):])])
 
 
+class ToyCore:
+    """Plays vLLM's engine core client: `shutdown` stops its process (here: counted)."""
+
+    def __init__(self):
+        self.shutdowns = 0
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
 class ToyEngine:
     """Plays vLLM's `LLMEngine` as a harvest drives it: `add_request` while others run, `step`
     returning the outputs of the requests that finished in it (`output_kind` FINAL_ONLY)."""
@@ -506,6 +516,7 @@ class ToyEngine:
     def __init__(self, runner: ToyRunner, budget: int):
         self.sched = Scheduler(runner, budget)
         self.steps = 0
+        self.engine_core = ToyCore()
 
     def add_request(self, request_id, prompt, params):
         bad = [t for t in prompt["prompt_token_ids"] if not 0 <= t < VOCAB]
@@ -598,7 +609,7 @@ class ToyLLM:
     def collective_rpc(self, method, args=()):
         self.rpcs.append(method)
         worker = {"tapc_collect": lambda ids, release=(): self.hooks.collect(ids, release).to_wire(), "tapc_release": self.hooks.release,
-                  "tapc_count_nonfinite": self.hooks.tables.copy_out.count_nonfinite}
+                  "tapc_count_nonfinite": self.hooks.tables.copy_out.count_nonfinite, "tapc_close": self.hooks.arena.close}
         return [over_the_wire(worker[method](*args))]
 
 

@@ -133,9 +133,13 @@ def hf_forward(path: str, tokens: list[int], hooks: Callable = lambda model: [])
 
 def shutdown(llm) -> None:
     """Stop an engine (a `tapc.VLLM` or a `vllm.LLM`) now: its core process exits and gives
-    back its GPU memory before this returns."""
-    inner = getattr(llm, "llm", llm)
-    inner.llm_engine.engine_core.shutdown()
+    back its GPU memory before this returns (vLLM's `LLM` has no method for it: its core client's)."""
+    from tapc.api.llm import VLLM
+
+    if isinstance(llm, VLLM):
+        llm.close()
+    else:
+        llm.llm_engine.engine_core.shutdown()
     gc.collect()
 
 

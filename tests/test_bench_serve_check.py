@@ -47,7 +47,8 @@ def test_a_miss_by_a_few_margins_is_near_and_one_by_more_is_not():
 
 
 def test_near_misses_are_a_problem_only_beyond_vanillas_rate():
-    # 4096 wide: as often as vanilla (the sixth session's counts) passes; a tenfold rate does not
+    # As often as vanilla passes (one H200 run, 4096 wide, 8 layers, mix 0.4,0.2,0.25,0.15: of the same
+    # 1135 requests that steer nothing, tapc's missed in 158 and vanilla's in 149); a tenfold rate does not
     assert bench_serve.near_miss_problems("m", {"unsteered": (158, 1135), "steered": (0, 770)}, (149, 0, 1135)) == []
     said = bench_serve.near_miss_problems("m", {"unsteered": (40, 1135), "steered": (0, 770)}, (4, 0, 1135))
     assert len(said) == 1 and said[0].startswith("m: unsteered requests' generated tokens miss")

@@ -98,7 +98,7 @@ def test_captures_are_views_freed_only_when_the_caller_drops_them():
     gc.collect()
     hooks.release(reader.drain())
     assert not hooks.arena.held
-    assert all(len(free) == 1 and free[0][0] == 0 for free in hooks.arena.free), "freed runs merge back"
+    assert all(len(free) == 1 and free[0][0] == 0 for free in hooks.arena.free.values()), "freed runs merge back"
 
 
 def test_a_chunk_given_back_twice_is_an_error():

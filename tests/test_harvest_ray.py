@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_toy import Req, toy_vllm
+from gpu_engines import environ
 from harvest_ray_child import (LENS, PART_PROMPTS, SHARD_TOKENS, TAPS, WINDOW_TOKENS, ToyEngine, prompts, run,
                                write_prompts)
 from test_engine_cpu import reference
@@ -39,12 +40,17 @@ def cluster(tmp_path_factory):
 
     env = {"PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
            "RAY_USAGE_STATS_ENABLED": "0", "TAPC_STAGING_DIR": str(tmp_path_factory.mktemp("staging"))}
+    # A GPU a node, as Ray counts them (the toy engine uses none): the pool asks for them as on GPUs.
+    # Ray refuses a node more GPUs than CUDA_VISIBLE_DEVICES lists ("" hides every GPU, as on a CPU
+    # machine): "-1" is one entry to Ray and no device to CUDA, and with NOSET Ray leaves it so in
+    # the actors, which thus see no GPU however the machine hides its own (or does not). Only the
+    # nodes get it: this process keeps its own GPUs.
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)   # the nodes' processes start with this environment
-    # a GPU a node, as Ray counts them (the toy engine uses none): the pool asks for them as on GPUs
     node = {"num_cpus": 1, "num_gpus": 1, "resources": ENGINE, "object_store_memory": 150 << 20}
-    c = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
-    c.add_node(**node)
+    with environ("CUDA_VISIBLE_DEVICES", "-1"), environ("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1"):
+        c = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+        c.add_node(**node)
     ray.init(address=c.address, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
     try:

@@ -20,6 +20,7 @@ from tapc import settings
 from tapc.api.requests import TapRequest
 from tapc.api.session import Taps, TapSession
 from tapc.api.specs import spec_functions
+from tapc.errors import EngineError
 from tapc.lang.blockpaths import import_blocks
 from tapc.plan.calls import pickled, pickled_once
 from tapc.plan.planner import build_plan
@@ -37,10 +38,16 @@ class VLLM:
     does not pass its own; `capture_dtype`: dtype captures are stored in (default: the model's);
     `capture_memory_gib`: host memory for captures each GPU makes and pins at start (default 0:
     as requests need it, which stalls the step that first needs each GiB for about a second;
-    docs/engine.md); `prefix_rows_gib`: host memory for captured rows of shared prompt blocks, which
+    docs/engine.md); `capture_memory_keep_gib`: host memory for captures each GPU keeps once
+    idle, what a burst grew past it going back (default: all of it, for the engine's life);
+    `prefix_rows_gib`: host memory for captured rows of shared prompt blocks, which
     lets captures of prompt rows read the prefix cache (default 0: they compute every prompt row;
     one GPU; tapc/worker/prefixrows.py). Other keyword arguments go to `vllm.LLM`. Prefix caching stays as vLLM sets it: requests that
-    capture prompt rows or edit are kept apart from cached KV by tapc/api/prefix.py."""
+    capture prompt rows or edit are kept apart from cached KV by tapc/api/prefix.py.
+
+    `close()`, or leaving `with VLLM(...) as llm:`, stops it."""
+
+    closed = False
 
     def __init__(self, model: str, taps: Sequence[str], *, blocks: dict | None = None, params: dict | None = None,
                  capture_dtype: str | None = None, functions: dict | None = None, **kwargs):
@@ -69,6 +76,8 @@ class VLLM:
         before anything is submitted (as vLLM does for a bad prompt). What fails once requests
         run (no room for a request's captures, a raising block) fails that request only: its
         `out.error` says why, and every other request's results come back."""
+        if self.closed:
+            raise EngineError("this engine was closed")
         prompts, prepared = self.session.prepare_batch(prompts, sampling_params, taps)
         self._give_back()
         outs = self.llm.generate(prompts, [p.params for p in prepared], **kwargs)
@@ -76,6 +85,30 @@ class VLLM:
         # one reply per worker (several under tensor / pipeline parallelism): the session merges them
         replies = self.llm.collective_rpc("tapc_collect", args=(wanted,)) if wanted else None
         return self.session.finish_batch(outs, prepared, replies)
+
+    def close(self) -> None:
+        """Stop the engine: its workers remove their capture files and vLLM's engine core exits,
+        giving back its GPU memory, before this returns. Captures already returned stay
+        readable (each tensor keeps its memory until dropped). Closing again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            self.llm.collective_rpc("tapc_close")
+        except EngineDeadError:   # its processes are gone: the next engine sweeps their files
+            pass
+        finally:
+            # vLLM's LLM has no method of its own for this
+            self.llm.llm_engine.engine_core.shutdown()
+            self.session.arena.close()
+
+    def __enter__(self) -> "VLLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _give_back(self) -> None:
         """Tell the worker which capture chunks the caller has dropped since the last call."""
@@ -134,5 +167,6 @@ def spec_arguments(spec, overrides: dict) -> tuple[str, list[str], dict]:
     blocks = import_blocks(spec.blocks, f"{spec.path}: blocks") or None   # blocks= in overrides wins
     return spec.model, [t.text for t in spec.taps], {"params": params or None, "capture_dtype": spec.capture.dtype,
                                                      "capture_memory_gib": spec.capture.memory_gib,
+                                                     "capture_memory_keep_gib": spec.capture.memory_keep_gib,
                                                      "blocks": blocks, "functions": spec_functions(spec) or None,
                                                      **spec.engine, **overrides}

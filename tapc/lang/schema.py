@@ -49,6 +49,8 @@ class CaptureOptions(Section):
     "dtype captures are stored in (bfloat16, float16, float32); default: the model's."
     memory_gib: float | None = Field(None, ge=0, le=MAX_MEMORY_GIB)
     "Host memory for captures each GPU makes and pins at the engine's start (GiB); default: as requests need it."
+    memory_keep_gib: float | None = Field(None, ge=0, le=MAX_MEMORY_GIB)
+    "Host memory for captures each GPU keeps once idle (GiB): what a burst grew past it goes back; default: all."
 
 
 class OutputSink(Section):

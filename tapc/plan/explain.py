@@ -144,9 +144,21 @@ def totals(plan: TapPlan) -> list[str]:
         f" for {plan.max_num_batched_tokens} "
         f"tokens per step and {plan.max_num_seqs} requests ({param_slots(plan.max_num_seqs)} parameter slots)",
         *([f"captures in host memory: up to {human_bytes(row)} a token on the {where} (every capture asked; "
-           "capture_memory_gib pins room for them at start)"] if row else []),
+           "capture_memory_gib pins room for them at start, capture_memory_keep_gib bounds what an idle engine "
+           "keeps)"] if row else []),
         f"digest: {plan.digest}",
     ]
+
+
+def host_memory(reserve_gib: float | None, keep_gib: float | None) -> str:
+    """What an engine does with its host memory for captures, as a spec's `capture:` says."""
+    pinned = f"{reserve_gib:g} GiB a GPU pinned at start" if reserve_gib else "none pinned at start"
+    if keep_gib is None:
+        kept = "all it grows to kept for the engine's life (memory_keep_gib bounds it)"
+    else:
+        kept = (f"what it grows past {max(keep_gib, reserve_gib or 0):g} GiB goes back once no capture is held "
+                "there (memory_keep_gib)")
+    return f"host memory for captures: {pinned} (memory_gib); {kept}\n"
 
 
 PIPE_WIDTH = 120   # output to a pipe or a file: a plan's usual columns fit, and a pager or an issue shows it

@@ -9,8 +9,12 @@ as tensors over those same bytes, without a copy: gigabytes of captures cost the
 memcpy. A block's space goes back to the worker (`release`) once no tensor of the caller uses
 it; until then the worker never writes there again.
 
-Files are created when the arena runs out of room (segments of at least `SEGMENT_BYTES`), kept
-for the engine's life and removed when the worker exits. A worker that was killed cannot remove
+Files are created when the arena runs out of room (segments of at least `SEGMENT_BYTES`) and
+removed when the worker exits. They are kept for the engine's life unless the arena has a bound
+(`keep`, the engine's `capture_memory_keep_gib`): then a segment that holds no block goes back
+(unpinned, its pages freed, its file removed) while the others hold at least that much, newest
+first; a later growth makes a file of a new name, so that no reader's old mapping of one is
+taken for it. A worker that was killed cannot remove
 them, so each arena holds a shared `flock` on its files while it lives, and a new arena removes
 the files no process holds (`sweep`: older than a minute, so a file just made and not yet locked
 is left alone; the lock, unlike a pid, is seen across containers that share /dev/shm). Their space is reserved when they are
@@ -19,8 +23,9 @@ request is admitted, never a SIGBUS or a short capture.
 
 Making and pinning a segment costs about a second a GiB (measured on an H200 host: 6.4 GiB of
 admissions took 8 s), and growth happens while requests are admitted, on the step's path: every
-request of the batch waits. It happens once per high-water mark, but a server's first burst or a
-harvest's first window pays it; `reserve` (the engine's `capture_memory_gib`) pays it at start.
+request of the batch waits. It happens once per high-water mark (or, with a bound, per burst past
+it), but a server's first burst or a harvest's first window pays it; `reserve` (the engine's
+`capture_memory_gib`) pays it at start, and the bound never gives back what it reserved.
 Pinning ahead on another thread would not help: `cudaHostRegister` holds up the launching
 thread's graph replays while it runs (benchmarks/probes/probe_pin.py).
 """
@@ -59,25 +64,33 @@ def shm_directory() -> str:
 
 
 class Arena:
+    """`register(t)` pins a new segment's tensor and `unregister(t)` unpins one given back; `keep`:
+    bytes kept once their blocks are free (None: every segment, for the engine's life)."""
+
     def __init__(self, register: Callable[[torch.Tensor], None] | None = None, directory: str | None = None,
-                 segment_bytes: int = SEGMENT_BYTES):
+                 segment_bytes: int = SEGMENT_BYTES, keep: int | None = None,
+                 unregister: Callable[[torch.Tensor], None] | None = None):
         self.directory = directory or shm_directory()
         self.prefix = f"tapc-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.register = register
+        self.unregister = unregister
         self.segment_bytes = segment_bytes
-        self.maps: list[torch.Tensor] = []              # segment i: uint8 over its file
-        self.free: list[list[tuple[int, int]]] = []     # segment i: sorted (offset, size)
-        self.held: dict[tuple[int, int], int] = {}       # (segment, offset) -> size
-        self.segment: dict[str, int] = {}                # file -> segment
-        self.locks: list[int] = []                        # segment i: an open fd holding a shared flock
-        self.growth_s = 0.0                               # seconds spent making and pinning segments
+        self.keep = keep
+        # Segments by number, oldest first; a number is never reused (nor is its file's name).
+        self.maps: dict[int, torch.Tensor] = {}              # uint8 over its file
+        self.free: dict[int, list[tuple[int, int]]] = {}     # sorted (offset, size)
+        self.held: dict[tuple[int, int], int] = {}           # (segment, offset) -> size
+        self.segment: dict[str, int] = {}                    # file -> segment
+        self.locks: dict[int, int] = {}                      # an open fd holding a shared flock
+        self.made = 0                                        # segments made so far
+        self.growth_s = 0.0                                  # seconds spent making and pinning segments
         atexit.register(self.close)
         self.swept = sweep(self.directory)
 
     @property
     def size(self) -> int:
         """Bytes of all segments, free or held."""
-        return sum(m.numel() for m in self.maps)
+        return sum(m.numel() for m in self.maps.values())
 
     def reserve(self, nbytes: int) -> None:
         """Make (and pin) room for `nbytes` of captures now, at the engine's start, so that
@@ -89,6 +102,8 @@ class Arena:
             except RequestError as e:
                 raise EngineError(f"capture_memory_gib={nbytes / 2**30:g}: this GPU's worker cannot reserve it in "
                                   f"{self.directory}: {e}") from None
+        if self.keep is not None:   # what was reserved at start is never given back
+            self.keep = max(self.keep, self.size)
 
     def path(self, seg: int) -> str:
         return os.path.join(self.directory, f"{self.prefix}-{seg}")
@@ -104,7 +119,7 @@ class Arena:
     def locate(self, t: torch.Tensor) -> tuple[str, int]:
         """(file, byte offset) of a tensor from `tensor` (or a view starting where it starts)."""
         p = t.data_ptr()
-        for seg, m in enumerate(self.maps):
+        for seg, m in self.maps.items():
             if m.data_ptr() <= p < m.data_ptr() + m.numel():
                 return self.path(seg), p - m.data_ptr()
         raise ValueError("not a tensor of this arena")
@@ -127,13 +142,37 @@ class Arena:
             free[i] = (off, size + free.pop(i + 1)[1])
         if i > 0 and free[i - 1][0] + free[i - 1][1] == off:
             free[i - 1] = (free[i - 1][0], free[i - 1][1] + free.pop(i)[1])
+        if self.keep is not None and free == [(0, self.maps[seg].numel())]:
+            self._shrink()
+
+    def _shrink(self) -> None:
+        """Give back segments that hold no block, newest first, while the rest hold `keep`."""
+        for seg in reversed(list(self.maps)):
+            size = self.maps[seg].numel()
+            if self.free[seg] == [(0, size)] and self.size - size >= self.keep:
+                self._drop(seg)
+
+    def _drop(self, seg: int) -> None:
+        """Unpin a segment, free its pages and remove its file. The pages go at once, whoever
+        still maps the file (the API's reader, a client's views of blocks given back): nobody
+        reads a block that was given back, and a truncated file holds no memory."""
+        t, path = self.maps.pop(seg), self.path(seg)
+        if self.unregister is not None:
+            self.unregister(t)
+        del self.free[seg], self.segment[path]
+        fd = self.locks.pop(seg)
+        os.ftruncate(fd, 0)
+        os.unlink(path)
+        os.close(fd)
+        log.info("tapc: host memory for captures went back to %.2f GiB in %s (%.2f GiB held no capture)",
+                 self.size / 2**30, self.directory, t.numel() / 2**30)
 
     def give_back_tensor(self, t: torch.Tensor) -> None:
         """Free the block of a tensor from `tensor` that no caller was given."""
         self.give_back(*self.locate(t))
 
     def _take(self, size: int) -> tuple[int, int]:
-        for seg, free in enumerate(self.free):
+        for seg, free in self.free.items():
             for i, (off, room) in enumerate(free):
                 if room >= size:
                     if room == size:
@@ -150,7 +189,8 @@ class Arena:
         """Make and pin a segment of `size` bytes; `stalled`: on a step's path, which an operator
         hears of (a warning: every request of the step waited), where a reserve at start is info."""
         t0 = time.perf_counter()
-        path = self.path(len(self.maps))
+        seg = self.made
+        path = self.path(seg)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         fcntl.flock(fd, fcntl.LOCK_SH)   # held while this arena lives: `sweep` leaves the file alone
         try:
@@ -164,13 +204,14 @@ class Arena:
                                f"{e.strerror}). Drop captures you no longer need (or .clone() those you keep), "
                                "capture fewer rows or layers per call, give /dev/shm more space (docker: "
                                "--shm-size), or point TAPC_SHM_DIR at a larger tmpfs") from None
-        self.locks.append(fd)
+        self.made += 1
+        self.locks[seg] = fd
         t = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         if self.register is not None:
             self.register(t)
-        self.segment[path] = len(self.maps)
-        self.maps.append(t)
-        self.free.append([(0, size)])
+        self.segment[path] = seg
+        self.maps[seg] = t
+        self.free[seg] = [(0, size)]
         took = time.perf_counter() - t0
         self.growth_s += took
         log.log(logging.WARNING if stalled else logging.INFO,
@@ -178,14 +219,14 @@ class Arena:
                 self.size / 2**30, self.directory, size / 2**30, took, why)
 
     def close(self) -> None:
-        for seg in range(len(self.maps)):
+        for seg in self.maps:
             try:
                 os.unlink(self.path(seg))
             except FileNotFoundError:
                 pass
-        for fd in self.locks:
+        for fd in self.locks.values():
             os.close(fd)
-        self.locks = []
+        self.locks = {}
 
 
 def sweep(directory: str) -> list[str]:
@@ -239,6 +280,7 @@ class ArenaReader:
             return torch.empty(shape, dtype=dtype)
         m = self._maps.get(path)
         if m is None:
+            self._forget_removed()
             with open(path, "r+b") as f:
                 m = self._maps[path] = mmap.mmap(f.fileno(), 0)
             bisect.insort(self._bases, (np.frombuffer(m, dtype=np.uint8).ctypes.data, len(m), path))
@@ -246,6 +288,25 @@ class ArenaReader:
         # Every tensor made from it keeps `a` alive: it dies with the caller's last view.
         weakref.finalize(a, self.unused, path, offset)
         return torch.from_numpy(a).view(dtype).view(shape)
+
+    def _forget_removed(self) -> None:
+        """Unmap the files the worker gave back (an arena with a bound: `Arena._drop`) that no
+        tensor of the caller uses: they hold no memory, but a server's bursts would pile them up."""
+        for path, m in list(self._maps.items()):
+            if os.path.exists(path):
+                continue
+            try:
+                m.close()
+            except BufferError:   # a view of it is alive (a block the caller still holds)
+                continue
+            del self._maps[path]
+            self._bases = [b for b in self._bases if b[2] != path]
+
+    def close(self) -> None:
+        """Forget every mapping: each goes once no tensor of the caller uses it."""
+        self._maps.clear()
+        self._bases.clear()
+        self._unused.clear()
 
     def where(self, t: torch.Tensor) -> tuple[str, int] | None:
         """The file and byte offset of the memory under `t` (its storage's first byte), where that

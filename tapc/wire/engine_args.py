@@ -70,11 +70,13 @@ def triton_interpreter() -> bool:
 
 def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
     """vLLM `LLM(...)` keyword arguments for `plan`, from the user's `kwargs` (tapc's own
-    `capture_memory_gib` among them: the worker reads it from the plan's config)."""
+    `capture_memory_gib` and `capture_memory_keep_gib` among them: the worker reads them from the
+    plan's config)."""
     out = dict(kwargs)
     if out.get("enable_expert_parallel"):
         refuse_expert_parallel()
     reserve = capture_memory(out.pop("capture_memory_gib", None))
+    keep = capture_keep(out.pop("capture_memory_keep_gib", None))
     rows = prefix_rows(out.pop("prefix_rows_gib", None), plan, out.get("distributed_executor_backend"),
                        out.get("data_parallel_size", 1))
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -105,6 +107,8 @@ def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
         additional["tapc"]["rings"] = True
     if reserve:
         additional["tapc"]["capture_memory"] = reserve
+    if keep is not None:
+        additional["tapc"]["capture_keep"] = keep
     if rows:
         additional["tapc"]["prefix_rows"] = rows
     out["additional_config"] = additional
@@ -123,6 +127,13 @@ def capture_memory(gib) -> int:
     """Bytes of `capture_memory_gib`: host memory for captures each GPU's worker makes and pins
     at start (arena.py `reserve`), so that requests admitted up to that much never wait for it."""
     return _gib_bytes("capture_memory_gib", gib, "captures each GPU pins at the engine's start")
+
+
+def capture_keep(gib) -> int | None:
+    """Bytes of `capture_memory_keep_gib`: host memory for captures each GPU's worker keeps once its
+    captures are dropped, what a burst grew past it going back (arena.py `Arena.keep`; never less
+    than `capture_memory_gib`); None: all of it, for the engine's life."""
+    return None if gib is None else _gib_bytes("capture_memory_keep_gib", gib, "captures each GPU keeps when idle")
 
 
 def _gib_bytes(name: str, gib, what: str) -> int:

@@ -68,7 +68,7 @@ class TapWorker(Worker):
         if points is not None and config.get("blocks"):   # a server's blocks, by import path (tapc serve)
             points.runtime.register(import_blocks(config["blocks"], "the engine's plan"))
         self.tapc_has_blocks = any(t.action == "block" for t in plan.taps)
-        arena = Arena(register=_register)
+        arena = Arena(register=_register, unregister=_unregister, keep=config.get("capture_keep"))
         arena.reserve(config.get("capture_memory", 0))   # capture_memory_gib: pinned now, not on a step's path
         # Graphs broken by blocks are not switched (switch.py), nor where the user said not to;
         # where the driver cannot, only the launches outside graphs are.
@@ -100,6 +100,11 @@ class TapWorker(Worker):
 
     def tapc_release(self, chunks: list[tuple[str, int]]) -> None:
         self.tapc.release(chunks)
+
+    def tapc_close(self) -> None:
+        """The engine stops (`VLLM.close`): the arena's files go now, not when the process exits;
+        the caller's tensors over them keep their memory."""
+        self.tapc.arena.close()
 
     def tapc_held(self) -> dict[str, int]:
         """What requests hold on this worker now (`RunnerHooks.held`): all 0 on an idle engine
@@ -211,6 +216,14 @@ def _tp_all_gather(t: torch.Tensor) -> torch.Tensor:
 def _register(t: torch.Tensor) -> None:
     """Pin an arena file's mapping once, so the side stream's copies into it are asynchronous
     DMA (a copy to pageable memory would block the host)."""
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+    _cuda_check(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0), "cudaHostRegister", t)
+
+
+def _unregister(t: torch.Tensor) -> None:
+    """Unpin a mapping `_register` pinned, before the arena frees its pages (`Arena._drop`)."""
+    _cuda_check(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()), "cudaHostUnregister", t)
+
+
+def _cuda_check(err, call: str, t: torch.Tensor) -> None:
     if int(err) != 0:
-        raise EngineError(f"cudaHostRegister of {t.numel() / 2**30:.2f} GiB of capture memory failed: error {int(err)}")
+        raise EngineError(f"{call} of {t.numel() / 2**30:.2f} GiB of capture memory failed: error {int(err)}")
