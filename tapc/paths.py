@@ -21,7 +21,8 @@ def kind(path, what: str, error: type[TapcError] = TapcError) -> str | None:
     return "dir" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else "other"
 
 
-def shown(path, limit: int = 80) -> str:
-    """A path as a message quotes it: whole up to `limit` characters, else its start and its length."""
+def shown(path, limit: int = 160) -> str:
+    """A path as a message quotes it: whole up to `limit` characters (a deep path stays whole, to be
+    copied), else its start and its length."""
     text = str(path)
     return text if len(text) <= limit else f"{text[:limit - 30]}... ({len(os.fsencode(text))} bytes)"
