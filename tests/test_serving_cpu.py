@@ -497,7 +497,7 @@ def _served_config(argv: list[str]) -> EngineConfig:
 
 def test_blocks_are_named_by_import_path_and_run_for_every_served_request(tmp_path, capsys):
     """`tapc serve --block NAME=module:function` (or a spec's `blocks:`) puts the path in the
-    plan's config, never code; the server's worker imports it and runs it for every tapped
+    engine's config, never code; the server's worker imports it and runs it for every tapped
     request, whose saved values come back with its captures. Names the plan lacks and paths
     that do not import are refused before vLLM starts."""
     import shlex
