@@ -137,7 +137,7 @@ def require_gpu() -> None:
     """Every example runs vLLM engines: where none can start (no CUDA GPU), say so in one line and
     exit, before anything is written (tests/test_examples_cpu.py checks what runs without one)."""
     from tapc.errors import EngineError
-    from tapc.wire.engine_args import require_cuda
+    from tapc.api.engine_args import require_cuda
 
     try:
         require_cuda()

@@ -88,7 +88,7 @@ def _skips_noted(noted: bool):
 
 def _harvest(args) -> int:
     from tapc.lang.specfile import load_spec
-    from tapc.wire.engine_args import require_cuda
+    from tapc.api.engine_args import require_cuda
 
     if args.gpus < 1:
         raise TapcError(f"tapc harvest: --gpus {args.gpus}: give 1 or more (this host's GPUs the harvest uses)")
@@ -130,7 +130,7 @@ def _harvest_ray(args, spec) -> int:
     Ray of this host): tapc/harvest/cluster.py."""
     from tapc.harvest.cluster import harvest_ray, require_ray
     from tapc.harvest.engines import SpecEngine
-    from tapc.wire.engine_args import require_cuda
+    from tapc.api.engine_args import require_cuda
 
     ray = require_ray()
     if args.ray is None:
@@ -190,7 +190,7 @@ def _serve(args, rest: list[str]) -> int:
     import shlex
 
     from tapc.serving.launch import run, serve_argv, sizes
-    from tapc.wire.engine_args import require_cuda
+    from tapc.api.engine_args import require_cuda
 
     engine, rest = sizes(rest)   # the plan is built for these (and the executor checked): not past it
     if args.capture_memory_gib is not None:

@@ -9,7 +9,7 @@ one-line error that names the variable.
   (default /dev/shm; tapc/wire/arena.py).
 - `TAPC_RINGS`: "0" turns rings off (steady decode steps writing several steps' rows before one
   copy-out, tapc/worker/rings.py). Read in the API process; the choice reaches the
-  workers in the plan's config, which vLLM hashes into its compile-cache key.
+  workers in the engine's config (wire/config.py), which vLLM hashes into its compile-cache key.
 - `TAPC_SWITCH_GRAPHS`: "0" turns the switch off (tapc/worker/switch.py): every tap kernel then
   runs at every replay, whether the step asks for it or not.
 - `TAPC_STAGING_DIR`: the local folder where a harvest bound for object storage writes each part

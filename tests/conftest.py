@@ -30,7 +30,7 @@ CONFIGS = Path(__file__).parent / "configs"
 def pytest_configure(config):
     # An inherited interpreter switch runs every engine's inductor kernels on the CPU, where the
     # engines then die compiling their graphs: refuse the run rather than fail it test by test.
-    from tapc.wire.engine_args import triton_interpreter
+    from tapc.api.engine_args import triton_interpreter
 
     if _cuda() and triton_interpreter():
         raise pytest.UsageError(f"TRITON_INTERPRET={os.environ['TRITON_INTERPRET']!r} on a machine with CUDA: "

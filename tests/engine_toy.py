@@ -453,7 +453,7 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank
     toy, adapter = {"v2": (ToyRunner, V2Adapter), "v1": (ToyRunnerV1, V1Adapter)}[runner]
     runner = toy(model, pad)
     positions = adapter.positions(runner)
-    buffers.positions = positions if settings.TAPC_RINGS else None   # as the plan's config tells the worker
+    buffers.positions = positions if settings.TAPC_RINGS else None   # as the engine's config tells the worker
     install(model, layout, buffers, functions, positions)
     # the components, as the worker makes them
     points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None

@@ -2,7 +2,6 @@
 back once no capture is held in it, and a block still held is never freed. Real shared-memory
 segments, small ones, in a temporary folder."""
 import gc
-import json
 import os
 import shlex
 import textwrap
@@ -18,7 +17,8 @@ from tapc.api.session import TapSession
 from tapc.cli import main
 from tapc.errors import EngineError
 from tapc.wire.arena import Arena, ArenaReader
-from tapc.wire.engine_args import engine_kwargs
+from tapc.api.engine_args import engine_kwargs
+from tapc.wire.config import EngineConfig
 
 SEGMENT = 4096
 
@@ -127,10 +127,9 @@ def test_a_bounded_engine_gives_back_a_burst_and_keeps_the_captures_its_caller_h
 
 def test_the_bound_reaches_the_workers_in_the_plans_config():
     plan = toy_plan(["model.layers.*.resid"])
-    tapc = engine_kwargs(plan, {"capture_memory_keep_gib": 0.5})["additional_config"]["tapc"]
-    assert tapc["capture_keep"] == 1 << 29
-    assert engine_kwargs(plan, {"capture_memory_keep_gib": 0})["additional_config"]["tapc"]["capture_keep"] == 0
-    assert "capture_keep" not in engine_kwargs(plan, {})["additional_config"]["tapc"], "no bound: all is kept"
+    assert engine_kwargs(plan, {"capture_memory_keep_gib": 0.5})[1].capture_keep == 1 << 29
+    assert engine_kwargs(plan, {"capture_memory_keep_gib": 0})[1].capture_keep == 0
+    assert engine_kwargs(plan, {})[1].capture_keep is None, "no bound: all is kept"
     with pytest.raises(EngineError, match="capture_memory_keep_gib=-1: give the GiB"):
         engine_kwargs(plan, {"capture_memory_keep_gib": -1})
 
@@ -140,7 +139,7 @@ def test_tapc_serve_print_and_tapc_explain_report_the_bound(capsys, tmp_path):
     assert main(["serve", llama, "--tap", "model.layers.0.resid", "--capture-memory-keep-gib", "2", "--print"]) == 0
     argv = shlex.split(capsys.readouterr().out)
     assert "--capture-memory-keep-gib" not in argv, "tapc's own setting, not vLLM's"
-    assert json.loads(argv[argv.index("--additional-config") + 1])["tapc"]["capture_keep"] == 2 << 30
+    assert EngineConfig.read(argv[argv.index("--additional-config") + 1]).capture_keep == 2 << 30
     spec = tmp_path / "spec.yaml"
     spec.write_text(textwrap.dedent(f"""
         model: {llama}

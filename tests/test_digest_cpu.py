@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from engine_toy import toy_buffers, ToyModel, toy_plan
 
-from tapc.wire.engine_args import digest, graph_code
+from tapc.api.engine_args import digest, graph_code
 from tapc.worker.install import install
 from tapc.worker.layout import Layout
 

@@ -7,7 +7,9 @@ from engine_toy import HIDDEN, INTER, toy_plan
 
 from conftest import CONFIGS
 from tapc.plan.planner import build_plan
-from tapc.wire.engine_args import WORKER, engine_kwargs
+from tapc.api.engine_args import WORKER, engine_kwargs
+from tapc.plan.tapplan import TapPlan
+from tapc.wire.config import EngineConfig
 from tapc.worker.fill import fill_step, tapped_of
 from tapc.worker.rings import Repeat
 from tapc.kernels.capture import PHASES
@@ -338,20 +340,21 @@ def test_request_by_tap_line_expands_the_glob():
 
 def test_engine_kwargs():
     plan = toy_plan(PLAN_TAPS, rows=64, slots=8)
-    kw = engine_kwargs(plan, {"max_num_batched_tokens": 64, "additional_config": {"mine": 1}})
+    kw, config = engine_kwargs(plan, {"max_num_batched_tokens": 64, "additional_config": {"mine": 1}})
     assert kw["worker_cls"] == WORKER and "enable_prefix_caching" not in kw and kw["max_num_seqs"] == 8
-    assert kw["additional_config"]["mine"] == 1 and plan.digest != kw["additional_config"]["tapc"]["digest"]
+    assert kw["additional_config"]["mine"] == 1 and EngineConfig.read(kw["additional_config"]) == config
+    assert plan.digest != config.graph_digest and TapPlan.from_json(config.plan) == plan
 
 
 def test_rings_reach_the_workers_in_the_plans_config_which_vllm_hashes(monkeypatch):
-    """Rings are on unless the API's environment sets TAPC_RINGS=0: on, `rings` is in the plan's
-    config (the workers read it there, and vLLM's compile-cache key covers it: rings change the
-    capture ops' arguments); off, it is absent; another value is refused."""
+    """Rings are on unless the API's environment sets TAPC_RINGS=0: on or off, `rings` says so in
+    the engine's config (the workers read it there, and vLLM's compile-cache key covers it: rings
+    change the capture ops' arguments); another value is refused."""
     plan = toy_plan(PLAN_TAPS, slots=8)
     monkeypatch.delenv("TAPC_RINGS", raising=False)
-    assert engine_kwargs(plan, {})["additional_config"]["tapc"]["rings"] is True
+    assert engine_kwargs(plan, {})[1].rings is True
     monkeypatch.setenv("TAPC_RINGS", "0")
-    assert "rings" not in engine_kwargs(plan, {})["additional_config"]["tapc"]
+    assert engine_kwargs(plan, {})[1].rings is False
     monkeypatch.setenv("TAPC_RINGS", "yes")
     with pytest.raises(TapcError, match="TAPC_RINGS='yes': 1 \\(the default\\) or 0"):
         engine_kwargs(plan, {})
@@ -359,9 +362,9 @@ def test_rings_reach_the_workers_in_the_plans_config_which_vllm_hashes(monkeypat
 
 def test_capture_memory_reaches_the_workers_in_the_plans_config_and_not_vllm():
     plan = toy_plan(PLAN_TAPS, slots=8)
-    kw = engine_kwargs(plan, {"capture_memory_gib": 1.5})
-    assert "capture_memory_gib" not in kw and kw["additional_config"]["tapc"]["capture_memory"] == 3 << 29
-    assert "capture_memory" not in engine_kwargs(plan, {"capture_memory_gib": None})["additional_config"]["tapc"]
+    kw, config = engine_kwargs(plan, {"capture_memory_gib": 1.5})
+    assert "capture_memory_gib" not in kw and config.capture_memory == 3 << 29
+    assert engine_kwargs(plan, {"capture_memory_gib": None})[1].capture_memory == 0
 
 
 @pytest.mark.parametrize("kwargs,words", [
@@ -382,7 +385,7 @@ def test_engine_kwargs_refuse(kwargs, words):
 def test_several_gpus_run_on_vllms_multiprocessing_or_ray_executor(backend, kept):
     plan = build_plan(str(CONFIGS / "llama"), ["model.layers.0.resid"], max_num_batched_tokens=64, max_num_seqs=8,
                       engine_args={"tensor_parallel_size": 2})
-    kw = engine_kwargs(plan, {"tensor_parallel_size": 2, "distributed_executor_backend": backend})
+    kw, _ = engine_kwargs(plan, {"tensor_parallel_size": 2, "distributed_executor_backend": backend})
     assert kw["distributed_executor_backend"] == kept
     with pytest.raises(EngineError) as refused:
         engine_kwargs(plan, {"tensor_parallel_size": 2, "distributed_executor_backend": "uni"})
@@ -403,7 +406,7 @@ def test_expert_parallelism_is_refused_in_one_line_by_the_engine_and_by_tapc_ser
     with pytest.raises(EngineError) as refused:
         engine_kwargs(toy_plan(PLAN_TAPS), {"enable_expert_parallel": True})
     assert str(refused.value) == words
-    assert engine_kwargs(toy_plan(PLAN_TAPS), {"enable_expert_parallel": False})["worker_cls"] == WORKER
+    assert engine_kwargs(toy_plan(PLAN_TAPS), {"enable_expert_parallel": False})[0]["worker_cls"] == WORKER
     for flag in ("--enable-expert-parallel", "-ep"):
         assert main(["serve", LLAMA, "--tap", "model.layers.0.resid", "--print", flag]) == 2
         assert capsys.readouterr().err == f"tapc: EngineError: {words}\n"
@@ -413,7 +416,7 @@ def test_v1_runner_is_allowed(monkeypatch):
     """VLLM_USE_V2_MODEL_RUNNER=0 (vLLM's V1 runner, as for MoE models) reaches the worker, which
     instruments V1 (runner_v1.py)."""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
-    assert engine_kwargs(toy_plan(PLAN_TAPS), {})["worker_cls"] == "tapc.worker.worker.TapWorker"
+    assert engine_kwargs(toy_plan(PLAN_TAPS), {})[0]["worker_cls"] == "tapc.worker.worker.TapWorker"
 
 
 def test_another_runner_is_refused_by_the_worker():

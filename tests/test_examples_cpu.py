@@ -16,6 +16,7 @@ from small_models import ENGINE, write_checkpoint   # examples/ is on sys.path: 
 from tapc.api.requests import TapRequest, check
 from tapc.cli import main
 from tapc.plan.planner import build_plan
+from tapc.wire.config import EngineConfig
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 SCRIPTS = {"sae": "sae/sae.py", "steer-served": "steer-served/steer_served.py", "probe": "probe/probe.py",
@@ -98,7 +99,7 @@ def test_the_served_examples_command_is_what_vllms_parser_reads(models, capsys, 
     assert args.port == 8123 and args.served_model_name == [ex.NAME] and args.attention_backend == "TRITON_ATTN"
     assert (args.max_model_len, args.max_num_seqs, args.kv_cache_memory_bytes) == \
         (ENGINE["max_model_len"], ENGINE["max_num_seqs"], ENGINE["kv_cache_memory_bytes"])
-    assert "steer" in args.additional_config["tapc"]["plan"]
+    assert "steer" in EngineConfig.read(args.additional_config).plan
 
 
 def test_the_sae_examples_training_halves_the_error_on_an_arrow_harvest(tmp_path):

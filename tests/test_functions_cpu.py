@@ -246,7 +246,7 @@ def test_the_workers_load_the_pickles_the_digest_was_made_from(monkeypatch):
     in place between two plans is pickled afresh: another digest."""
     import cloudpickle
 
-    from tapc.api.llm import ship_functions
+    from tapc.api.engine import ship_functions
     from tapc.plan.calls import pickled_once
     from tapc.worker.worker import _functions
 

@@ -6,7 +6,7 @@ import sys
 from engine_toy import toy_plan
 
 from tapc import settings
-from tapc.wire.engine_args import engine_kwargs
+from tapc.api.engine_args import engine_kwargs
 from tapc.wire.node import shm_identity
 from tapc.worker.worker import _on_api_node
 
@@ -25,7 +25,7 @@ def test_another_folder_or_none_is_not_the_same(tmp_path, monkeypatch):
 
 
 def test_the_engine_config_carries_the_apis_identity_and_the_worker_compares_it():
-    api = engine_kwargs(toy_plan(["model.layers.1.resid"]), {})["additional_config"]["tapc"]["api_shm"]
+    api = engine_kwargs(toy_plan(["model.layers.1.resid"]), {})[1].api_shm
     assert api == shm_identity()
     assert _on_api_node(api) is True
     boot, dev, ino = api.split(":")

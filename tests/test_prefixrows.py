@@ -11,7 +11,7 @@ from engine_toy import HIDDEN, toy_plan, toy_vllm
 from test_engine_cpu import check as check_rows
 from test_prefix_cpu import as_req, params, prompt
 
-from tapc.wire.engine_args import engine_kwargs
+from tapc.api.engine_args import engine_kwargs
 from tapc.worker.prefixrows import PrefixRows
 from tapc.api.requests import TapRequest
 from tapc.errors import EngineError
@@ -131,9 +131,8 @@ def test_a_hit_whose_rows_are_gone_fails_its_captures_and_says_why(monkeypatch):
 
 def test_prefix_rows_gib_needs_one_gpu_and_the_single_process_executor():
     plan = toy_plan(TAPS)
-    args = engine_kwargs(plan, {"prefix_rows_gib": 0.5})
-    assert args["additional_config"]["tapc"]["prefix_rows"] == 1 << 29
-    assert "prefix_rows" not in engine_kwargs(plan, {})["additional_config"]["tapc"]
+    assert engine_kwargs(plan, {"prefix_rows_gib": 0.5})[1].prefix_rows == 1 << 29
+    assert engine_kwargs(plan, {})[1].prefix_rows == 0
     with pytest.raises(EngineError, match="single-process executor"):
         engine_kwargs(plan, {"prefix_rows_gib": 1, "distributed_executor_backend": "mp"})
     with pytest.raises(EngineError, match="data_parallel_size=2"):

@@ -22,6 +22,7 @@ from tapc.cli import main
 from tapc.errors import TapcError
 from tapc.plan.tapplan import TapPlan
 from tapc.serving.launch import ENTRY, serve_argv, serve_env
+from tapc.wire.config import EngineConfig
 from tapc.serving.saving import SaveFolder
 from tapc.api.session import TapSession
 
@@ -47,7 +48,7 @@ def test_the_serve_command_is_what_vllms_parser_reads_as_the_plans_engine(cpu_pl
                       engine={"max_num_seqs": 16}, extra=["--port", "8123"])
     assert argv[:2] == ["serve", LLAMA]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[1:])
-    plan = TapPlan.from_json(args.additional_config["tapc"]["plan"])
+    plan = TapPlan.from_json(EngineConfig.read(args.additional_config).plan)
     assert [t.source for t in plan.taps][-1] == "model.layers.1.resid | add(steer)" and plan.max_num_seqs == 16
     assert args.worker_cls == "tapc.worker.worker.TapWorker" and args.max_num_seqs == 16 and args.port == 8123
     assert args.max_num_batched_tokens == plan.max_num_batched_tokens
@@ -86,8 +87,8 @@ def test_tapc_serve_reserves_capture_memory_through_the_plans_config(capsys, cpu
     argv = shlex.split(capsys.readouterr().out)
     assert "--capture-memory-gib" not in argv and "--prefix-rows-gib" not in argv, "tapc's own settings, not vLLM's"
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
-    assert args.additional_config["tapc"]["capture_memory"] == 2 << 30
-    assert args.additional_config["tapc"]["prefix_rows"] == 1 << 29
+    config = EngineConfig.read(args.additional_config)
+    assert (config.capture_memory, config.prefix_rows) == (2 << 30, 1 << 29)
 
 
 def test_the_plugin_entry_point_is_found_without_installing_tapc():
@@ -490,13 +491,13 @@ def saving_probe(ctx, x):
     ctx.save("x", x.clone())
 
 
-def _served_config(argv: list[str]) -> dict:
-    return json.loads(argv[argv.index("--additional-config") + 1])["tapc"]
+def _served_config(argv: list[str]) -> EngineConfig:
+    return EngineConfig.read(argv[argv.index("--additional-config") + 1])
 
 
 def test_blocks_are_named_by_import_path_and_run_for_every_served_request(tmp_path, capsys):
     """`tapc serve --block NAME=module:function` (or a spec's `blocks:`) puts the path in the
-    plan's config, never code; the server's worker imports it and runs it for every tapped
+    engine's config, never code; the server's worker imports it and runs it for every tapped
     request, whose saved values come back with its captures. Names the plan lacks and paths
     that do not import are refused before vLLM starts."""
     import shlex
@@ -506,11 +507,11 @@ def test_blocks_are_named_by_import_path_and_run_for_every_served_request(tmp_pa
     path = "test_serving_cpu:saving_probe"
     taps = ["model.layers.0.resid", "model.layers.0.resid -> probe"]
     assert main(["serve", LLAMA, *[a for t in taps for a in ("--tap", t)], "--block", f"probe={path}", "--print"]) == 0
-    assert _served_config(shlex.split(capsys.readouterr().out))["blocks"] == {"probe": path}
+    assert _served_config(shlex.split(capsys.readouterr().out)).blocks == {"probe": path}
     spec = tmp_path / "serve.yaml"
     spec.write_text(f"model: {LLAMA}\ntaps: {json.dumps(taps)}\nblocks: {{probe: '{path}'}}\n")
     assert main(["serve", str(spec), "--print"]) == 0
-    assert _served_config(shlex.split(capsys.readouterr().out))["blocks"] == {"probe": path}
+    assert _served_config(shlex.split(capsys.readouterr().out)).blocks == {"probe": path}
     for block, words in ((f"prob={path}", "blocks= names prob, which no tap of the plan runs"),
                          ("probe=test_serving_cpu:nothing", "'test_serving_cpu' has no 'nothing'"),
                          ("probe=no_such_module:f", "cannot import 'no_such_module'"),
@@ -754,7 +755,7 @@ def test_the_plugin_shares_a_folder_only_with_several_api_servers(monkeypatch, t
     from tapc.serving.results import FolderResults, MemoryResults
 
     monkeypatch.setattr(results, "shared_folder", lambda: str(tmp_path))
-    config = {"tapc": {"plan": toy_plan(TAPS).to_json()}}
+    config = EngineConfig(toy_plan(TAPS).to_json(), "").into(None)
     engine = NS(model_config=NS(max_model_len=64),   # vLLM's engine client, as the plugin reads it
                 vllm_config=NS(cache_config=NS(enable_prefix_caching=True)))
     one = server_for(engine, NS(additional_config=config, api_server_count=None))
@@ -762,7 +763,7 @@ def test_the_plugin_shares_a_folder_only_with_several_api_servers(monkeypatch, t
     assert one.session.max_model_len == 64, "requests' positions are bounded by the engine's context"
     assert isinstance(one.results, MemoryResults) and isinstance(two.results, FolderResults)
     assert two.results.folder == str(tmp_path)
-    saving = {"tapc": {**config["tapc"], "save": {"folder": str(tmp_path / "acts"), "positions": "all"}}}
+    saving = EngineConfig(toy_plan(TAPS).to_json(), "", save={"folder": str(tmp_path / "acts"), "positions": "all"}).into(None)
     with pytest.raises(TapcError, match="writes one folder's shards from one process: run it with --api-server-count 1"):
         server_for(engine, NS(additional_config=saving, api_server_count=2))
 
@@ -773,8 +774,8 @@ def test_tapc_serve_save_to_puts_the_save_folder_in_the_servers_config(capsys, t
     import shlex
 
     cmd = shlex.split(capsys.readouterr().out)
-    config = json.loads(cmd[cmd.index("--additional-config") + 1])
-    assert config["tapc"]["save"] == {"folder": str(tmp_path / "acts"), "shard_tokens": 1_000_000, "positions": [0, 3]}
+    config = _served_config(cmd)
+    assert config.save == {"folder": str(tmp_path / "acts"), "shard_tokens": 1_000_000, "positions": [0, 3]}
     assert main(["serve", LLAMA, "--tap", "model.layers.0.resid", "--save-to", "x", "--save-positions", "some"]) == 2
     assert "--save-positions 'some': all, prompt, generated, last" in capsys.readouterr().err
 

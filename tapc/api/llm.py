@@ -11,22 +11,16 @@
 """
 from __future__ import annotations
 
-import os
-import pickle
 from collections.abc import Sequence
-from pathlib import Path
 
-from tapc import settings
+from tapc.api.engine import Engine
+from tapc.api.engine_args import require_cuda
 from tapc.api.requests import TapRequest
 from tapc.api.session import Taps, TapSession
 from tapc.api.specs import spec_functions
 from tapc.errors import EngineError
 from tapc.lang.blockpaths import import_blocks
-from tapc.plan.calls import pickled, pickled_once
-from tapc.plan.planner import build_plan
-from tapc.plan.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from tapc.plan.tapplan import TapPlan
-from tapc.wire.engine_args import engine_kwargs, require_cuda
 
 __all__ = ["VLLM", "TapRequest", "Taps"]
 
@@ -122,40 +116,9 @@ def setup(model: str, taps: Sequence[str], blocks: dict | None, params: dict | N
     """What a tapped engine (offline or async) needs before vLLM starts: the plan, the session
     (blocks= and params= checked against the plan) and vLLM's engine arguments."""
     require_cuda()
-    with pickled_once():
-        plan, kwargs = plan_for(model, taps, capture_dtype, kwargs, functions)
-        args = engine_kwargs(plan, kwargs)
-        if plan.functions:
-            args["additional_config"]["tapc"]["functions"] = str(ship_functions(plan, functions))
-    rows = bool(args["additional_config"]["tapc"].get("prefix_rows"))
+    engine, args = Engine.build(model, taps, kwargs, capture_dtype=capture_dtype, functions=functions)
     caching = args.get("enable_prefix_caching") is not False   # vLLM's default (None) is on
-    return plan, TapSession(plan, params, blocks or {}, prefix_rows=rows, prefix_caching=caching), args
-
-
-def plan_for(model: str, taps: Sequence[str], capture_dtype: str | None, kwargs: dict,
-             functions: dict | None = None) -> tuple[TapPlan, dict]:
-    """The plan of an engine with vLLM arguments `kwargs` (no GPU needed), and those arguments
-    with the batch sizes the plan is built for."""
-    kwargs = dict(kwargs)
-    kwargs.setdefault("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    kwargs.setdefault("max_num_seqs", DEFAULT_MAX_NUM_SEQS)
-    plan = build_plan(model, list(taps), max_num_batched_tokens=kwargs["max_num_batched_tokens"],
-                      max_num_seqs=kwargs["max_num_seqs"], capture_dtype=capture_dtype, engine_args=kwargs,
-                      functions=functions)
-    return plan, kwargs
-
-
-def ship_functions(plan: TapPlan, functions: dict) -> Path:
-    """The plan's compiled functions pickled by value (code, closures, a module's weights) into a
-    file of tapc's cache named by the plan's digest, which covers their code: every worker
-    process loads them from there before vLLM traces the model (worker.py). Within
-    `pickled_once`, the pickles the plan's hash was made from."""
-    path = settings.TAPC_CACHE / "functions" / f"{plan.digest}.pkl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_bytes(pickle.dumps({f.name: pickled(functions[f.name]) for f in plan.functions}))
-    tmp.replace(path)
-    return path
+    return engine.plan, engine.session(params, blocks, prefix_caching=caching), args
 
 
 def spec_arguments(spec, overrides: dict) -> tuple[str, list[str], dict]:

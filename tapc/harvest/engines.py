@@ -45,7 +45,7 @@ class ModelEngine:
     kwargs: dict = field(default_factory=dict)
 
     def plan(self):
-        from tapc.api.llm import plan_for
+        from tapc.api.engine import plan_for
 
         tapc_args = ("blocks", "params", "capture_dtype", "functions")   # VLLM's own, not vLLM's
         vllm_args = {k: v for k, v in self.kwargs.items() if k not in tapc_args}

@@ -57,40 +57,36 @@ class TapcEndpoints:
 
 
 def server_for(engine_client, args):
-    """The TapcServer of a `vllm serve` whose `--additional-config` holds tapc's plan (and the
-    spec its engine-wide parameters come from), or None where there is none."""
-    from tapc.api.session import TapSession
-    from tapc.plan.tapplan import TapPlan
+    """The TapcServer of a `vllm serve` whose `--additional-config` holds tapc's engine config
+    (and the spec its engine-wide parameters come from), or None where there is none."""
+    from tapc.api.engine import Engine
     from tapc.serving.results import shared_folder
     from tapc.serving.server import TapcServer
 
-    config = args.additional_config
-    config = json.loads(config) if isinstance(config, str) else (config or {})
-    tapc = config.get("tapc")
-    if engine_client is None or tapc is None:
+    engine = None if engine_client is None else Engine.read(args.additional_config)
+    if engine is None:
         log.warning("tapc: this server has no tapc plan (start it with `tapc serve`); tapc's routes answer 503")
         return None
+    config = engine.config
     params = None
-    if tapc.get("spec"):
+    if config.spec:
         from tapc.lang.specfile import load_spec
 
-        params = load_spec(tapc["spec"]).param_values() or None
+        params = load_spec(config.spec).param_values() or None
     # several API server processes (`--api-server-count`) share vectors and results through a folder
     several = (getattr(args, "api_server_count", None) or 1) > 1
     shared = shared_folder() if several else None
-    plan = TapPlan.from_json(tapc["plan"])
     save = None
-    if tapc.get("save"):
+    if config.save:
         from tapc.serving.saving import SaveFolder
 
         if several:
             raise TapcError("tapc serve --save-to writes one folder's shards from one process: run it with "
                             "--api-server-count 1")
-        save = SaveFolder(plan, **tapc["save"])
+        save = SaveFolder(engine.plan, **config.save)
     # the plan's blocks run on the workers, which import them (worker.py): requests need not send any
-    session = TapSession(plan, params, tapc.get("blocks") or (), prefix_rows=bool(tapc.get("prefix_rows")),
-                         max_model_len=engine_client.model_config.max_model_len,
-                         prefix_caching=engine_client.vllm_config.cache_config.enable_prefix_caching is not False)
+    session = engine.session(params, config.blocks, max_model_len=engine_client.model_config.max_model_len,
+                             prefix_caching=engine_client.vllm_config.cache_config.enable_prefix_caching is not False)
     return TapcServer(engine_client, session, shared=shared, save=save)
 
 

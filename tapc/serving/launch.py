@@ -4,8 +4,8 @@
     tapc serve --model M --tap "model.layers.*.resid" --tap "model.layers.10.resid | add(steer)" [options...]
 
 builds the plan (as `VLLM(...)` does, no GPU needed), then runs `vllm serve MODEL` with the
-engine arguments the plan needs (tapc's worker class, the plan and its digest in
-`--additional-config '{"tapc": {...}}'`, batch sizes, splitting ops: tapc/wire/engine_args.py), the
+engine arguments the plan needs (tapc's worker class, the engine's config in
+`--additional-config '{"tapc": {...}}'`, batch sizes, splitting ops: tapc/api/engine.py), the
 spec's own engine arguments, then the options given here (vLLM parses them; a clash with what
 the plan needs is refused by it, e.g. another --max-num-seqs). `VLLM_PLUGINS` gets `tapc`, so
 vLLM loads tapc's endpoint plugin (http.py); where tapc is not installed (a source checkout on
@@ -32,33 +32,26 @@ def serve_argv(model: str, taps: list[str], *, capture_dtype: str | None = None,
     `functions`: its compiled functions by import path, traced here and pickled for the workers. `save`:
     the save folder's settings (saving.py: `folder`, `shard_tokens`, `positions`)."""
     if "--enable-expert-parallel" in extra or "-ep" in extra:   # vLLM's own flag, past engine_kwargs
-        from tapc.wire.engine_args import refuse_expert_parallel
+        from tapc.api.engine_args import refuse_expert_parallel
 
         refuse_expert_parallel()
-    from tapc.api.llm import plan_for, ship_functions
+    from tapc.api.engine import Engine
     from tapc.api.session import plan_blocks
     from tapc.lang.blockpaths import import_blocks
-    from tapc.plan.calls import pickled_once
-    from tapc.wire.engine_args import engine_kwargs
 
     functions = import_blocks(functions or {}, "tapc serve", what="function")
-    with pickled_once():
-        plan, kwargs = plan_for(model, taps, capture_dtype, dict(engine or {}), functions)
-        args = engine_kwargs(plan, kwargs)
-        if plan.functions:
-            args["additional_config"]["tapc"]["functions"] = str(ship_functions(plan, functions))
-    if spec_path is not None:   # the server loads the spec's parameter values from it
-        args["additional_config"]["tapc"]["spec"] = os.path.abspath(spec_path)
+    # the server loads the spec's parameter values from its file, and its workers import the blocks
+    served, args = Engine.build(model, taps, dict(engine or {}), capture_dtype=capture_dtype, functions=functions,
+                                spec=None if spec_path is None else os.path.abspath(spec_path), blocks=dict(blocks or {}),
+                                save={**save, "folder": os.path.abspath(save["folder"])} if save else None)
     if blocks:
         # here first, so that a name the plan lacks or a path that does not import is said
         # before vLLM starts (the server's Python is this one)
-        plan_blocks(plan, import_blocks(blocks, "tapc serve"))
-        args["additional_config"]["tapc"]["blocks"] = dict(blocks)
+        plan_blocks(served.plan, import_blocks(blocks, "tapc serve"))
     if save:
         from tapc.harvest.run import harvest_keys
 
-        harvest_keys(plan)   # a plan with nothing to save is said now, not at the server's start
-        args["additional_config"]["tapc"]["save"] = {**save, "folder": os.path.abspath(save["folder"])}
+        harvest_keys(served.plan)   # a plan with nothing to save is said now, not at the server's start
     return ["serve", model, *flags(args), *extra]
 
 

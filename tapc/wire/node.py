@@ -4,7 +4,7 @@ capture files (arena.py) or must be sent the rows themselves.
 Two processes share tapc's shared-memory folder when they run on one kernel (its boot id) and
 the folder is one filesystem object there (device and inode: two containers with /dev/shm of
 their own differ, two that bind the host's do not). The API puts its identity in the engine's
-config (engine_args.py); each worker compares its own, wherever vLLM's executor placed it (on
+config (config.py `api_shm`); each worker compares its own, wherever vLLM's executor placed it (on
 Ray, rank 0 need not be on the API's node).
 """
 from __future__ import annotations

@@ -9,7 +9,7 @@ fixed addresses (no per-layer Python constants, so Inductor still reuses one com
 for all layers), and the host refills their contents every step.
 
 Python blocks (`-> name`) become `tapc::boundary(x, b, k)`, an opaque op vLLM's piecewise
-backend splits the graph at (wire/engine_args.py lists it in the splitting ops).
+backend splits the graph at (api/engine_args.py lists it in the splitting ops).
 
 `.source` points rewrite the module's forward (tapc/worker/source.py) so the ops run at the call.
 

@@ -28,7 +28,7 @@ Both run in the engine-core process's one thread, the scheduler's step then the 
 (vLLM's single-process executor runs the worker in it): a hit allowed by one scheduler step is
 admitted in the worker's next call, before anything is dropped. Several GPUs run their workers
 in other processes, where neither the hashes nor the scheduler are at hand: refused there
-(tapc/wire/engine_args.py).
+(tapc/api/engine_args.py).
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """The vLLM worker of a tapped engine: vLLM's GPU worker plus the taps, installed at load.
 
-`wire.engine_args.engine_kwargs` names this class as `worker_cls` and puts the plan in
-`additional_config["tapc"]`, so it reaches every worker process (the engine core runs in a
-child process by default) and its digest is part of vLLM's compile-cache key. `load_model`
+`api.engine_args.engine_kwargs` names this class as `worker_cls` and puts the engine's
+`EngineConfig` (tapc/wire/config.py), the plan in it, in `additional_config["tapc"]`, so it
+reaches every worker process (the engine core runs in a child process by default) and is part
+of vLLM's compile-cache key. `load_model`
 runs before vLLM's first forward (memory profiling, where torch.compile traces), which is when
 the taps must be in place.
 
@@ -24,6 +25,7 @@ from tapc.kernels import ops
 from tapc.lang.blockpaths import import_blocks
 from tapc.plan.tapplan import TapPlan
 from tapc.wire.arena import Arena
+from tapc.wire.config import EngineConfig
 from tapc.wire.node import shm_identity
 from tapc.worker import patches
 from tapc.worker.buffers import Buffers
@@ -45,10 +47,10 @@ from tapc.worker.tables import StepTables
 class TapWorker(Worker):
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
-        config = (self.vllm_config.additional_config or {}).get("tapc")
+        config = EngineConfig.read(self.vllm_config.additional_config)
         if config is None:
             raise EngineError("tapc's worker runs without a plan: build engines with tapc.VLLM(...)")
-        plan = TapPlan.from_json(config["plan"])
+        plan = TapPlan.from_json(config.plan)
         runner = self.model_runner
         adapter_cls = runner_adapter(runner)
         tp_rank, stage = _place(plan)
@@ -62,26 +64,26 @@ class TapWorker(Worker):
         self.tapc_allocated = torch.cuda.memory_allocated(self.device) - before
         # the ops read the runner's positions only where rings are on (rings.py)
         positions = adapter_cls.positions(runner)
-        buffers.positions = positions if config.get("rings") else None
-        install(runner.get_model(), layout, buffers, _functions(config.get("functions")), positions)
+        buffers.positions = positions if config.rings else None
+        install(runner.get_model(), layout, buffers, _functions(config.functions), positions)
         points = EnginePoints(layout, buffers, _tp_all_gather) if layout.blocks or layout.engine else None
-        if points is not None and config.get("blocks"):   # a server's blocks, by import path (tapc serve)
-            points.runtime.register(import_blocks(config["blocks"], "the engine's plan"))
+        if points is not None and config.blocks:   # a server's blocks, by import path (tapc serve)
+            points.runtime.register(import_blocks(config.blocks, "the engine's plan"))
         self.tapc_has_blocks = any(t.action == "block" for t in plan.taps)
-        arena = Arena(register=_register, unregister=_unregister, keep=config.get("capture_keep"))
-        arena.reserve(config.get("capture_memory", 0))   # capture_memory_gib: pinned now, not on a step's path
+        arena = Arena(register=_register, unregister=_unregister, keep=config.capture_keep)
+        arena.reserve(config.capture_memory)   # capture_memory_gib: pinned now, not on a step's path
         # Graphs broken by blocks are not switched (switch.py), nor where the user said not to;
         # where the driver cannot, only the launches outside graphs are.
         switch = Switch(Driver.load(), buffers.table, ops.KERNELS) \
             if not layout.blocks and settings.TAPC_SWITCH_GRAPHS else None
         rows = None
-        if config.get("prefix_rows"):
+        if config.prefix_rows:
             backend = self.vllm_config.parallel_config.distributed_executor_backend
             if backend != "uni":   # the scheduler, whose lookup the rows limit, runs in another process
                 raise EngineError(f"prefix_rows_gib: this engine runs vLLM's {backend!r} executor; the kept rows "
                                   "need its single-process one (\"uni\"), one GPU")
-            rows = PrefixRows(layout, self.vllm_config.cache_config.block_size, config["prefix_rows"])
-        tables = StepTables(layout, buffers, copy_out, arena, inline=not _on_api_node(config.get("api_shm")))
+            rows = PrefixRows(layout, self.vllm_config.cache_config.block_size, config.prefix_rows)
+        tables = StepTables(layout, buffers, copy_out, arena, inline=not _on_api_node(config.api_shm))
         self.tapc = RunnerHooks(layout, arena, tables, EditSlots(buffers), prefix_rows=rows, switch=switch,
                                 points=points)
         self.tapc_adapter = adapter_cls(runner, self.tapc)
@@ -162,7 +164,7 @@ def runner_adapter(runner):
 
 def _functions(path: str | None) -> dict:
     """The plan's compiled functions, which the API pickled by value into `path`, each on its own
-    (api/llm.py `ship_functions`)."""
+    (api/engine.py `ship_functions`)."""
     if path is None:
         return {}
     with open(path, "rb") as f:

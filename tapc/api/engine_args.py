@@ -1,10 +1,13 @@
-"""The vLLM engine arguments a tap plan needs, merged into the user's own.
+"""The vLLM engine arguments a tap plan needs, merged into the user's own, and the checks that
+refuse what a tapped engine cannot run. They are made and checked on the caller's side only
+(what crosses to vLLM's processes is the `EngineConfig` in them, tapc/wire/config.py), so they
+live with the API, which builds engines through tapc/api/engine.py.
 
 - `worker_cls`: tapc's worker, which installs the taps after the model loads (a qualified
   name, so it resolves in the engine-core and worker processes).
-- `additional_config["tapc"]`: the plan (JSON) and a digest of the plan and of the code that
-  runs inside the graphs. vLLM hashes `additional_config` into its compile-cache key, so a new
-  plan or changed tap code never reuses stale compiled graphs.
+- `additional_config["tapc"]`: the `EngineConfig`, with the plan (JSON) and a digest of the plan
+  and of the code that runs inside the graphs. vLLM hashes `additional_config` into its
+  compile-cache key, so a new plan or changed tap code never reuses stale compiled graphs.
 - prefix caching is left as the user sets it (vLLM's default: on). Tokens served from the
   prefix cache skip the forward, so the API decides per request what it may read and share
   (tapc/api/prefix.py: captures of prompt rows read no cache, edits get a `cache_salt`).
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from tapc import settings
 from tapc.errors import EngineError
+from tapc.wire.config import EngineConfig
 from tapc.wire.node import shm_identity
 
 if TYPE_CHECKING:   # a plan is what the API hands in; this side needs only its methods
@@ -68,10 +72,11 @@ def triton_interpreter() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
-def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
+def engine_kwargs(plan: TapPlan, kwargs: dict, **fields) -> tuple[dict, EngineConfig]:
     """vLLM `LLM(...)` keyword arguments for `plan`, from the user's `kwargs` (tapc's own
-    `capture_memory_gib` and `capture_memory_keep_gib` among them: the worker reads them from the
-    plan's config)."""
+    `capture_memory_gib`, `capture_memory_keep_gib` and `prefix_rows_gib` among them: the worker
+    reads them from the config), and the config they carry. `fields`: more of the config's
+    fields (functions, a server's spec, blocks and save folder)."""
     out = dict(kwargs)
     if out.get("enable_expert_parallel"):
         refuse_expert_parallel()
@@ -98,21 +103,12 @@ def engine_kwargs(plan: TapPlan, kwargs: dict) -> dict:
         out[name] = getattr(plan, name)
     if plan.splitting_ops:
         out["compilation_config"] = _with_splits(plan, out.get("compilation_config"))
-    additional = dict(out.get("additional_config") or {})
-    additional["tapc"] = {"plan": plan.to_json(), "digest": digest(plan)}
-    shm = shm_identity()
-    if shm is not None:   # a worker that sees other shared memory sends its rows (worker.py `_on_api_node`)
-        additional["tapc"]["api_shm"] = shm
-    if settings.TAPC_RINGS:   # rings change the graphs (the capture ops' arguments): in the hashed config
-        additional["tapc"]["rings"] = True
-    if reserve:
-        additional["tapc"]["capture_memory"] = reserve
-    if keep is not None:
-        additional["tapc"]["capture_keep"] = keep
-    if rows:
-        additional["tapc"]["prefix_rows"] = rows
-    out["additional_config"] = additional
-    return out
+    # rings change the graphs (the capture ops' arguments): in the hashed config, as everything is
+    config = EngineConfig(plan=plan.to_json(), graph_digest=digest(plan), api_shm=shm_identity(),
+                          rings=settings.TAPC_RINGS, capture_memory=reserve, capture_keep=keep, prefix_rows=rows,
+                          **fields)
+    out["additional_config"] = config.into(out.get("additional_config"))
+    return out, config
 
 
 def refuse_expert_parallel() -> None:
