@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from tapc.errors import ProtocolError
-from tapc.wire.protocol import _get
+from tapc.wire.protocol import wire_field
 
 VERSION = 1
 KEY = "tapc"   # its key in additional_config
@@ -64,7 +64,7 @@ class EngineConfig:
         if d.get("version") != VERSION:
             raise ProtocolError(f"{WHAT} of version {d.get('version')!r}, but this tapc reads version {VERSION}: "
                                 "the engine was started by another tapc version")
-        return cls(**{name: _get(d, name, types, WHAT) for name, types in _TYPES.items()})
+        return cls(**{name: wire_field(d, name, types, WHAT) for name, types in _TYPES.items()})
 
     @classmethod
     def read(cls, additional_config) -> "EngineConfig | None":

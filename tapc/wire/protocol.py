@@ -40,7 +40,8 @@ VERSION = 4
 ParamValue = Union[bytes, float, list]
 
 
-def _get(d: Mapping, name: str, types, what: str):
+def wire_field(d: Mapping, name: str, types, what: str):
+    """`d[name]`, a ProtocolError naming it unless it is there and of one of `types`."""
     if name not in d:
         raise ProtocolError(f"{what}: no field {name!r}")
     value = d[name]
@@ -108,22 +109,22 @@ class WireRequest:
         if isinstance(d, str):
             d = _from_text(d, what)
         _check_version(d, what)
-        positions = _get(d, "positions", (str, list, tuple), what)
+        positions = wire_field(d, "positions", (str, list, tuple), what)
         blocks = d.get("blocks")
         if blocks is not None and not isinstance(blocks, bytes):
             raise ProtocolError(f"{what}: field 'blocks' is a {type(blocks).__name__}")
-        params = dict(_get(d, "params", Mapping, what))
+        params = dict(wire_field(d, "params", Mapping, what))
         bad = next((k for k, v in params.items() if not _is_param_value(v)), None)
         if bad is not None:
             raise ProtocolError(f"{what}: parameter {bad!r} is a {type(params[bad]).__name__}, not bytes, a "
                                 "number or a list of numbers")
         if not isinstance(positions, str) and not all(_is_number(p) for p in positions):
             raise ProtocolError(f"{what}: field 'positions' holds something other than numbers")
-        ask = Ask(capture=tuple(_get(d, "capture", (list, tuple), what)),
-                  engine=tuple(_get(d, "engine", (list, tuple), what)),
+        ask = Ask(capture=tuple(wire_field(d, "capture", (list, tuple), what)),
+                  engine=tuple(wire_field(d, "engine", (list, tuple), what)),
                   positions=positions if isinstance(positions, str) else tuple(positions),
                   params=params, blocks=blocks)
-        return cls(_get(d, "id", str, what), ask)
+        return cls(wire_field(d, "id", str, what), ask)
 
 
 def _from_text(text: str, what: str) -> dict:
@@ -184,8 +185,8 @@ class TensorData:
     @classmethod
     def from_wire(cls, d) -> "TensorData":
         what = "tensor"
-        return cls(_get(d, "dtype", str, what), tuple(_get(d, "shape", (list, tuple), what)),
-                   _get(d, "data", bytes, what))
+        return cls(wire_field(d, "dtype", str, what), tuple(wire_field(d, "shape", (list, tuple), what)),
+                   wire_field(d, "data", bytes, what))
 
 
 _SCALARS = (type(None), bool, int, float, str, bytes)
@@ -279,7 +280,7 @@ class BlockFailure:
     def from_wire(cls, d) -> "BlockFailure":
         what = "block failure"
         args = d.get("args")
-        return cls(*(_get(d, k, str, what) for k in ("block", "point", "module", "qualname", "message", "traceback")),
+        return cls(*(wire_field(d, k, str, what) for k in ("block", "point", "module", "qualname", "message", "traceback")),
                    None if args is None else tuple(args))
 
 
@@ -337,9 +338,9 @@ class StoreResult:
     @classmethod
     def from_wire(cls, d) -> "StoreResult":
         what = "capture store"
-        chunks = tuple(Chunk.from_wire(c) for c in _get(d, "chunks", (list, tuple), what))
-        return cls(tuple(_get(d, "keys", (list, tuple), what)), _get(d, "dtype", str, what),
-                   _get(d, "width", int, what), _get(d, "rows", int, what), chunks, _get(d, "rank", int, what))
+        chunks = tuple(Chunk.from_wire(c) for c in wire_field(d, "chunks", (list, tuple), what))
+        return cls(tuple(wire_field(d, "keys", (list, tuple), what)), wire_field(d, "dtype", str, what),
+                   wire_field(d, "width", int, what), wire_field(d, "rows", int, what), chunks, wire_field(d, "rank", int, what))
 
 
 @dataclass(frozen=True)
@@ -368,10 +369,10 @@ class Result:
     def from_wire(cls, d) -> "Result":
         what = "tapc result"
         error, block_error = d.get("error"), d.get("block_error")
-        return cls(_get(d, "id", str, what), error if error is None else str(error),
-                   tuple(StoreResult.from_wire(s) for s in _get(d, "stores", (list, tuple), what)),
-                   {k: TensorData.from_wire(t) for k, t in _get(d, "engine", Mapping, what).items()},
-                   {k: tuple(v) for k, v in _get(d, "saved", Mapping, what).items()},
+        return cls(wire_field(d, "id", str, what), error if error is None else str(error),
+                   tuple(StoreResult.from_wire(s) for s in wire_field(d, "stores", (list, tuple), what)),
+                   {k: TensorData.from_wire(t) for k, t in wire_field(d, "engine", Mapping, what).items()},
+                   {k: tuple(v) for k, v in wire_field(d, "saved", Mapping, what).items()},
                    None if block_error is None else BlockFailure.from_wire(block_error), bool(d.get("unknown")))
 
     def saved_values(self) -> dict[str, list]:
@@ -391,8 +392,8 @@ class CollectReply:
     @classmethod
     def from_wire(cls, d) -> "CollectReply":
         _check_version(d, "tapc collect reply")
-        return cls(tuple(Result.from_wire(r) for r in _get(d, "results", (list, tuple), "tapc collect reply")),
-                   _get(d, "nonfinite", (int, type(None)), "tapc collect reply"))
+        return cls(tuple(Result.from_wire(r) for r in wire_field(d, "results", (list, tuple), "tapc collect reply")),
+                   wire_field(d, "nonfinite", (int, type(None)), "tapc collect reply"))
 
     def by_id(self) -> dict[str, Result]:
         return {r.id: r for r in self.results}
