@@ -23,6 +23,7 @@ import tempfile
 import time
 
 from bench_engine import ENGINE, LLAMA_31_8B, timed, write_table
+import record
 
 import torch
 
@@ -133,6 +134,7 @@ def main():
                      f"torch {torch.__version__}, Python {platform.python_version()}", "",
                      f"{name} shape, dummy weights, bf16; output tok/s, medians of {rounds} rounds.", ""]
             write_table(lines, results, WORKLOADS, args.out)
+    record.append_compared("bench_blocks.py", results, WORKLOADS, "tok/s", args.out)
     del engines
     gc.collect()
 

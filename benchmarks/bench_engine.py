@@ -26,11 +26,12 @@ import gc
 import json
 import os
 import platform
-import statistics
 import tempfile
 import time
 
 import numpy as np
+
+import record
 
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False,
@@ -177,15 +178,14 @@ def main():
         del vanilla
         gc.collect()
         torch.cuda.empty_cache()
-    if "eager" not in args.phases:
-        return
-
-    eager = LLM(model, enforce_eager=True, gpu_memory_utilization=0.85, **common)
-    for i, w in enumerate(WORKLOADS):
-        timed(lambda ps, sp: eager.generate(ps, sp, use_tqdm=False), w, seed=3000 + i)
-        results[(w, "vanilla enforce_eager")] = [timed(lambda ps, sp: eager.generate(ps, sp, use_tqdm=False), w,
-                                                       seed=3100 + i)]
-    report()
+    if "eager" in args.phases:
+        eager = LLM(model, enforce_eager=True, gpu_memory_utilization=0.85, **common)
+        for i, w in enumerate(WORKLOADS):
+            timed(lambda ps, sp: eager.generate(ps, sp, use_tqdm=False), w, seed=3000 + i)
+            results[(w, "vanilla enforce_eager")] = [timed(lambda ps, sp: eager.generate(ps, sp, use_tqdm=False), w,
+                                                           seed=3100 + i)]
+        report()
+    record.append_compared("bench_engine.py", results, WORKLOADS, metric, args.out)
 
 
 def started(what: str, start):
@@ -200,28 +200,23 @@ def write_table(head: list[str], results: dict, workloads, out: str, unit: str |
     """`head`, then a markdown table of median values and their ratio to vanilla's, printed and
     written to `out`. results: (workload, variant) -> values, one a round in round order;
     "vanilla" is the baseline. Beside the ratio of medians, the median (and range) of each
-    round's own ratio: a run in the same round as its vanilla run shares the machine's state
-    then, so a drift over the rounds (vanilla's own speed moved 10% in some runs) cancels."""
+    round's own ratio (record.compared)."""
     lines = head + ["| workload | variant | value | ratio to vanilla | per-round ratio, median (range) |",
                     "|---|---|---:|---:|---:|"]
-    for w in workloads:
-        # vanilla is missing where this run's phases left it out (e.g. `--phases eager`)
-        vanilla = results.get((w, "vanilla"))
-        base = statistics.median(vanilla) if vanilla else None
-        shown = unit or ("s" if w.startswith("harvest") else "tok/s")
-        for (wl, name), values in results.items():
-            if wl == w:
-                v = statistics.median(values)
-                ratio = f"{v / base:.3f}x" if base else "-"
-                paired = ""
-                if name != "vanilla" and vanilla and len(vanilla) == len(values):
-                    per = [a / b for a, b in zip(values, vanilla)]
-                    paired = f"{statistics.median(per):.3f}x ({min(per):.3f}-{max(per):.3f})"
-                lines.append(f"| {w} | {name} | {v:.2f} {shown} | {ratio} | {paired} |")
+    for c in record.compared(results, workloads):
+        ratio = "-" if c["ratio"] is None else f"{c['ratio']:.3f}x"
+        paired = "" if c["per_round"] is None else f"{c['per_round']:.3f}x ({c['low']:.3f}-{c['high']:.3f})"
+        lines.append(f"| {c['workload']} | {c['variant']} | {c['value']:.2f} {unit or metric(c['workload'])} | "
+                     f"{ratio} | {paired} |")
     text = "\n".join(lines) + "\n"
     print(text)
     with open(out, "w") as f:
         f.write(text)
+
+
+def metric(workload: str) -> str:
+    """A workload's unit: the harvest is timed, decode counts output tokens."""
+    return "s" if workload.startswith("harvest") else "tok/s"
 
 
 if __name__ == "__main__":

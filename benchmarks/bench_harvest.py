@@ -32,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_engine import ENGINE, LLAMA_31_8B  # noqa: E402
+import record  # noqa: E402
 
 LAYERS = {1: ["model.layers.16.resid"], 4: [f"model.layers.{i}.resid" for i in (4, 12, 20, 28)]}
 FULL = ["8192x128", "1024x1024"]
@@ -200,6 +201,11 @@ def main():
                 times.setdefault((w, "ray"), []).append(got)
         if rnd:
             report()
+    if not args.no_vanilla:   # (the Ray row's reference is the in-process harvest, not vanilla)
+        seconds = {(w, "vanilla"): times[(w, "vanilla")] for w in workloads if (w, "vanilla") in times}
+        seconds.update({(w, f"harvest, {n} layer{'s' if n > 1 else ''}"): [t for t, _ in times[(w, n)]]
+                        for w in workloads for n in args.layers if (w, n) in times})
+        record.append_compared("bench_harvest.py", seconds, workloads, "s", args.out)
     if args.profile:
         profile(engines, prompts(workloads[0], seed=repeats + 1), args.dir, args.profile, workloads[0])
     shutil.rmtree(model, ignore_errors=True)

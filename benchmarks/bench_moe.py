@@ -33,6 +33,7 @@ import tempfile
 
 from bench_engine import LLAMA_31_8B, started, write_table
 from bench_parallel import rounds
+import record
 
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
@@ -198,6 +199,7 @@ def main():
         for engine in engines.values():
             shutdown(engine)
     report()
+    record.append_compared("bench_moe.py", results, dict.fromkeys(w for w, _ in results), "tok/s", args.out)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 from bench_engine import LLAMA_31_8B, prompts, run_seed, started, write_table
+import record
 
 LLAMA_31_70B = {**LLAMA_31_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
                 "num_hidden_layers": 80, "num_key_value_heads": 8}
@@ -141,13 +142,16 @@ def main():
     if side_by_side:
         tapped = started("tapc", lambda: VLLM(model, taps=taps_for(args.shape), **common))
         rounds(workloads, {**vanilla_run, **tapped_runs(tapped)}, args.repeats, results, report)
-        return
-    rounds(workloads, vanilla_run, args.repeats, results, report)
-    vanilla.llm_engine.engine_core.shutdown()
-    del vanilla, vanilla_run
-    gc.collect()
-    tapped = started("tapc", lambda: VLLM(model, taps=taps_for(args.shape), **common))
-    rounds(workloads, tapped_runs(tapped), args.repeats, results, report)
+    else:
+        rounds(workloads, vanilla_run, args.repeats, results, report)
+        vanilla.llm_engine.engine_core.shutdown()
+        del vanilla, vanilla_run
+        gc.collect()
+        tapped = started("tapc", lambda: VLLM(model, taps=taps_for(args.shape), **common))
+        rounds(workloads, tapped_runs(tapped), args.repeats, results, report)
+    # the shape names the workload: both shapes decode at "bs1"
+    record.append_compared("bench_parallel.py", {(f"{args.shape} {w}", v): r for (w, v), r in results.items()},
+                           [f"{args.shape} {w}" for w in workloads], "tok/s", args.out)
 
 
 if __name__ == "__main__":

@@ -833,13 +833,19 @@ def summary(done: list[Done], seconds: float) -> dict:
             "hit_rate": sum(d.cached for d in untapped) / max(1, sum(d.prompt_tokens for d in untapped))}
 
 
+def med(runs: list[dict], key: str) -> float:
+    return statistics.median(run[key] for run in runs)
+
+
+def per_round(v: list[dict], t: list[dict]) -> list[float]:
+    """Each round's tapc / vanilla output tok/s."""
+    return [b["tok_s"] / a["tok_s"] for a, b in zip(v, t)]
+
+
 def table_rows(mix: str, v: list[dict], t: list[dict]) -> list[str]:
     """A mix's two rows: each server's medians over the rounds, the ratio of the medians, and the
     median (range) of each round's own ratio."""
-    def med(runs: list[dict], key: str) -> float:
-        return statistics.median(run[key] for run in runs)
-
-    ratios = [b["tok_s"] / a["tok_s"] for a, b in zip(v, t)]
+    ratios = per_round(v, t)
     rows = []
     for name, runs in (("vanilla vllm serve", v), ("tapc serve", t)):
         tapped = runs is t
@@ -953,6 +959,8 @@ def main() -> int:
                     help="time the engine thread's calls of vLLM's engine-loop functions on both servers during "
                          "the timed loads (benchmarks/timers.py: two clock reads a call) and write ms a step here")
     args = ap.parse_args()
+    import record   # here: the servers import this module as benchmarks.bench_serve, from the root
+
     if args.quick:
         args.requests, args.hidden, args.layers = 300, 512, 4
     if args.rounds is None:
@@ -1072,6 +1080,12 @@ def main() -> int:
                 report(args, rows + table_rows(args.mix[m], per["vanilla"], per["tapc"]), problems, final=False,
                        baseline=baseline)
             rows += table_rows(args.mix[m], per["vanilla"], per["tapc"])
+            ratios = per_round(per["vanilla"], per["tapc"])
+            record.append({"script": "bench_serve.py", "variant": "tapc serve",
+                           "workload": f"{args.hidden} wide, {args.layers} layers, mix {args.mix[m]}",
+                           "ratio": f"{med(per['tapc'], 'tok_s') / med(per['vanilla'], 'tok_s'):.3f}",
+                           "low": f"{min(ratios):.3f}", "high": f"{max(ratios):.3f}", "metric": "tok/s",
+                           "source": args.out or ""})
             if args.timers or args.kernels:   # each mix's readings apart
                 timed_mixes.append((args.mix[m], {name: [w.set_aside(f"mix{m}") if isinstance(w, (CallTimes, Kernels))
                                                          else w for w in ws] for name, ws in windows.items()},

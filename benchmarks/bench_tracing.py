@@ -27,6 +27,7 @@ import time
 import numpy as np
 import torch
 from bench_engine import ENGINE, LLAMA_31_8B, write_table
+import record
 
 PEERS = ("hf", "nnsight")
 
@@ -153,6 +154,7 @@ def main():
                     f"Llama-3.1-8B shape, dummy weights, bf16, prefix caching off; {len(prompts)} prefill requests "
                     f"of {args.length} tokens, one restored row each; requests/s, medians of {rounds} rounds.", ""]
             write_table(head, results, [workload], args.out, unit="requests/s")
+    record.append_compared("bench_tracing.py", results, [workload], "requests/s", args.out)
 
 
 if __name__ == "__main__":
