@@ -40,7 +40,7 @@ from tapc.plan.tree import ModuleTree, Node, SourceOp
 HIDDEN, INTER, LAYERS, VOCAB = 16, 24, 3, 50
 HALF = 10
 MAX_ROWS = 1024   # the toy runners' positions buffers (a step runs at most this many rows)
-# MLP.forward's calls as the plan names them (tapc.plan.tree.forward_calls), with their widths.
+# MLP.forward's calls as the plan names them (tapc.plan.forwards.forward_calls), with their widths.
 MLP_SOURCE = (SourceOp("self_up_proj_0", "self.up_proj(x)", 0, (INTER,), HIDDEN, linear=True),
               SourceOp("h_split_0", "h.split(...)", 0, (HALF, INTER - HALF), INTER),
               SourceOp("self_down_proj_0", "self.down_proj(...)", 0, (HIDDEN,), INTER, linear=True),

@@ -222,10 +222,11 @@ def test_damaged_cache_files_are_named_and_built_again(tmp_path, monkeypatch, ca
     from tapc.plan.planner import build_plan
     from tapc.plan.tree import load_tree
 
-    load_tree(LLAMA)   # in the session's cache
+    plain = json.loads(load_tree(LLAMA).to_json())   # in the session's cache
     cache = tapc.installed.cache_dir()
     names = next(cache.glob("vllm-names-*.json"))
-    tree = next(p for p in cache.glob("*.json") if json.loads(p.read_text()).get("model") == LLAMA)
+    # the plain tree's file: the session may also hold LLAMA's trees for other engine arguments (LoRA)
+    tree = next(p for p in cache.glob("*.json") if json.loads(p.read_text()) == plain)
     monkeypatch.setattr(tapc.installed.settings, "TAPC_CACHE", tmp_path)
     (tmp_path / "trees").mkdir()
     for good in (names, tree):

@@ -6,7 +6,7 @@ Needs peft on the GPU machine (`TAPC_GPU_EXTRA="peft accelerate" bash ../shared/
 .gpu` if the image lacks it). The session's random Llama checkpoint (tests/gpu_engines.py); a
 rank-8 adapter on every linear layer, made with peft and given random B matrices (peft starts
 them at zero, which would change nothing). vLLM wraps those layers for LoRA at load; the plan
-is built on the tree with its wrappers (tapc/plan/tree.py), so `mlp.down_proj.output` is the
+is built on the tree with its wrappers (tapc/plan/metamodel.py), so `mlp.down_proj.output` is the
 adapted output. Both model runners.
 """
 import pytest

@@ -12,7 +12,7 @@ from engine_toy import HALF, HIDDEN, INTER, Req, ToyModel, collect, hooks_for, r
 from tapc.api.requests import TapRequest
 from tapc.errors import EngineError
 from tapc.api.session import TapSession
-from tapc.plan.tree import forward_calls
+from tapc.plan.forwards import forward_calls
 
 
 def test_names_match_the_plan():

@@ -45,7 +45,7 @@ SEVERAL_GPUS = ("mp", "ray")
 # them must invalidate vLLM's compile cache. tests/test_digest_cpu.py runs an install and the
 # patched forwards and fails if a tapc file they run is missing here.
 GRAPH_MODULES = ("tapc.worker.install", "tapc.worker.source", "tapc.worker.calls", "tapc.lang.functions",
-                 "tapc.worker.layout", "tapc.plan.tree", "tapc.lang.edits",
+                 "tapc.worker.layout", "tapc.plan.forwards", "tapc.lang.edits",
                  "tapc.plan.sizing", "tapc.plan.ranks", "tapc.plan.sharding")
 GRAPH_PACKAGES = ("tapc.kernels",)   # every module of these
 

@@ -8,7 +8,7 @@ from tapc.lang.specfile import Spec
 from tapc.plan.planner import build_plan
 from tapc.plan.sizing import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from tapc.plan.tapplan import TapPlan
-from tapc.plan.tree import config_path
+from tapc.plan.modeldir import config_path
 
 
 def spec_plan(spec: Spec) -> TapPlan:

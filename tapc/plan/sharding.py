@@ -62,7 +62,7 @@ class ModelDims:
     @classmethod
     def of_model(cls, model: str) -> "ModelDims":
         """From the model's config.json (a local directory or the local HF cache)."""
-        from tapc.plan.tree import config_path
+        from tapc.plan.modeldir import config_path
 
         return cls.from_config(json.loads(config_path(model).read_text()))
 

@@ -13,7 +13,7 @@ backend splits the graph at (api/engine_args.py lists it in the splitting ops).
 
 `.source` points rewrite the module's forward (tapc/worker/source.py) so the ops run at the call.
 
-An MoE router (`<runner>.router`, tree.py) is not a module: its `select_experts` is wrapped
+An MoE router (`<runner>.router`, metamodel.py) is not a module: its `select_experts` is wrapped
 instead of a forward, and its tables are registered on the runner that holds it. It runs inside
 vLLM's fused-MoE op, eagerly while graphs are captured, so its ops are captured with the op's
 kernels. The expert ids (int32) go as they are to their int32 pool (the capture kernel takes

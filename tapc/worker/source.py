@@ -1,7 +1,7 @@
 """`.source` points: a module's forward, rewritten so that tap ops run at a call inside it.
 
 The forward's source is parsed and its calls named exactly as the plan named them
-(`tapc.plan.tree.forward_calls`: `self_qkv_proj_0`, `qkv_split_0`, ...). A tapped call `f(a, ...)`
+(`tapc.plan.forwards.forward_calls`: `self_qkv_proj_0`, `qkv_split_0`, ...). A tapped call `f(a, ...)`
 becomes `__tapc_out("name", f(__tapc_in("name", a), ...))`; the two helpers run the ops bound to
 that call on its result (element k of a tuple result; a vLLM linear's `out`) or on its first
 argument, and return the value unchanged (edits are in place). The rewritten function is
@@ -17,7 +17,7 @@ from collections import defaultdict
 import torch
 
 from tapc.errors import EngineError
-from tapc.plan.tree import forward_calls
+from tapc.plan.forwards import forward_calls
 
 
 def rewrite_forward(module: torch.nn.Module, path: str, taps: list) -> types.MethodType:
