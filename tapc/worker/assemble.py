@@ -73,12 +73,13 @@ def assemble(layout: Layout, config: EngineConfig, process: Process) -> Assembly
     arena = Arena(register=process.register, unregister=process.unregister, keep=config.capture_keep,
                   segment_bytes=process.segment_bytes)
     arena.reserve(config.capture_memory)   # capture_memory_gib: pinned now, not on a step's path
-    # Graphs broken by blocks are not switched (switch.py), nor where the user said not to;
-    # where the driver cannot (or the process has none), only the launches outside graphs are.
-    switch = Switch(process.driver(), buffers.table, ops.KERNELS) if not layout.blocks and process.switching else None
     rows = PrefixRows(layout, process.cache_block, config.prefix_rows) if config.prefix_rows else None
     tables = StepTables(layout, buffers, process.copy_out, arena, compiled=process.compiled,
                         inline=not process.on_api_node(config.api_shm))
+    # Graphs broken by blocks are not switched (switch.py), nor where the user said not to;
+    # where the driver cannot (or the process has none), only the launches outside graphs are.
+    switch = Switch(process.driver(), buffers.table, ops.KERNELS, tables) \
+        if not layout.blocks and process.switching else None
     hooks = RunnerHooks(layout, arena, tables, EditSlots(buffers), prefix_rows=rows, switch=switch, points=points)
     adapter = process.adapter(runner, hooks)
     applied = patches.apply(runner, adapter, points, breaks=bool(layout.blocks), switch=switch, prefix_rows=rows,
