@@ -23,13 +23,9 @@ import numpy as np
 import torch
 
 from tapc import settings
-from tapc.wire.arena import Arena
 from tapc.wire.protocol import WireRequest
 from tapc.api.requests import TapRequest, check
 from tapc.worker.buffers import Buffers
-from tapc.worker.runner import RunnerHooks
-from tapc.worker.slots import EditSlots
-from tapc.worker.tables import StepTables
 from tapc.worker.memcpy import Repeated, copy_segments
 from tapc.worker.runner_v1 import V1Adapter
 from tapc.worker.runner_v2 import V2Adapter
@@ -209,6 +205,9 @@ class ToyRunner:
     def get_model(self):
         return self.model
 
+    def capture_model(self):
+        """vLLM captures its CUDA graphs here (the worker wraps it); the toy has none."""
+
     def execute_model(self, so, dummy_run: bool = False):
         for rid in so.finished_req_ids:   # its slot goes to a later request, as in vLLM's runner
             self.index.pop(rid, None)
@@ -264,6 +263,9 @@ class ToyRunnerV1:
 
     def get_model(self):
         return self.model
+
+    def capture_model(self):
+        """vLLM captures its CUDA graphs here (the worker wraps it); the toy has none."""
 
     def _update_states(self, so) -> None:
         batch = self.input_batch
@@ -431,40 +433,31 @@ def run(runner, reqs: list[Req], budget: int) -> None:
 
 def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank: int = 0, stage: int = 0,
               runner: str = "v2", inline: bool = False, switch: bool = False, prefix_rows: tuple | None = None,
-              compiled: bool = True, functions: dict | None = None):
+              compiled: bool = True, functions: dict | None = None, kv_manager: type | None = None):
     """The toy runner of vLLM's `runner` ("v2" or "v1") with `plan` installed in `model`, as the
     worker installs it; and its hooks (`inline`: a worker on another node than the API; `switch`:
     with a `Switch` for the hooks to set, `hooks.switch`, without a driver: no graphs here;
     `prefix_rows`: (block, budget bytes) of kept prefix rows, `hooks.prefix_rows`; `compiled`
     False: every step filled by the numpy reference, tapc/worker/fill.py; `functions`: the plan's
-    compiled functions, by name)."""
-    from tapc.worker.prefixrows import PrefixRows
-    from tapc.worker.switch import Switch
-    from tapc.kernels import ops
-
-    from tapc.worker.install import install
+    compiled functions, by name; `kv_manager`: the prefix cache's class whose lookup the kept
+    rows limit, a class of its own unless given). Built by the worker's own `assemble`."""
+    from tapc.wire.config import EngineConfig
+    from tapc.worker.assemble import Process, assemble
     from tapc.worker.layout import Layout
-
-    from tapc.worker import patches
-    from tapc.worker.points import EnginePoints
 
     layout = Layout(plan, tp_rank, stage)   # on several GPUs: this one's part of the plan
     buffers = toy_buffers(layout, rows, slots)
     toy, adapter = {"v2": (ToyRunner, V2Adapter), "v1": (ToyRunnerV1, V1Adapter)}[runner]
     runner = toy(model, pad)
-    positions = adapter.positions(runner)
-    buffers.positions = positions if settings.TAPC_RINGS else None   # as the engine's config tells the worker
-    install(model, layout, buffers, functions, positions)
-    # the components, as the worker makes them
-    points = EnginePoints(layout, buffers) if layout.blocks or layout.engine else None
-    # Small arena segments, so a run spans several files and reuses freed space.
-    arena = Arena(segment_bytes=4096)
-    tables = StepTables(layout, buffers, ToyCopyOut(buffers.pools), arena, compiled=compiled, inline=inline)
-    hooks = RunnerHooks(layout, arena, tables, EditSlots(buffers),
-                        prefix_rows=PrefixRows(layout, *prefix_rows) if prefix_rows else None,
-                        switch=Switch(None, buffers.table, ops.KERNELS) if switch else None, points=points)
-    # with a switch, its idle check is patched into the ops process-wide: callers put it back
-    patches.apply(runner, adapter(runner, hooks), points, switch=hooks.switch)
+    block, budget = prefix_rows or (0, 0)
+    config = EngineConfig(plan.to_json(), "", rings=settings.TAPC_RINGS, prefix_rows=budget)
+    # CPU memory, no driver, no pinning; small arena segments, so a run spans several files and
+    # reuses freed space. With a switch, its idle check is patched into the ops process-wide:
+    # callers put it back.
+    process = Process(runner, adapter, buffers, ToyCopyOut(buffers.pools), functions or {},
+                      lambda api_shm: not inline, block, switch, segment_bytes=4096,
+                      kv_manager=kv_manager or type("ToyKVCacheKeepingRows", (ToyKVCache,), {}), compiled=compiled)
+    hooks = assemble(layout, config, process).hooks
     return runner, hooks
 
 
@@ -619,14 +612,15 @@ def toy_vllm(taps: list[str], params: dict | None = None, block: int | None = No
     `prefix_rows`: bytes of captured prompt rows the worker keeps (`prefix_rows_gib`), its
     lookup wrapped as the worker wraps vLLM's (patches.cache_lookup_patch)."""
     from tapc.api.llm import VLLM
-    from tapc.worker.patches import cache_lookup_patch
 
     plan = toy_plan(taps)
-    runner, hooks = hooks_for(plan, ToyModel(), prefix_rows=(block, prefix_rows) if prefix_rows else None)
+    # a class of its own, so the worker's wrapper of its lookup lasts as long as this engine
+    kv = type("ToyKVCacheKeepingRows", (ToyKVCache,), {})
+    runner, hooks = hooks_for(plan, ToyModel(), prefix_rows=(block, prefix_rows) if prefix_rows else None,
+                              kv_manager=kv)
     llm = VLLM.__new__(VLLM)
     llm.plan, llm.session = plan, TapSession(plan, params, prefix_rows=bool(prefix_rows))
     llm.llm = ToyLLM(runner, hooks, block=block)
-    if prefix_rows:   # a class of its own, so the wrapper lasts as long as this engine
-        llm.llm.kv.__class__ = type("ToyKVCacheKeepingRows", (ToyKVCache,), {})
-        cache_lookup_patch(hooks.prefix_rows, type(llm.llm.kv)).apply()
+    if prefix_rows:
+        llm.llm.kv.__class__ = kv
     return llm, hooks

@@ -7,29 +7,28 @@ The components, in the order the hooks call them (end_step in reverse):
   repeated or ringed decode step (rings.py), and the captured rows' way out to host memory;
 - `EditSlots` (slots.py): each editing request's parameter slot in the device tables;
 - `PrefixRows` (prefixrows.py): captured rows of shared prompt blocks kept for later requests;
-- `Switch` (switch.py): which tap kernels the step's graphs run;
+- `Switch` (switch.py): which tap kernels the step's graphs run, as the step tables just
+  filled them: after `StepTables` in the list, whose `taps` it reads at `begin_step`;
 - `EnginePoints` (points.py): `logits`, `samples` and Python blocks.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tapc.worker.records import Record
-from tapc.worker.step import Segment, StepBatch
+from tapc.worker.step import StepBatch
 
 
 @dataclass
 class Step:
-    """One forward as the components see it. `StepTables` sets what the tables hold for it."""
+    """One forward as the runner hooks hand it to every component. No component writes it: a
+    value one hands another goes between them explicitly (`Switch` asks `StepTables.taps`)."""
 
     batch: StepBatch
     tapped: list[tuple[int, Record]]     # its tapped requests: (place in the batch, record), batch order
     records: dict[str, Record]           # vLLM id -> record, every tapped request vLLM runs
     unadmitted: set[str]                 # vLLM ids of tapped requests this GPU could not admit
-    segments: list[Segment] = field(default_factory=list)   # capture blocks to copy out after it
-    used: list[int] = field(default_factory=list)           # rows of each capture group's pool it takes
-    taps: int = 0                        # the taps with rows in it, as a mask (Layout.taps_mask)
 
 
 class StepComponent:

@@ -1,7 +1,7 @@
 """Every change tapc makes to objects it does not own (vLLM's runner and sampler, torch, the
 `tapc::boundary` handler), in one place, each owned by a `Patch` that can undo it.
 
-The worker applies them at load (`TapWorker.load_model`, `apply`), after the taps are installed
+The worker applies them at load (assemble.py, `apply`), after the taps are installed
 in the model (install.py patches forwards of that model's own module instances: part of the
 model, not listed here):
 - the runner's step methods become its adapter's (`adapter.METHODS`: `execute_model` and
@@ -71,13 +71,15 @@ class Patches:
             self.applied.pop().undo()
 
 
-def apply(runner, adapter, points=None, breaks: bool = False, switch=None, prefix_rows=None) -> Patches:
+def apply(runner, adapter, points=None, breaks: bool = False, switch=None, prefix_rows=None,
+          kv_manager=None) -> Patches:
     """Route `runner`'s step (vLLM's V2 or V1 model runner, or a stand-in with its methods) through
     `adapter` (runner_v2.V2Adapter, runner_v1.V1Adapter); with `points` (EnginePoints), the sampler and
     the boundary handler; with `breaks` (the plan has Python blocks), FULL graphs captured broken at
     them; else, with `switch` (switch.Switch), tap ops that launch only for taps the step asks
     for, and (with its driver) graphs whose tap kernels it switches; with
-    `prefix_rows` (prefixrows.PrefixRows), vLLM's prefix-cache lookup limited by it."""
+    `prefix_rows` (prefixrows.PrefixRows), vLLM's prefix-cache lookup limited by it (on
+    `kv_manager`, vLLM's `KVCacheManager` unless a stand-in)."""
     from tapc.kernels import ops
     from tapc.worker.graphs import SegmentedGraph, breaking
     from tapc.worker.switch import SwitchedGraph
@@ -97,7 +99,7 @@ def apply(runner, adapter, points=None, breaks: bool = False, switch=None, prefi
             patches.add(capture_patch(runner, SwitchedGraph.bound(switch),
                                       Patch(ops, "_launch_observer", switch.observe)))
     if prefix_rows is not None:
-        patches.add(cache_lookup_patch(prefix_rows))
+        patches.add(cache_lookup_patch(prefix_rows, kv_manager))
     return patches
 
 

@@ -41,7 +41,10 @@ class StepTables(StepComponent):
         self.inline = inline
         self._compiled = CompiledFill(layout) if compiled else None
         self._repeat = Repeat()
-        self._taps = 0     # the taps the last filled step asked for, as a mask
+        self.taps = 0      # the taps with rows in the step begun last, as a mask (Layout.taps_mask)
+        # that step's capture blocks to copy out after it, and the rows of each group's pool it takes
+        self._segments: list = []
+        self._used: list[int] = []
 
     # ---------------------------------------------------------------- the step
 
@@ -54,8 +57,9 @@ class StepTables(StepComponent):
     def begin_step(self, step: Step) -> None:
         batch, tapped = step.batch, step.tapped
         owns = bool(self.layout.always) or bool(tapped)
+        self._segments, self._used = [], []
         if not owns and self.buffers.clean(batch.padded):
-            self._taps = 0
+            self.taps = 0
             return
         repeat = self._repeat
         # the device's tables are this step's already when it repeats the last decode step,
@@ -64,33 +68,34 @@ class StepTables(StepComponent):
         computed = repeat.repeats(batch)
         ring = computed is not None and self.buffers.positions is not None and \
             repeat.ring_fits(self.layout, self.buffers.rows)
-        if computed is not None and not ring:
-            step.segments, step.used = repeat.advance(computed)
-            step.taps = self._taps
+        if computed is not None and not ring:   # the taps too are the last step's
+            self._segments, self._used = repeat.advance(computed)
             return
         self._end_ring()   # its rows, before the tables and pools change
         table = self.buffers.host_table(batch.padded)
         phases = PHASES if ring else 1
         filled = self._compiled is not None and self._compiled(table, tapped, batch, phases)
-        step.segments, step.used = filled or fill_step(self.layout, table, tapped, batch, phases)
+        self._segments, self._used = filled or fill_step(self.layout, table, tapped, batch, phases)
         self.buffers.upload(batch.padded, owns_rows=owns)
-        repeat.keep(batch, tapped, (step.segments, step.used), phases)
-        self._taps = step.taps = self._asked(table, step.segments) if owns else 0
+        repeat.keep(batch, tapped, (self._segments, self._used), phases)
+        self.taps = self._asked(table, self._segments) if owns else 0
 
     def end_step(self, step: Step | None) -> None:
-        if step is None or not step.segments:
+        # held no longer than the step (the records' stores), as the runner holds the step
+        segments, used, self._segments, self._used = self._segments, self._used, [], []
+        if step is None or not segments:
             return
         if self._repeat.phases > 1:   # a ring's step: copied out with the ring's last
             self._repeat.written += 1
             if self._repeat.written == PHASES:
                 self._copy_ring()
         else:
-            self._copy(step.segments, step.used)
+            self._copy(segments, used)
 
     def reset(self) -> None:
         self.forget()
         self.buffers.reset()
-        self._taps = 0
+        self.taps = 0
 
     def forget(self) -> None:
         """No step repeats the last one from here on (records, slots or tables change)."""

@@ -21,28 +21,18 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from tapc import settings
 from tapc.errors import EngineError
-from tapc.kernels import ops
-from tapc.lang.blockpaths import import_blocks
 from tapc.plan.tapplan import TapPlan
-from tapc.wire.arena import Arena
 from tapc.wire.config import EngineConfig
 from tapc.wire.node import shm_identity
-from tapc.worker import patches
+from tapc.worker.assemble import Process, assemble
 from tapc.worker.buffers import Buffers
 from tapc.worker.copyout import CopyOut
 from tapc.worker.cugraph import Driver
 from tapc.worker.graphs import SegmentedGraph
-from tapc.worker.install import install
 from tapc.worker.layout import Layout
-from tapc.worker.points import EnginePoints
-from tapc.worker.prefixrows import PrefixRows
-from tapc.worker.runner import RunnerHooks
 from tapc.worker.runner_v1 import V1Adapter
 from tapc.worker.runner_v2 import V2Adapter
-from tapc.worker.slots import EditSlots
-from tapc.worker.switch import Switch, SwitchedGraph
-from tapc.worker.tables import StepTables
-
+from tapc.worker.switch import SwitchedGraph
 
 class TapWorker(Worker):
     def load_model(self, *args, **kwargs) -> None:
@@ -62,33 +52,17 @@ class TapWorker(Worker):
         copy_out = CopyOut(layout, buffers.pools, runner.max_num_tokens, sched.max_num_seqs, self.device)
         # What tapc took from the GPU, against what `tapc explain` said (tests/test_sizing_gpu.py).
         self.tapc_allocated = torch.cuda.memory_allocated(self.device) - before
-        # the ops read the runner's positions only where rings are on (rings.py)
-        positions = adapter_cls.positions(runner)
-        buffers.positions = positions if config.rings else None
-        install(runner.get_model(), layout, buffers, _functions(config.functions), positions)
-        points = EnginePoints(layout, buffers, _tp_all_gather) if layout.blocks or layout.engine else None
-        if points is not None and config.blocks:   # a server's blocks, by import path (tapc serve)
-            points.runtime.register(import_blocks(config.blocks, "the engine's plan"))
         self.tapc_has_blocks = any(t.action == "block" for t in plan.taps)
-        arena = Arena(register=_register, unregister=_unregister, keep=config.capture_keep)
-        arena.reserve(config.capture_memory)   # capture_memory_gib: pinned now, not on a step's path
-        # Graphs broken by blocks are not switched (switch.py), nor where the user said not to;
-        # where the driver cannot, only the launches outside graphs are.
-        switch = Switch(Driver.load(), buffers.table, ops.KERNELS) \
-            if not layout.blocks and settings.TAPC_SWITCH_GRAPHS else None
-        rows = None
         if config.prefix_rows:
             backend = self.vllm_config.parallel_config.distributed_executor_backend
             if backend != "uni":   # the scheduler, whose lookup the rows limit, runs in another process
                 raise EngineError(f"prefix_rows_gib: this engine runs vLLM's {backend!r} executor; the kept rows "
                                   "need its single-process one (\"uni\"), one GPU")
-            rows = PrefixRows(layout, self.vllm_config.cache_config.block_size, config.prefix_rows)
-        tables = StepTables(layout, buffers, copy_out, arena, inline=not _on_api_node(config.api_shm))
-        self.tapc = RunnerHooks(layout, arena, tables, EditSlots(buffers), prefix_rows=rows, switch=switch,
-                                points=points)
-        self.tapc_adapter = adapter_cls(runner, self.tapc)
-        self.tapc_patches = patches.apply(runner, self.tapc_adapter, points, breaks=bool(layout.blocks), switch=switch,
-                                          prefix_rows=rows)
+        process = Process(runner, adapter_cls, buffers, copy_out, _functions(config.functions), _on_api_node,
+                          self.vllm_config.cache_config.block_size, settings.TAPC_SWITCH_GRAPHS,
+                          driver=Driver.load,
+                          register=_register, unregister=_unregister, all_gather=_tp_all_gather)
+        self.tapc, self.tapc_adapter, self.tapc_patches = assemble(layout, config, process)
 
     def tapc_collect(self, ids: list[str], release: list[tuple[str, int]] = ()) -> dict:
         """The results of these tapc ids, as a `protocol.CollectReply` in wire form, after giving
