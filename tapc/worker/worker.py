@@ -34,6 +34,7 @@ from tapc.worker.runner_v1 import V1Adapter
 from tapc.worker.runner_v2 import V2Adapter
 from tapc.worker.switch import SwitchedGraph
 
+
 class TapWorker(Worker):
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
