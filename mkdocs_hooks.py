@@ -1,8 +1,8 @@
 """mkdocs hooks (mkdocs.yml `hooks:`): the measurements in benchmarks/results/ become pages of
-the site under results/, and the cookbook's READMEs (examples/*/README.md) pages under
-examples/, so that the docs' links to them, written as they resolve in the repository
-(`../benchmarks/results/NAME.md`, `../examples/NAME/README.md`), resolve on the site too and
-`--strict` checks them."""
+the site under results/ (their data file beside them), and the cookbook's READMEs
+(examples/*/README.md) pages under examples/, so that the docs' links to them, written as they
+resolve in the repository (`../benchmarks/results/NAME.md`, `../examples/NAME/README.md`),
+resolve on the site too and `--strict` checks them."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +14,8 @@ BENCHMARKS = ROOT / "benchmarks"
 
 
 def on_files(files, config):
-    for path in sorted((BENCHMARKS / "results").glob("*.md")):
+    # the pages, and the data they are made from (rows.csv), which they link
+    for path in sorted([*(BENCHMARKS / "results").glob("*.md"), *(BENCHMARKS / "results").glob("*.csv")]):
         files.append(File(f"results/{path.name}", str(BENCHMARKS), config["site_dir"], config["use_directory_urls"]))
     for path in sorted(ROOT.glob("examples/*/README.md")):
         page = path.relative_to(ROOT).as_posix()
