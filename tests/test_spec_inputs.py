@@ -5,7 +5,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from tapc.cli import main
 from tapc.errors import TapcError
