@@ -21,8 +21,8 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tapc.plan.forwards import named_calls  # noqa: E402
-from tapc.vllm_surface import INTERNALS  # noqa: E402
+from tapc.plan.forwards import named_calls
+from tapc.vllm_surface import INTERNALS
 
 
 class Release:
@@ -57,11 +57,10 @@ class Release:
         package = module if self.file(module).endswith("__init__.py") else module.rpartition(".")[0]
         found = None
         for node in ast.walk(tree):
-            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
-                found = found or (module, node)
-            elif isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-                found = found or (module, node)
-            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
+            targets = (node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign)
+                       else [])
+            if (isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name) or any(
+                    isinstance(t, ast.Name) and t.id == name for t in targets):
                 found = found or (module, node)
             elif isinstance(node, ast.ImportFrom):
                 for a in node.names:
@@ -129,7 +128,7 @@ class Release:
 
     def elsewhere(self, name: str) -> list[str]:
         """Files of the release that define `name` (class, def or `self.` attribute)."""
-        pattern = re.compile(rf"^\s*(class|def|async def)\s+{re.escape(name)}\b|self\.{re.escape(name)}\s*[:=]", re.M)
+        pattern = re.compile(rf"^\s*(class|def|async def)\s+{re.escape(name)}\b|self\.{re.escape(name)}\s*[:=]", re.MULTILINE)
         return sorted(f for f, text in self.files.items() if pattern.search(text))
 
 
