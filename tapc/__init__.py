@@ -3,6 +3,7 @@
 Tap strings -> tap specs (`tapc.lang`) -> a `TapPlan` against vLLM's module tree (`tapc.plan`)
 -> an engine with the taps compiled into its graphs (`tapc.api` in the caller's process, `tapc.worker`
 inside vLLM's workers, `tapc.wire` between them). docs/architecture.md walks the route.
+`tapc.vllm_surface` names every vLLM internal tapc touches (docs/internals/vllm.md).
 """
 from __future__ import annotations
 

@@ -160,6 +160,12 @@ def forward_calls(cls) -> tuple[ast.FunctionDef, int, list[tuple[str, ast.Call]]
         tree = ast.parse(textwrap.dedent("".join(lines)))
     except (OSError, TypeError, SyntaxError):
         return None
+    return tree.body[0], start, named_calls(tree)
+
+
+def named_calls(tree: ast.AST) -> list[tuple[str, ast.Call]]:
+    """The calls under `tree` in source order, each named as nnsight names them
+    (`<receiver>_<callee>_<k>`)."""
     calls = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset))
     counts: dict[str, int] = {}
     named = []
@@ -170,7 +176,7 @@ def forward_calls(cls) -> tuple[ast.FunctionDef, int, list[tuple[str, ast.Call]]
         k = counts.get(base, 0)
         counts[base] = k + 1
         named.append((f"{base}_{k}", call))
-    return tree.body[0], start, named
+    return named
 
 
 def source_ops(mod, model, path: str, widths: Widths, stack_index: int | None) -> tuple[SourceOp, ...]:
