@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 
 from tapc import settings
 from tapc.errors import EngineError
-from tapc.vllm_surface import INTERNALS
 from tapc.wire.config import EngineConfig
 from tapc.wire.node import shm_identity
 
@@ -168,8 +167,8 @@ def _with_splits(plan: TapPlan, given) -> dict:
         raise EngineError("compilation_config: give it as a dict on engines with Python blocks (tapc adds "
                           "its splitting op to it)")
     config = dict(given or {})
-    kv_updates = [f"vllm::{e.path}" for e in INTERNALS if e.kind == "op" and e.user == "tapc/api/engine_args.py"]
-    vllm_ops = [*CompilationConfig._attention_ops, *kv_updates]
+    # vLLM's own splits with its KV-cache updates (tapc/vllm_surface.py checks they still exist)
+    vllm_ops = [*CompilationConfig._attention_ops, "vllm::unified_kv_cache_update", "vllm::unified_mla_kv_cache_update"]
     ops = list(config.get("splitting_ops") or vllm_ops)
     config["splitting_ops"] = ops + [op for op in plan.splitting_ops if op not in ops]
     return config
