@@ -1,7 +1,7 @@
-"""`tapc.AsyncVLLM` over a toy AsyncLLM (tests/async_toy.py) on the CPU: streaming, concurrent
+"""`tapc.AsyncVLLM` over a toy AsyncLLM (tests/support/async_toy.py) on the CPU: streaming, concurrent
 requests with their own taps, batched collection, and what an aborted or cancelled request
 gives back (worker records, parameter slots, capture chunks). Correctness of the values on a
-real engine: tests/test_async_gpu.py."""
+real engine: tests/api/test_async_llm_gpu.py."""
 import asyncio
 import contextlib
 
@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from async_toy import ToyAsyncLLM
 from engine_toy import HIDDEN, LAYERS, ToyModel, hooks_for, toy_plan
-from test_engine_cpu import check as check_rows
-from test_prefix_cpu import as_req
+from toy_checks import as_req, check as check_rows
 
 from tapc.api.async_llm import AsyncVLLM
 from tapc.api.requests import TapRequest

@@ -3,7 +3,7 @@ HF transformers on the tokens each request went through; and requests aborted or
 mid-stream by the dozen, after which the workers hold nothing (records, parameter slots,
 capture chunks: `TapWorker.tapc_held`) and the engine serves on.
 
-One AsyncVLLM on the session's Llama checkpoint (tests/gpu_engines.py), 32 sequences at once,
+One AsyncVLLM on the session's Llama checkpoint (tests/support/gpu_engines.py), 32 sequences at once,
 driven by one event loop for the module (vLLM's output handler lives on the loop that started
 it), stopped when the module is done.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from gpu_engines import CAPTURES, SMALL, STEER, engine_args
-from test_engine_gpu import assert_matches, hf_reference, rows_for
+from hf_checks import assert_matches, hf_reference, rows_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -1,7 +1,7 @@
 """Data parallelism (`data_parallel_size=N`, `tapc serve --data-parallel-size N`): each request
 runs on one of N engines, and its results come from that engine's workers.
 
-Two toy engines (tests/engine_toy.py: tapc's own worker components over a toy model) stand in
+Two toy engines (tests/support/engine_toy.py: tapc's own worker components over a toy model) stand in
 for two data-parallel ranks: every collect goes to the workers of both, and the session takes
 each request's result from the engine that ran it.
 """

@@ -2,7 +2,7 @@
 one fresh compile cache, as data-parallel serving on one machine starts them: each starts, and
 each one's captures equal HF transformers' on its own requests (GPU machine).
 
-The processes are this file run as a script (`python tests/test_engines_at_once_gpu.py CHECKPOINT
+The processes are this file run as a script (`python tests/api/test_engines_at_once_gpu.py CHECKPOINT
 FOLDER RANK`): each imports vLLM, says it is ready, and builds its engine once all three are.
 vLLM's compile cache is on for them (the suite turns it off for its own engines), under one
 folder with inductor's and Triton's, all empty at the start: the three compile the same graphs
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 from gpu_engines import SMALL, engine_args
-from test_engine_gpu import assert_matches, hf_reference
+from hf_checks import assert_matches, hf_reference
+from places import ROOT, SUPPORT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -41,7 +42,7 @@ def test_three_engines_started_at_once_sharing_the_compile_caches_each_equal_hf(
                # the engines' own environment (engine_args), with vLLM's compile cache on and shared
                VLLM_DISABLE_COMPILE_CACHE="0", VLLM_CACHE_ROOT=str(caches / "vllm"),
                TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"),
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(SUPPORT), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     children = []
     for rank in range(ENGINES):   # their logs to files: a pipe nobody reads meanwhile would stop them
         with open(tmp_path / f"log-{rank}", "w") as log:

@@ -1,13 +1,11 @@
 """Prefix caching on a tapped engine (tapc/api/prefix.py): which requests read cached KV, and which
 share what they leave. The toy engine plays vLLM's prefix cache (engine_toy.ToyLLM, `block=`):
 a cached prefix is never run, so a capture behind it would come back short."""
-from types import SimpleNamespace as NS
-
 import numpy as np
 import pytest
 import torch
 from engine_toy import HIDDEN, LAYERS, toy_plan, toy_vllm
-from test_engine_cpu import check as check_rows
+from toy_checks import as_req, check as check_rows, params, prompt
 
 from tapc.wire.protocol import Ask
 from tapc.api.requests import TapRequest, check
@@ -16,22 +14,6 @@ from tapc.api.prefix import CacheUse, PrefixPolicy, salted
 STEER = "model.layers.1.resid | add(steer, alpha=2.0)"
 TAPS = ["model.layers.*.resid", STEER]
 BLOCK = 4
-
-
-def params(max_tokens=5):
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens)
-
-
-def prompt(seed: int, n: int = 14):
-    return {"prompt_token_ids": np.random.default_rng(seed).integers(0, 50, n).tolist()}
-
-
-def as_req(out):
-    """A finished toy output as test_engine_cpu's reference wants it."""
-    return NS(rid=out.request_id, prompt=out.prompt_token_ids,
-              tokens=list(out.prompt_token_ids) + list(out.outputs[0].token_ids))
 
 
 @pytest.mark.parametrize("positions", ["all", "prompt", [0, 3, 12]])

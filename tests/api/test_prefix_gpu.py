@@ -1,6 +1,6 @@
 """Prefix caching kept on a tapped engine (tapc/api/prefix.py), on the GPU.
 
-The session's tapped Llama engine (tests/gpu_engines.py) runs with vLLM's default prefix
+The session's tapped Llama engine (tests/support/gpu_engines.py) runs with vLLM's default prefix
 caching (block size 16). vLLM reports per request how many prompt tokens it took from the
 cache (`RequestOutput.num_cached_tokens`); captures are compared with HF transformers on the
 tokens that went through the model, so a capture that read KV it should not have (unsteered
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gpu_engines import SMALL, shares
-from test_engine_gpu import assert_matches, hf_reference
+from hf_checks import assert_matches, hf_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               shares("tapped llama v2")]

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 from engine_toy import HIDDEN, LAYERS, Req, ToyModel, collect, hooks_for, run, toy_plan, toy_vllm
-from test_functions_cpu import clamp
-from test_serving_cpu import client, stand_in_app
+from toy_functions import clamp
+from toy_server import client, stand_in_app
 from vllm import SamplingParams
 
 from tapc.api.requests import TapRequest

@@ -2,13 +2,13 @@
 greedy choice, let a near tie pass, tell a near miss (bf16 drift) from a far one, count
 vanilla's answers the same way, and call tapc's near misses a problem only where they are more
 often than vanilla's. The load itself needs a GPU (benchmarks/bench_serve.py)."""
-import os
 import sys
 from types import SimpleNamespace
 
 import torch
+from places import ROOT
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_serve  # noqa: E402
 
 VOCAB, PROMPT, MADE = 64, 10, 6

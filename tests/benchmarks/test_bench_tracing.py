@@ -1,13 +1,13 @@
 """bench_tracing's peers compute the sweep they are timed on: on a small random Llama, the
 HF-hooks and nnsight sweeps (32 copies of a prompt, copy i patched at layer i) give the greedy
 tokens of one unbatched forward a (prompt, layer) patched by hand."""
-import os
 import sys
 
 import pytest
 import torch
+from places import ROOT
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_tracing  # noqa: E402
 
 LAYERS, SUBJECT = 4, 5

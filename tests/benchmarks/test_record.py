@@ -2,18 +2,16 @@
 what `python3 benchmarks/record.py tables` makes of it (nobody edits it by hand), and every
 ratio the README's Speed table quotes is a row of its script."""
 import datetime
-import os
 import re
 import sys
 from decimal import ROUND_HALF_UP, Decimal
-from pathlib import Path
 
 import pytest
+from places import ROOT
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import record  # noqa: E402
 
-ROOT = Path(__file__).parent.parent
 ROWS = record.load()
 
 

@@ -17,8 +17,9 @@ import threading
 import time
 
 import pytest
+from places import ROOT
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_serve  # noqa: E402
 import timers  # noqa: E402
 
@@ -217,7 +218,7 @@ def test_each_process_of_a_server_leaves_its_readings_of_a_load(tmp_path):
     in a process without a GPU context)."""
     import subprocess
 
-    here = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "serve_stacks")
+    here = str(ROOT / "benchmarks" / "serve_stacks")
     folders = {env: tmp_path / env for env in ("TAPC_TIMERS_DIR", "TAPC_KERNELS_DIR")}
     for folder in folders.values():
         folder.mkdir()

@@ -2,14 +2,12 @@
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from tapc.cli import main
 from tapc.plan.tapplan import TapPlan
 
-from conftest import CONFIGS
+from places import CONFIGS, ROOT
 
-ROOT = Path(__file__).parent.parent
 LLAMA = str(CONFIGS / "llama")
 
 

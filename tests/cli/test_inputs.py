@@ -16,9 +16,8 @@ from safetensors.torch import save_file
 from tapc.cli import main
 from tapc.plan.tapplan import TapPlan
 
-from conftest import CONFIGS
+from places import CONFIGS, ROOT
 
-ROOT = Path(__file__).parent.parent
 LLAMA = str(CONFIGS / "llama")
 
 

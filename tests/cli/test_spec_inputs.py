@@ -9,10 +9,9 @@ import pytest
 from tapc.cli import main
 from tapc.errors import TapcError
 
-from conftest import CONFIGS
+from places import CONFIGS, ROOT
 
 LLAMA = str(CONFIGS / "llama")
-ROOT = CONFIGS.parent.parent
 
 
 def explain(capsys, *args):
@@ -110,7 +109,7 @@ def test_model_errors_name_the_spec_file(capsys, tmp_path):
 # ----------------------------------------------------------------------------- shards, harvests
 
 def test_a_shard_number_out_of_range_is_refused_naming_the_count(tmp_path):
-    from test_harvest import harvested
+    from toy_harvests import harvested
 
     from tapc.data import Shards
 

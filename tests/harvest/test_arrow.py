@@ -1,30 +1,15 @@
-"""The arrow format read by HF `datasets` and SAELens, over the toy engine (tests/engine_toy.py).
+"""The arrow format read by HF `datasets` and SAELens, over the toy engine (tests/support/engine_toy.py).
 
 Needs the `[sae]` extra (sae-lens, which brings datasets and pyarrow); skips without it.
 """
 import numpy as np
 import pytest
 import torch
-from engine_toy import Req, next_token, toy_vllm
-from test_engine_cpu import reference
-
-from tapc.harvest.run import harvest
+from engine_toy import Req, next_token
+from toy_checks import reference
+from toy_harvests import CONTEXT, arrow_harvest
 
 datasets = pytest.importorskip("datasets", reason="the arrow format needs the [data] extra (pyarrow, datasets)")
-
-TAPS = ["model.layers.*.resid"]
-CONTEXT = 8
-
-
-def arrow_harvest(tmp_path, n=40, dtype=None):
-    from vllm import SamplingParams
-
-    llm, _ = toy_vllm(TAPS)
-    rng = np.random.default_rng(3)
-    ps = [rng.integers(0, 50, CONTEXT).tolist() for _ in range(n)]
-    m = harvest(llm, ps, tmp_path / "acts", format="arrow", context_size=CONTEXT, positions="prompt", dtype=dtype,
-                window_tokens=48, collect_every=4, sampling_params=SamplingParams(max_tokens=1), progress=False)
-    return m, ps
 
 
 def test_arrow_harvest_loads_with_datasets_and_equals_the_model(tmp_path):

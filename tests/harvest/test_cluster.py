@@ -1,6 +1,6 @@
 """Harvests over Ray (tapc/harvest/cluster.py) on a real Ray cluster: two nodes on this host
 (`ray.cluster_utils.Cluster`, a CPU each), a Ray Data actor pool with the toy engine in each
-actor (tests/harvest_ray_child.py), and object storage through a local S3 server (moto's).
+actor (tests/support/harvest_ray_child.py), and object storage through a local S3 server (moto's).
 
 Every row is compared with a harvest of the same prompts in one process and with the toy model
 run on its request's tokens alone; a harvest cut short (an actor killed mid-shard, the driver
@@ -20,25 +20,25 @@ from engine_toy import Req, toy_vllm
 from gpu_engines import environ
 from harvest_ray_child import (LENS, PART_PROMPTS, SHARD_TOKENS, TAPS, WINDOW_TOKENS, ToyEngine, prompts, run,
                                write_prompts)
-from test_engine_cpu import reference
-from test_harvest import _generated
+from places import EXAMPLES, ROOT, SUPPORT
+from toy_checks import reference
+from toy_harvests import generated
 
 from tapc.data import Shards
 from tapc.errors import TapcError
 
-HERE = Path(__file__).parent
 ENGINE = {"engine": 1}   # a node's room for one engine: one actor on each node
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """Two Ray nodes on this host, this process connected as a driver. The nodes' workers (the
-    actors) import the toy engine from tests/ and tapc from the checkout."""
+    actors) import the toy engine from tests/support and tapc from the checkout."""
     import ray
     import ray.data
     from ray.cluster_utils import Cluster
 
-    env = {"PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+    env = {"PYTHONPATH": os.pathsep.join([str(SUPPORT), str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "RAY_USAGE_STATS_ENABLED": "0", "TAPC_STAGING_DIR": str(tmp_path_factory.mktemp("staging"))}
     # A GPU a node, as Ray counts them (the toy engine uses none): the pool asks for them as on GPUs.
     # Ray refuses a node more GPUs than CUDA_VISIBLE_DEVICES lists ("" hides every GPU, as on a CPU
@@ -105,7 +105,7 @@ def test_the_pool_harvest_equals_one_process_and_the_model(whole, tmp_path):
     assert torch.equal(cols["request"], refs["request"]), "every request, in input order, once"
     for i, prompt in enumerate(prompts()):
         mine = cols["request"] == i
-        model = reference(Req(str(i), prompt, 2, tokens=prompt + _generated(prompt, 2)), m.keys)
+        model = reference(Req(str(i), prompt, 2, tokens=prompt + generated(prompt, 2)), m.keys)
         for k in pool.keys:
             assert torch.equal(cols[k][mine], refs[k][refs["request"] == i]), (i, k)
         for k in m.keys:
@@ -126,7 +126,7 @@ def test_a_killed_driver_started_again_goes_on_with_the_parts_left(cluster, whol
     """The driver SIGKILLs itself once two parts are written (Ray then ends its actors, mid-part):
     started again, it leaves the whole parts out and the others go on from their last shards."""
     folder = tmp_path / "acts"
-    child = subprocess.run([sys.executable, str(HERE / "harvest_ray_child.py"), cluster.address, str(prompts_file),
+    child = subprocess.run([sys.executable, str(SUPPORT / "harvest_ray_child.py"), cluster.address, str(prompts_file),
                             str(folder), "--die-after-parts", "2"], capture_output=True, text=True, timeout=240)
     assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
     first = [line.split()[1] for line in child.stdout.splitlines() if line.startswith("written")]
@@ -198,8 +198,8 @@ def test_the_cli_on_ray_says_in_one_line_what_stops_its_engines(cluster, capsys)
     why in one line naming its part."""
     from tapc.cli import main
 
-    spec = HERE.parent / "examples" / "harvest.yaml"
-    argv = ["harvest", str(spec), str(HERE.parent / "examples" / "prompts.jsonl"), "--ray", cluster.address]
+    spec = EXAMPLES / "harvest.yaml"
+    argv = ["harvest", str(spec), str(EXAMPLES / "prompts.jsonl"), "--ray", cluster.address]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == ("tapc: TapcError: part-000000: the engine needs a CUDA GPU, and torch sees none here; "

@@ -1,6 +1,6 @@
 """A harvest in parts (tapc/harvest/parts.py) and its stores (tapc/harvest/store.py), without
-Ray: parts harvested one after the other by the toy engine (tests/engine_toy.py), as the actors
-of tests/test_harvest_ray.py harvest them, merged, and read back as one harvest of the input.
+Ray: parts harvested one after the other by the toy engine (tests/support/engine_toy.py), as the actors
+of tests/harvest/test_cluster.py harvest them, merged, and read back as one harvest of the input.
 """
 import numpy as np
 import pytest

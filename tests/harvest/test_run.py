@@ -1,4 +1,4 @@
-"""Harvest to shards and reading them back, over the toy engine (tests/engine_toy.py).
+"""Harvest to shards and reading them back, over the toy engine (tests/support/engine_toy.py).
 
 Every row on disk is compared with the toy model run on its request's tokens alone.
 """
@@ -7,31 +7,16 @@ import json
 import numpy as np
 import pytest
 import torch
-from engine_toy import Req, next_token, toy_plan, toy_vllm
-from test_engine_cpu import TAPS, reference
+from engine_toy import Req, toy_plan, toy_vllm
+from places import EXAMPLES, SUPPORT
+from toy_checks import TAPS, reference
+from toy_harvests import LENS, generated, harvested, prompts
 
 from tapc.cli import main
 from tapc.data import Shards
 from tapc.errors import TapcError
 from tapc.harvest.corpus import read_prompts
 from tapc.harvest.run import harvest
-
-LENS = [5, 17, 3, 9, 30, 1, 12]
-
-
-def prompts(seed=0, lens=LENS):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 50, n).tolist() for n in lens]
-
-
-def harvested(tmp_path, positions="all", max_tokens=3, lens=LENS, shard_tokens=16):
-    from vllm import SamplingParams
-
-    llm, hooks = toy_vllm(TAPS + ["logits"])
-    ps = prompts(lens=lens)
-    m = harvest(llm, ps, tmp_path / "acts", shard_tokens=shard_tokens, positions=positions, window_tokens=40, collect_every=2,
-                sampling_params=SamplingParams(max_tokens=max_tokens))
-    return m, ps, hooks
 
 
 def test_shards_hold_every_row_of_every_request_in_order(tmp_path):
@@ -49,7 +34,7 @@ def test_shards_hold_every_row_of_every_request_in_order(tmp_path):
         rows = slice(start, start + n)
         assert (cols["request"][rows] == i).all() and torch.equal(cols["position"][rows], torch.arange(n))
         # the toy engine generates deterministically from the tokens so far
-        req = Req(str(i), prompt, 3, tokens=prompt + _generated(prompt, 3))
+        req = Req(str(i), prompt, 3, tokens=prompt + generated(prompt, 3))
         assert cols["token_ids"][rows].tolist() == req.tokens[:-1]
         ref = reference(req, keys)
         for k in keys:
@@ -124,7 +109,7 @@ def test_a_prompt_rows_harvest_makes_its_last_shard_at_its_size(tmp_path, monkey
     for i, prompt in enumerate(ps):
         rows = slice(start, start + len(prompt))
         assert (cols["request"][rows] == i).all() and torch.equal(cols["position"][rows], torch.arange(len(prompt)))
-        ref = reference(Req(str(i), prompt, 1, tokens=prompt + _generated(prompt, 1)), keys)
+        ref = reference(Req(str(i), prompt, 1, tokens=prompt + generated(prompt, 1)), keys)
         for k in keys:
             torch.testing.assert_close(cols[k][rows], ref[k][: len(prompt)], rtol=1e-5, atol=1e-5)
         start += len(prompt)
@@ -219,18 +204,9 @@ def test_read_prompts_forms_and_errors(tmp_path):
 
 
 def test_cli_harvest_needs_an_output_section(capsys):
-    from pathlib import Path
-
-    spec = Path(__file__).parent.parent / "examples" / "steer.yaml"
+    spec = EXAMPLES / "steer.yaml"
     assert main(["harvest", str(spec), "prompts.jsonl"]) == 2
     assert "needs an `output:` section" in capsys.readouterr().err
-
-
-def _generated(prompt, n):
-    toks = list(prompt)
-    for _ in range(n):
-        toks.append(next_token(toks))
-    return toks[len(prompt):]
 
 
 def _sorted_rows(x):
@@ -247,12 +223,11 @@ def test_a_harvest_killed_mid_shard_goes_on_to_the_same_files(tmp_path, kill_at,
     import signal
     import subprocess
     import sys
-    from pathlib import Path
 
     import harvest_child
 
     monkeypatch.setenv("HARVEST_CHILD_PROMPT", "1" if prompt_rows else "0")
-    child = [sys.executable, str(Path(__file__).parent / "harvest_child.py"), str(tmp_path / "cut")]
+    child = [sys.executable, str(SUPPORT / "harvest_child.py"), str(tmp_path / "cut")]
     ref = harvest_child.run(tmp_path / "whole")
     assert len(ref.shards) >= 3 and ref.complete
     killed = subprocess.run(child + [str(kill_at)], capture_output=True, text=True, timeout=300, env=os.environ)

@@ -1,13 +1,13 @@
 """`tapc harvest` on a real engine: shards on disk equal HF transformers on the same weights.
 
-The API harvest runs on the session's tapped Llama engine (tests/gpu_engines.py): it captures
+The API harvest runs on the session's tapped Llama engine (tests/support/gpu_engines.py): it captures
 every resid, `model.layers.1.output[0]` and layer 2's down_proj output, all checked against HF.
 """
 import numpy as np
 import pytest
 import torch
 from gpu_engines import SMALL, engine_args, shares, shutdown
-from test_engine_gpu import assert_matches, hf_reference
+from hf_checks import assert_matches, hf_reference
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -1,7 +1,7 @@
 """Activation patching (`point | patch(src, rows=k)`) on the CPU: a request's own rows replace
 its activation at their positions, inside the compiled graph.
 
-The toy engine (tests/engine_toy.py) runs its model through `torch.compile(fullgraph=True)`;
+The toy engine (tests/support/engine_toy.py) runs its model through `torch.compile(fullgraph=True)`;
 every capture is compared with the toy model run on the request's tokens alone, the rows put
 back by hand in a forward hook.
 """

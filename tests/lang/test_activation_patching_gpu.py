@@ -1,6 +1,6 @@
 """Activation patching (`| patch(src)`) on a real vLLM engine against HF transformers (GPU machine).
 
-Causal tracing on the session's random Llama checkpoint (tests/gpu_engines.py): the clean
+Causal tracing on the session's random Llama checkpoint (tests/support/gpu_engines.py): the clean
 prompt's residual rows, captured by the engine, are put back into the corrupted prompt's run
 at two positions of one layer per request, all layers in one `generate`; every layer's
 residual stream equals HF's on the corrupted prompt with the same rows put back by a forward
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gpu_engines import SMALL, engine_args, hf_forward, shutdown
-from test_engine_gpu import assert_matches, hf_reference
+from hf_checks import assert_matches, hf_reference
 
 import tapc
 

@@ -1,14 +1,15 @@
 """Compiled functions (`point | call(name)`) on the CPU: traced into one graph with the model,
 gated per request, results kept per request, refusals said before any engine starts.
 
-The toy engine (tests/engine_toy.py) runs its model through `torch.compile(fullgraph=True)`,
+The toy engine (tests/support/engine_toy.py) runs its model through `torch.compile(fullgraph=True)`,
 so a function that broke the graph would fail here; every capture is compared with the toy
 model run on the request's tokens alone with the function applied by hand in a forward hook.
 """
 import numpy as np
 import pytest
 import torch
-from engine_toy import HIDDEN, LAYERS, Req, ToyModel, collect, hooks_for, run, toy_plan, wire_for
+from engine_toy import HIDDEN, LAYERS, ToyModel, collect, hooks_for, run, toy_plan, wire_for
+from toy_functions import W, clamp, reference, requests
 
 import tapc
 from tapc.api.requests import TapRequest
@@ -16,16 +17,6 @@ from tapc.api.session import TapSession
 from tapc.errors import PlanError, RequestError, TapcError, TapSyntaxError
 from tapc.lang.syntax import parse_tap
 from tapc.wire.positions import select
-
-torch.manual_seed(0)
-W = torch.randn(3, HIDDEN)
-
-
-@tapc.function(params={"thr": "scalar"}, results={"score": 3})
-def clamp(x, batch):
-    """Halve the rows whose norm passes the request's threshold; score every row."""
-    over = x.norm(dim=-1) > batch.params["thr"]
-    return torch.where(over[:, None], x * 0.5, x), {"score": x @ W.T}
 
 
 def clamp_ref(s: torch.Tensor, thr: float) -> torch.Tensor:
@@ -51,29 +42,6 @@ class Probe(torch.nn.Module):
         return {"logit": torch.sigmoid(x @ self.w)}
 
 
-def reference(req: Req, layer: int, fn=None) -> dict[str, torch.Tensor]:
-    """Every layer's resid for `req` alone, and the resid before `fn` (s -> s') edits `layer`."""
-    model = ToyModel()
-    toks = torch.tensor(req.tokens[:-1])
-    seen = {}
-
-    def hook(mod, args, out, i):
-        h, r = out
-        s = h + r
-        if i == layer:
-            seen["before"] = s.detach().clone()
-            if fn is not None:
-                h = fn(s) - r
-        seen[f"model.layers.{i}.resid"] = (h + r).detach().clone()
-        return h, r
-
-    for i, layer_mod in enumerate(model.model.layers):
-        layer_mod.register_forward_hook(lambda m, a, out, i=i: hook(m, a, out, i))
-    with torch.no_grad():
-        model(toks, torch.arange(len(toks)))
-    return seen
-
-
 def engine(taps, functions):
     """A toy engine whose model runs compiled as one graph (fullgraph: a break is an error)."""
     plan = toy_plan(taps, functions=functions)
@@ -81,11 +49,6 @@ def engine(taps, functions):
     runner, hooks = hooks_for(plan, model, functions=functions)
     runner.model = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
     return plan, runner, hooks
-
-
-def requests(plan, asks: dict, rng) -> list[Req]:
-    return [Req(rid, rng.integers(0, 50, 5 + 3 * i).tolist(), 4, wire_for(plan, ask, rid))
-            for i, (rid, ask) in enumerate(asks.items())]
 
 
 def test_a_compiled_function_edits_its_requests_and_keeps_their_results():
@@ -181,7 +144,7 @@ def test_a_data_dependent_branch_is_refused_with_the_reason_and_the_line():
         toy_plan(["model.layers.1.resid | call(branchy)"], functions={"branchy": branchy})
     msg = str(e.value)
     assert "cannot run inside a compiled graph" in msg and "item" in msg
-    assert f"test_functions_cpu.py:{branchy.__code__.co_firstlineno + 1}" in msg
+    assert f"test_functions.py:{branchy.__code__.co_firstlineno + 1}" in msg
     assert "-> name" in msg
 
 
@@ -273,7 +236,7 @@ def restore(x, batch):
 
 def test_causal_tracing_restores_one_clean_row_one_layer_per_request():
     """Per-layer parameters of one function, causal tracing written as a compiled function (the
-    built-in edit is `patch`: tests/test_patch_cpu.py): capture a clean run, then one corrupted
+    built-in edit is `patch`: tests/lang/test_activation_patching.py): capture a clean run, then one corrupted
     request per layer with the clean resid restored at the subject's position at that layer
     only; each equals the model run on the corrupted tokens with that row replaced by hand."""
     # the restores first: taps at one point run in plan order, so the captures see them

@@ -1,6 +1,6 @@
 """Compiled functions (`| call(name)`) on a real vLLM engine against HF transformers (GPU machine).
 
-The session's random Llama checkpoint (tests/gpu_engines.py), vLLM's defaults otherwise:
+The session's random Llama checkpoint (tests/support/gpu_engines.py), vLLM's defaults otherwise:
 torch.compile traces the functions with the model and FULL_AND_PIECEWISE graphs replay them
 (the plan adds no splitting op). A linear probe at every layer is compared with the same probe
 on HF's hidden states; a conditional clamp of the MLP's largest activations with HF's greedy
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from gpu_engines import SMALL, engine_args, hf_forward, shutdown
-from test_engine_gpu import assert_captures_equal_hf, assert_same_or_tie, hf_reference
+from hf_checks import assert_captures_equal_hf, assert_same_or_tie, hf_reference
 
 import tapc
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 from engine_toy import HIDDEN, LAYERS, hooks_for, run, toy_plan, ToyModel, collect
-from test_functions_cpu import reference, requests
+from toy_functions import reference, requests
 
 import tapc.sae
 from tapc.api.requests import TapRequest

@@ -15,7 +15,7 @@ from tapc.errors import RequestError, SpecError, TapcError, TapSyntaxError
 from tapc.api.specs import spec_plan
 from tapc.lang.specfile import TensorFile, load_spec, load_tensor, spec_from_dict
 
-from conftest import CONFIGS
+from places import CONFIGS
 
 
 def write(tmp_path, text: str):
@@ -157,7 +157,7 @@ def test_blocks_by_import_path(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the spec fuzzer
-# Beside the tap parser's (tests/test_spec.py): mutated spec texts and random mappings go through
+# Beside the tap parser's (tests/lang/test_syntax.py): mutated spec texts and random mappings go through
 # load_spec / spec_from_dict and, where they load, the plan; only tapc's own errors may come out.
 
 SEED = f"""model: {CONFIGS / 'llama'}

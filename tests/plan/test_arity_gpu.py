@@ -10,7 +10,7 @@ A decoder layer's bare `.output` captures both tensors (nnsight's reading): `[0]
 import pytest
 import torch
 from gpu_engines import engine_args, hf_forward, shutdown
-from test_engine_gpu import assert_captures_equal_hf, prompts, sampling
+from hf_checks import assert_captures_equal_hf, prompts, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -2,7 +2,7 @@
 wrappers around the linear layers, as its runner wraps them at load), the plan on it, and the
 refusals that say why a point of the plain tree is gone."""
 import pytest
-from conftest import CONFIGS
+from places import CONFIGS
 
 from tapc.errors import ResolveError
 from tapc.plan.planner import build_plan

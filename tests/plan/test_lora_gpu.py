@@ -3,7 +3,7 @@ weights (bf16 tolerance), and requests with and without the adapter in one batch
 their own activations.
 
 Needs peft on the GPU machine (`TAPC_GPU_EXTRA="peft accelerate" bash ../shared/gpu/make-bundle
-.gpu` if the image lacks it). The session's random Llama checkpoint (tests/gpu_engines.py); a
+.gpu` if the image lacks it). The session's random Llama checkpoint (tests/support/gpu_engines.py); a
 rank-8 adapter on every linear layer, made with peft and given random B matrices (peft starts
 them at zero, which would change nothing). vLLM wraps those layers for LoRA at load; the plan
 is built on the tree with its wrappers (tapc/plan/metamodel.py), so `mlp.down_proj.output` is the
@@ -12,7 +12,7 @@ adapted output. Both model runners.
 import pytest
 import torch
 from gpu_engines import engine_args, model_runner, shutdown
-from test_engine_gpu import assert_matches, prompts, sampling
+from hf_checks import assert_matches, prompts, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

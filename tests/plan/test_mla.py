@@ -6,12 +6,12 @@ points against the configs' own sizes; what is refused and why; plans and `tapc 
 import json
 
 import pytest
-from conftest import CONFIGS
+from places import CONFIGS, SUPPORT
 
 from tapc.errors import ResolveError
 from tapc.plan.planner import build_plan
 
-PREFILL = CONFIGS.parent / "mla_prefill"   # the GPU test's MLA prefill stand-in (torch_mla_prefill.py)
+PREFILL = SUPPORT / "mla_prefill"   # the GPU test's MLA prefill stand-in (torch_mla_prefill.py)
 
 ARCHS = ["deepseek_v2", "deepseek_v3"]
 
@@ -126,7 +126,7 @@ def test_explain_sizes_mla_source_ops_and_names_each_layer_once(trees):
 
 
 def test_the_gpu_tests_torch_mla_prefill_equals_sdpa_and_its_lse_merges_chunks():
-    """tests/mla_prefill stands in for FlashAttention's MLA prefill on the GPU machine: each
+    """tests/support/mla_prefill stands in for FlashAttention's MLA prefill on the GPU machine: each
     sequence's causal attention equals torch's SDPA, and attention over a context and over the
     new tokens, merged by their log-sum-exps as vLLM merges them, equals attention over both."""
     import sys
@@ -176,7 +176,7 @@ def _prefill_backend_after_plugins(out) -> None:
 
 
 def test_the_gpu_tests_mla_prefill_is_a_vllm_plugin_that_takes_flash_attentions_place(monkeypatch):
-    """An engine core started under `gpu_engines.importable(tests/mla_prefill)` (as
+    """An engine core started under `gpu_engines.importable(tests/support/mla_prefill)` (as
     test_mla_gpu.py starts its engines: a process of multiprocessing's spawn, which takes its
     parent's sys.path) finds the folder among vLLM's general plugins, and once vLLM loads them
     FlashAttention's MLA prefill is the stand-in."""

@@ -1,27 +1,26 @@
 """DeepSeek-style MLA attention on a GPU, against HF transformers on the same weights (bf16).
 
-Small random checkpoints with realistic init written with HF transformers (tests/gpu_engines.py,
+Small random checkpoints with realistic init written with HF transformers (tests/support/gpu_engines.py,
 `MLA`): DeepSeek-V2's attention (q straight from the hidden state) and DeepSeek-V3's (q through
 a low-rank projection and its norm), with DeepSeek's head sizes (a 512-wide kv latent, 64 rope
 dims, 128-wide values) on 4 heads; every layer dense, so that nothing but the attention is new
-here (the routers are tests/test_moe_gpu.py's). Decode attention is vLLM's `TRITON_MLA`; prefill,
+here (the routers are tests/plan/test_moe_gpu.py's). Decode attention is vLLM's `TRITON_MLA`; prefill,
 which vLLM computes with FlashAttention on Hopper and the GPU bundle cannot carry, is a plain
-torch backend that vLLM's engine core loads as a general plugin (tests/mla_prefill). Compile and CUDA graphs
+torch backend that vLLM's engine core loads as a general plugin (tests/support/mla_prefill). Compile and CUDA graphs
 on, continuous batching (gpu_engines.ENGINE).
 
 Captured at every layer: the residual stream and the attention's output (`o_proj.input`,
 heads x v_head_dim), and inside layer 1 the kv latent after its norm (and, for V3, q's latent
 after its norm), each equal to HF's within bf16 tolerance on the tokens that went through the
 model. A capture at `kv_b_proj`, which vLLM runs on prefill rows only, is refused by the plan
-(tests/test_mla_cpu.py).
+(tests/plan/test_mla.py).
 """
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from gpu_engines import MLA, SMALL, engine_args, hf_forward, importable, shutdown
-from test_engine_gpu import assert_matches
+from places import SUPPORT
+from hf_checks import assert_matches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -46,7 +45,7 @@ def mla_engine(request, checkpoints):
     if not hasattr(transformers, "DeepseekV3Config" if arch == "deepseek_v3" else "DeepseekV2Config"):
         pytest.skip(f"transformers {transformers.__version__} has no {arch} model to compare with")
     path = checkpoints(arch)
-    with importable(str(Path(__file__).parent / "mla_prefill")):   # a vLLM plugin, loaded by the engine core
+    with importable(str(SUPPORT / "mla_prefill")):   # a vLLM plugin, loaded by the engine core
         llm = VLLM(path, taps=taps(arch), **dict(engine_args(), attention_backend="TRITON_MLA"))
     yield arch, path, llm
     shutdown(llm)

@@ -1,6 +1,6 @@
 """Mixture-of-experts models without a GPU: vLLM's trees of Qwen3-MoE and Mixtral on meta (the
 router as a tap point, what runs inside the fused-MoE op), the plan and its refusals, `tapc
-explain`; and the engine end to end on a toy MoE (tests/engine_toy.py's runners, V2 and V1):
+explain`; and the engine end to end on a toy MoE (tests/support/engine_toy.py's runners, V2 and V1):
 router logits, the chosen experts and their weights, the MoE block's output, and a per-request
 router edit that bans an expert, each against the toy model run alone with the same edit."""
 import types
@@ -8,7 +8,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import CONFIGS
+from places import CONFIGS
 from engine_toy import HIDDEN, VOCAB, Linear, Req, ToyModel, collect, hooks_for, run, toy_tree, wire_for
 
 from tapc.api.requests import TapRequest

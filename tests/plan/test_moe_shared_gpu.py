@@ -1,11 +1,11 @@
 """A shared expert on a GPU (Qwen2-MoE: 8 routed experts, top 2, not renormalized, and a shared
 expert behind a sigmoid gate, which vLLM runs inside its fused-MoE op), against HF
 transformers on the same weights: the shared expert's output, the routing and the MoE block's
-output, as tests/test_moe_gpu.py compares them. Needs the TAPC_GPU_MOE=1 bundle."""
+output, as tests/plan/test_moe_gpu.py compares them. Needs the TAPC_GPU_MOE=1 bundle."""
 import pytest
 import torch
 from gpu_engines import engine_args, shutdown
-from test_moe_gpu import assert_matches_hf, hf_reference, prompts, sampling
+from moe_checks import assert_matches_hf, hf_reference, prompts, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from engine_toy import over_the_wire, wire_for
 
-from conftest import CONFIGS
+from places import CONFIGS
 from tapc.wire.arena import Arena
 from tapc.worker.buffers import ParamTables
 from tapc.worker.layout import Layout

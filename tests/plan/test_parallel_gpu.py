@@ -9,11 +9,11 @@ RayExecutorV2, its workers Ray actors placed by Ray behind the multiprocessing e
 queues) pass the same tests on one GPU and, where two are at hand, at TP=2 and PP=2.
 
 Engines (each TP=2 start is about 85 s), started as the tests first ask for them: the TP=1
-reference, TP=2 and PP=2 on the small Llama checkpoint of tests/gpu_engines.py, the Ray ones,
+reference, TP=2 and PP=2 on the small Llama checkpoint of tests/support/gpu_engines.py, the Ray ones,
 and the same TP=2 / PP=2 on its Qwen3 checkpoint. Each Ray engine starts a Ray of its own on this
 host, inside its engine-core process. The whole module is about 10 minutes on the 2-GPU machine:
 split it with `-k qwen3` / `-k "not qwen3"` / `-k ray` under a shorter limit. TP=1 against HF
-transformers is tests/test_engine_gpu.py's."""
+transformers is tests/api/test_engine_gpu.py's."""
 import gc
 import importlib.util
 import os
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 from gpu_engines import SMALL, Engines, engine_args
-from test_engine_gpu import assert_matches
+from hf_checks import assert_matches
 
 pytestmark = pytest.mark.gpu
 

@@ -17,7 +17,7 @@ from tapc.plan.sharding import ModelDims, gather_index, global_columns, local_co
     local_vector, parse_key, pp_stages, shard_points
 from tapc.plan.tree import ModuleTree, Node, SourceOp, load_tree
 
-from conftest import CONFIGS
+from places import CONFIGS
 
 # An odd shape: 6 heads, 3 kv heads, head_dim 16; kv == tp at 3, kv < tp at 6; 5 layers.
 ODD = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 96, "intermediate_size": 240,
@@ -373,7 +373,7 @@ def test_sizes_vllm_refuses_are_refused_by_name(models):
 
 
 def test_local_widths_are_each_gpus_share(models):
-    """What tapc/plan/sizing.py sizes each GPU's buffers by (gpu_bytes is tested in test_parallel_cpu)."""
+    """What tapc/plan/sizing.py sizes each GPU's buffers by (gpu_bytes is tested in test_parallel)."""
     tree, _, dims = models["llama"]  # 8 heads, 4 kv heads, head_dim 32, intermediate 704
     keys = [f"{LAYER}.self_attn.qkv_proj.output", f"{LAYER}.mlp.act_fn.output", f"{LAYER}.resid"]
     for tp in (1, 2, 8):

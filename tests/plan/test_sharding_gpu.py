@@ -6,8 +6,8 @@ import sys
 
 import pytest
 import torch
-from gpu_engines import shutdown
-from test_engine_gpu import SMALL, assert_matches, engine_args, prompts
+from gpu_engines import SMALL, engine_args, shutdown
+from hf_checks import assert_matches, prompts
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 

@@ -5,7 +5,7 @@ import gc
 import numpy as np
 import pytest
 import torch
-from test_engine_gpu import SMALL, engine_args, write_checkpoint
+from gpu_engines import SMALL, engine_args, write_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

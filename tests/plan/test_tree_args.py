@@ -1,6 +1,6 @@
 """The module tree is built for the engine arguments that change it, and cached by them."""
 
-from conftest import CONFIGS
+from places import CONFIGS
 from tapc.installed import cache_dir
 from tapc.plan.tree import load_tree, tree_args
 
@@ -17,7 +17,7 @@ def test_lora_engines_get_their_own_tree_and_cache_entry(trees):
     plain = trees("llama")
     lora = load_tree(LLAMA, {"enable_lora": True, "max_num_seqs": 4})
     cached = set(cache_dir().glob("*.json"))
-    assert lora != plain, "vLLM's LoRA wrappers are in the LoRA engine's tree (tests/test_lora_cpu.py)"
+    assert lora != plain, "vLLM's LoRA wrappers are in the LoRA engine's tree (tests/plan/test_lora.py)"
     assert {n.path for n in lora.nodes} >= {n.path for n in plain.nodes if n.path.startswith("model.layers.0.")}
     # each from its own cache entry, whichever was built first; max_num_seqs plays no part
     assert load_tree(LLAMA, {"enable_lora": True}) == lora and load_tree(LLAMA) == plain

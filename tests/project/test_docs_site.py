@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from places import ROOT
 
-ROOT = Path(__file__).parent.parent
 PUBLIC_API = {   # page of the site -> what it must document
     "api/engine": ["tapc.api.llm.VLLM", "tapc.api.llm.VLLM.generate", "tapc.api.async_llm.AsyncVLLM",
                    "tapc.api.requests.TapRequest"],

@@ -3,24 +3,21 @@ taps are explained against its own small model (`tapc explain`, as a user would 
 first); the served example's command is what vLLM's parser reads; the SAE example's training
 (SAELens) runs on an arrow harvest of the toy engine; the LoRA example's adapter is what vLLM's
 loader reads; each of the patching example's requests patches one site. Running them is the GPU's
-(tests/test_examples_gpu.py)."""
+(tests/project/test_examples_gpu.py)."""
 import importlib.util
 import py_compile
 import shlex
-from pathlib import Path
 
 import pytest
 import torch
-from small_models import ENGINE, write_checkpoint   # examples/ is on sys.path: tests/gpu_engines.py
+from places import EXAMPLES, SCRIPTS
+from small_models import ENGINE, write_checkpoint   # examples/ is on sys.path: tests/support/gpu_engines.py
 
 from tapc.api.requests import TapRequest, check
 from tapc.cli import main
 from tapc.plan.planner import build_plan
 from tapc.wire.config import EngineConfig
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
-SCRIPTS = {"sae": "sae/sae.py", "steer-served": "steer-served/steer_served.py", "probe": "probe/probe.py",
-           "patching": "patching/patching.py", "moe-routing": "moe-routing/moe_routing.py", "lora": "lora/lora.py"}
 ARCHS = {"moe-routing": "qwen3_moe"}   # the others run on the small Llama
 READS = {   # what each example reads from its requests' captures
     "sae": lambda ex: [ex.KEY], "steer-served": lambda ex: [ex.KEY], "probe": lambda ex: [ex.KEY],
@@ -104,7 +101,7 @@ def test_the_served_examples_command_is_what_vllms_parser_reads(models, capsys, 
 
 def test_the_sae_examples_training_halves_the_error_on_an_arrow_harvest(tmp_path):
     pytest.importorskip("sae_lens", reason="sae-lens is not installed (pip install 'tapc[sae]')")
-    from test_harvest_sae import arrow_harvest
+    from toy_harvests import arrow_harvest
 
     manifest, _ = arrow_harvest(tmp_path, n=100)   # the toy engine's, in tmp_path / "acts"
     _, before, after = load("sae").train_sae(tmp_path / "acts", manifest, key="model.layers.2.resid", steps=150,

@@ -13,15 +13,14 @@ import importlib.util
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from gpu_engines import engine_env
+from places import EXAMPLES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 def example(name: str):

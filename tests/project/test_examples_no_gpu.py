@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from test_examples_cpu import EXAMPLES, SCRIPTS
+from places import EXAMPLES, SCRIPTS
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a CUDA GPU")

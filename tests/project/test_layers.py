@@ -2,9 +2,9 @@
 docs/architecture.md) hold for the code as it is."""
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from places import ROOT
+
 
 
 def test_the_packages_keep_their_import_rules():

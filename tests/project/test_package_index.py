@@ -2,11 +2,11 @@
 a reader who opens the package first finds what each file holds."""
 import ast
 import re
-from pathlib import Path
 
 import pytest
+from places import ROOT
 
-TAPC = Path(__file__).parent.parent / "tapc"
+TAPC = ROOT / "tapc"
 PACKAGES = sorted(p.parent for p in TAPC.glob("*/__init__.py"))
 
 

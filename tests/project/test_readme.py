@@ -1,9 +1,9 @@
 """The README's set-up commands run on a stock Debian/Ubuntu Python (PEP 668: no `pip install`
 outside a virtual environment), and CI runs the README's test command as it stands."""
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).parent.parent
+from places import ROOT
+
 
 
 def setup_commands() -> list[str]:

@@ -4,10 +4,10 @@ interpreter is switched on beside CUDA is refused before any test."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-HERE = Path(__file__).parent
-HELPERS = sorted(p.stem for p in HERE.glob("*.py") if not p.stem.startswith("test_") and p.stem != "conftest")
+from places import ROOT, SUPPORT
+
+HELPERS = sorted(p.stem for p in SUPPORT.glob("*.py"))
 
 
 def test_helper_modules_leave_the_environment_as_they_found_it():
@@ -18,7 +18,7 @@ def test_helper_modules_leave_the_environment_as_they_found_it():
             "    importlib.import_module(name)\n"
             "    changed = sorted(k for k in before.keys() | os.environ.keys() if before.get(k) != os.environ.get(k))\n"
             "    assert not changed, f'importing {name} changed {changed}'\n")
-    run = subprocess.run([sys.executable, "-c", code], cwd=HERE, env={**env, "PYTHONPATH": str(HERE)},
+    run = subprocess.run([sys.executable, "-c", code], cwd=SUPPORT, env={**env, "PYTHONPATH": str(SUPPORT)},
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert {"engine_toy", "gpu_engines", "harvest_child", "harvest_ray_child", "kernel_cases"} <= set(HELPERS)
@@ -27,8 +27,8 @@ def test_helper_modules_leave_the_environment_as_they_found_it():
 def test_a_run_with_tritons_interpreter_beside_cuda_is_refused_in_one_line():
     # CUDA as conftest sees it, present; the interpreter switched on by the caller's environment
     code = ("import sys, torch, pytest; torch.cuda.is_available = lambda: True\n"
-            "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--collect-only', 'tests/test_readme.py']))")
-    run = subprocess.run([sys.executable, "-c", code], cwd=HERE.parent, env={**os.environ, "TRITON_INTERPRET": "1"},
+            "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '--collect-only', 'tests/project/test_readme.py']))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "TRITON_INTERPRET": "1"},
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 4, run.stdout[-2000:] + run.stderr[-2000:]   # pytest's usage error
     assert run.stderr.strip() == ("ERROR: TRITON_INTERPRET='1' on a machine with CUDA: the GPU tests need compiled "

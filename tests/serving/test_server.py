@@ -1,6 +1,6 @@
 """`tapc serve` on the CPU: the command vLLM is started with (parsed by vLLM's own parser), and
 tapc's endpoint plugin (routes and middleware) in a FastAPI app whose /v1/completions stands in
-for vLLM's: it runs the toy async engine (tests/async_toy.py) on the body it receives, as vLLM
+for vLLM's: it runs the toy async engine (tests/support/async_toy.py) on the body it receives, as vLLM
 does (vllm_xargs -> SamplingParams.extra_args). Routing, validation and bookkeeping only;
 correctness against a real engine is the GPU's (benchmarks/bench_serve.py)."""
 import json
@@ -12,11 +12,11 @@ import sys
 import numpy as np
 import pytest
 import torch
-from async_toy import ToyAsyncLLM
-from conftest import CONFIGS
-from engine_toy import HIDDEN, ToyModel, hooks_for, toy_plan
+from engine_toy import HIDDEN, toy_plan
+from places import CONFIGS
 from safetensors.torch import load as load_safetensors
-from test_engine_cpu import check as check_rows
+from toy_checks import check as check_rows
+from toy_server import TAPS, client, stand_in_app
 
 from tapc.cli import main
 from tapc.errors import TapcError
@@ -24,9 +24,7 @@ from tapc.plan.tapplan import TapPlan
 from tapc.serving.launch import ENTRY, serve_argv, serve_env
 from tapc.wire.config import EngineConfig
 from tapc.serving.saving import SaveFolder
-from tapc.api.session import TapSession
 
-TAPS = ["model.layers.*.resid", "model.layers.1.resid | add(steer, alpha=2.0)"]
 LLAMA = str(CONFIGS / "llama")
 
 
@@ -101,82 +99,6 @@ def test_the_plugin_entry_point_is_found_without_installing_tapc():
 
 
 # ----------------------------------------------------------------------------- the plugin in an app
-
-
-def stand_in_app(taps=TAPS, api_key=None, blocks=None, shared=None, save=None, params=None, prefix_rows=False):
-    """An app with tapc's plugin whose /v1/completions runs the toy engine like vLLM's handler
-    (`return_token_ids` too: the prompt's ids on the first choice, each event's new ids);
-    `blocks` (name -> import path) registered on the toy worker as the server's worker does;
-    `shared`: the folder of several API server processes; `save`: the save folder's settings;
-    `params`: engine-wide parameter values (a spec's `params:`); `prefix_rows`: the engine keeps
-    captured rows of shared prompt blocks (`prefix_rows_gib`)."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from vllm import SamplingParams
-
-    from tapc.serving.http import TapcEndpoints
-    from tapc.serving.saving import SaveFolder
-    from tapc.serving.server import TapcServer
-
-    plan = toy_plan(taps)
-    runner, hooks = hooks_for(plan, ToyModel())
-    toy = ToyAsyncLLM(runner, hooks)
-    app = FastAPI()
-    app.state.seen = []
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await request.json()
-        app.state.seen.append(body)
-        if body.get("prompt") == "boom":
-            raise RuntimeError("the handler failed")
-        sp = SamplingParams(max_tokens=body.get("max_tokens", 4), extra_args=dict(body.get("vllm_xargs") or {}) or None)
-        rid = f"cmpl-{len(app.state.seen)}"
-        stream = toy.generate({"prompt_token_ids": body["prompt"]}, sp, rid)
-        ids = body.get("return_token_ids")
-        if not body.get("stream"):
-            outs = [o async for o in stream]
-            n = len(outs[-1].outputs[0].token_ids)
-            choice = {"tokens": outs[-1].outputs[0].token_ids}
-            if ids:
-                choice.update(prompt_token_ids=body["prompt"], token_ids=outs[-1].outputs[0].token_ids)
-            return JSONResponse({"id": rid, "choices": [choice],
-                                 "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}})
-
-        async def events():
-            n = 0
-            async for o in stream:
-                choice = {"token": o.outputs[0].token_ids[-1]}
-                if ids:
-                    choice.update(token_ids=list(o.outputs[0].token_ids[n:]), **({"prompt_token_ids": body["prompt"]}
-                                                                                  if n == 0 else {}))
-                n = len(o.outputs[0].token_ids)
-                yield f"data: {json.dumps({'choices': [choice], 'usage': None})}\n\n"
-            if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}
-                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    TapcEndpoints().attach_router(app)
-    if api_key:
-        from vllm.entrypoints.serve.utils.server_utils import AuthenticationMiddleware
-
-        app.add_middleware(AuthenticationMiddleware, tokens=[api_key])
-    if blocks:
-        from tapc.lang.blockpaths import import_blocks
-
-        hooks.points.runtime.register(import_blocks(blocks, "the engine's plan"))
-    app.state.tapc = TapcServer(toy, TapSession(plan, params, blocks=blocks or (), prefix_rows=prefix_rows), shared=shared,
-                                save=SaveFolder(plan, **save) if save else None)
-    return app, hooks
-
-
-def client(app):
-    from fastapi.testclient import TestClient
-
-    return TestClient(app, raise_server_exceptions=False)
 
 
 def xargs(**ask):
@@ -388,7 +310,7 @@ def test_a_client_on_the_servers_host_reads_results_where_they_are_and_gives_the
     from tapc.serving.client import TapcClient, shared_views
 
     taps = [*TAPS, "model.layers.0.resid -> probe"]
-    app, hooks = stand_in_app(taps, blocks={"probe": "test_serving_cpu:saving_probe"})
+    app, hooks = stand_in_app(taps, blocks={"probe": "test_server:saving_probe"})
     prompt = np.random.default_rng(7).integers(0, 50, 8).tolist()
     with client(app) as c:
         r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5,
@@ -487,7 +409,7 @@ def test_the_wire_as_text_round_trips_and_refuses_blocks():
 
 
 def saving_probe(ctx, x):
-    """A block the tests below name by import path (`test_serving_cpu:saving_probe`)."""
+    """A block the tests below name by import path (`test_server:saving_probe`)."""
     ctx.save("x", x.clone())
 
 
@@ -504,7 +426,7 @@ def test_blocks_are_named_by_import_path_and_run_for_every_served_request(tmp_pa
 
     import torch
 
-    path = "test_serving_cpu:saving_probe"
+    path = "test_server:saving_probe"
     taps = ["model.layers.0.resid", "model.layers.0.resid -> probe"]
     assert main(["serve", LLAMA, *[a for t in taps for a in ("--tap", t)], "--block", f"probe={path}", "--print"]) == 0
     assert _served_config(shlex.split(capsys.readouterr().out)).blocks == {"probe": path}
@@ -513,9 +435,9 @@ def test_blocks_are_named_by_import_path_and_run_for_every_served_request(tmp_pa
     assert main(["serve", str(spec), "--print"]) == 0
     assert _served_config(shlex.split(capsys.readouterr().out)).blocks == {"probe": path}
     for block, words in ((f"prob={path}", "blocks= names prob, which no tap of the plan runs"),
-                         ("probe=test_serving_cpu:nothing", "'test_serving_cpu' has no 'nothing'"),
+                         ("probe=test_server:nothing", "'test_server' has no 'nothing'"),
                          ("probe=no_such_module:f", "cannot import 'no_such_module'"),
-                         ("probe=test_serving_cpu", "name it as 'package.module:function'")):
+                         ("probe=test_server", "name it as 'package.module:function'")):
         assert main(["serve", LLAMA, *[a for t in taps for a in ("--tap", t)], "--block", block, "--print"]) == 2
         assert words in capsys.readouterr().err
 

@@ -1,4 +1,4 @@
-"""A toy `AsyncLLM` over the toy runner (tests/engine_toy.py), stepping on the event loop (not
+"""A toy `AsyncLLM` over the toy runner (tests/support/engine_toy.py), stepping on the event loop (not
 a test module).
 
 It plays what `tapc.AsyncVLLM` uses of vLLM's AsyncLLM: `generate` streams one output per

@@ -94,7 +94,7 @@ class Inner(torch.nn.Module):
 
 
 class ToyModel(torch.nn.Module):
-    """`layers` decoder layers whose MLP is a `mlp()` (tests/test_moe_cpu.py: a toy MoE)."""
+    """`layers` decoder layers whose MLP is a `mlp()` (tests/plan/test_moe.py: a toy MoE)."""
 
     def __init__(self, seed: int = 0, mlp=MLP, layers: int = LAYERS):
         super().__init__()
@@ -197,7 +197,7 @@ class ToyRunner:
         self.prompt_lens: dict[str, int] = {}
         self.index: dict[str, int] = {}
         self.req_states = NS(prompt_len=NS(np=np.zeros(64, dtype=np.int32)))
-        self.sampler = None   # tests/test_points_cpu.py samples on its own
+        self.sampler = None   # tests/worker/test_points.py samples on its own
         self.last = None
         self.model_config = NS(uses_mrope=False, uses_xdrope_dim=0)
         self.input_buffers = NS(positions=torch.zeros(MAX_ROWS, dtype=torch.long))   # written each step, as vLLM's

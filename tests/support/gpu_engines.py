@@ -35,14 +35,16 @@ from collections.abc import Callable
 import pytest
 
 # The small checkpoints are the examples' (examples/small_models.py): one writer for both.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from places import EXAMPLES
+
+sys.path.insert(0, str(EXAMPLES))
 from small_models import MLA, MOE, SMALL, write_checkpoint  # noqa: E402,F401
 
 # max_num_seqs=3 and a 128-token budget force continuous batching. vLLM captures decode
 # graphs for batch sizes up to twice max_num_seqs: [1, 2, 4] here, already a short list.
 ENGINE = dict(max_num_seqs=3, max_num_batched_tokens=128, gpu_memory_utilization=0.1,
               kv_cache_memory_bytes=256 << 20, skip_tokenizer_init=True, max_model_len=1024, seed=0)
-# The tapped engine of tests/test_engine_gpu.py, which tests/test_harvest_gpu.py shares.
+# The tapped engine of tests/api/test_engine_gpu.py, which tests/harvest/test_run_gpu.py shares.
 CAPTURES = ["model.layers.*.resid", "model.layers.1.output[0]", "model.layers.2.mlp.down_proj.output"]
 STEER = "model.layers.2.resid | add(steer, alpha=8.0)"
 

@@ -1,8 +1,8 @@
 """A toy-engine harvest in a process of its own, for tests that kill it (not a test module).
 
-    python tests/harvest_child.py OUT_DIR [KILL_AT]
+    python tests/support/harvest_child.py OUT_DIR [KILL_AT]
 
-Harvests `PROMPTS` into OUT_DIR with the toy engine (tests/engine_toy.py). With KILL_AT, the
+Harvests `PROMPTS` into OUT_DIR with the toy engine (tests/support/engine_toy.py). With KILL_AT, the
 process SIGKILLs itself as it makes its KILL_AT-th write to a shard file: mid-shard, the open
 shard's `.partial` file on disk, as a crash or `kill -9` would leave it. `HARVEST_CHILD_PROMPT=1`:
 prompt rows and one token made (every request's rows known when it is submitted, so the writer
@@ -13,7 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]   # engine_toy, tapc
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]   # engine_toy, tapc
 
 import numpy as np  # noqa: E402
 

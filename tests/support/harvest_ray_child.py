@@ -1,10 +1,10 @@
 """The toy engine as a Ray harvest's engine factory, and a Ray harvest's driver in a process of
 its own, for the test that kills it (not a test module).
 
-    python tests/harvest_ray_child.py ADDRESS PROMPTS OUT_DIR [--die-after-parts N]
+    python tests/support/harvest_ray_child.py ADDRESS PROMPTS OUT_DIR [--die-after-parts N]
 
 `ToyEngine` is what tapc.harvest.engines' factories are for the GPU: `plan()` on the driver,
-and called in each actor, a `tapc.VLLM` over the toy engine (tests/engine_toy.py); with
+and called in each actor, a `tapc.VLLM` over the toy engine (tests/support/engine_toy.py); with
 `die_at`, the actor SIGKILLs itself as it makes that write to a shard file (half a request's
 rows flushed: mid-shard), once (a marker file says it did), as a crash would. The driver
 harvests the PROMPTS file (`write_prompts`) over the cluster at ADDRESS into OUT_DIR with
@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]   # engine_toy, tapc
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[2])]   # engine_toy, tapc
 
 import numpy as np  # noqa: E402
 

@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from conftest import CONFIGS
+from places import CONFIGS
 from engine_toy import Req, ToyModel, collect, hooks_for, run, toy_plan, wire_for
 
 from tapc.api.requests import TapRequest

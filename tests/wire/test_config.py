@@ -6,7 +6,7 @@ import random
 import string
 
 import pytest
-from conftest import CONFIGS
+from places import CONFIGS
 from engine_toy import over_the_wire
 
 from tapc.errors import ProtocolError

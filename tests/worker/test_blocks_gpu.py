@@ -1,6 +1,6 @@
 """Python blocks, `logits` and `samples` on a real vLLM engine (GPU machine).
 
-The session's random Llama checkpoint (tests/gpu_engines.py), vLLM's defaults otherwise:
+The session's random Llama checkpoint (tests/support/gpu_engines.py), vLLM's defaults otherwise:
 multi-process engine core, torch.compile, async scheduling, FULL_AND_PIECEWISE graphs: decode
 steps replay FULL graphs broken at each `tapc::boundary`, mixed steps PIECEWISE graphs split
 there. Blocks are compared with the in-graph taps of the same
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from gpu_engines import SMALL, engine_args, hf_forward, model_runner, shutdown
-from test_engine_gpu import assert_matches, prompts, sampling
+from hf_checks import assert_matches, prompts, sampling
 
 from tapc import batched
 

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import torch
 from engine_toy import toy_buffers, ToyModel, toy_plan
+from places import ROOT
 
 from tapc.api.engine_args import digest, graph_code
 from tapc.worker.install import install
@@ -17,7 +18,6 @@ TAPS = ["model.layers.*.resid", "model.layers.0.mlp.input", "model.layers.1.mlp.
         "model.layers.2.resid | set([1, 2], value=3.0)", "model.layers.0.mlp.up_proj.output | zero(cols)",
         "model.layers.2.mlp.down_proj.output | project_out(d)"]
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def tapc_files_run(fn) -> set[Path]:

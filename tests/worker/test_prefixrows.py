@@ -3,13 +3,12 @@ capture of prompt rows reads vLLM's prefix cache as far as they go, and still ha
 
 The toy engine plays vLLM's prefix cache (engine_toy.ToyKVCache) behind the worker's own
 wrapper of its lookup (patches.cache_lookup_patch); every capture is compared with the toy
-model run alone on the request's tokens (test_engine_cpu.check)."""
+model run alone on the request's tokens (toy_checks.check)."""
 import numpy as np
 import pytest
 import torch
 from engine_toy import HIDDEN, toy_plan, toy_vllm
-from test_engine_cpu import check as check_rows
-from test_prefix_cpu import as_req, params, prompt
+from toy_checks import TAPS as ENGINE_TAPS, as_req, check as check_rows, params, prompt, run_and_check
 
 from tapc.api.engine_args import engine_kwargs
 from tapc.worker.prefixrows import PrefixRows
@@ -107,7 +106,7 @@ def test_steered_captures_keep_rows_of_their_own_kv():
     llm, hooks = toy_vllm(TAPS, block=BLOCK, prefix_rows=1 << 20)
     v = np.random.default_rng(6).standard_normal(HIDDEN)
     p = prompt(6)
-    # layers 0 and 2: layer 1's capture comes before its edit in the plan's order (test_prefix_cpu)
+    # layers 0 and 2: layer 1's capture comes before its edit in the plan's order (test_prefix)
     keys = ["model.layers.0.resid", "model.layers.2.resid"]
     steered = TapRequest(capture=keys, params={"steer": v})
     shared(llm, p, steered)
@@ -143,12 +142,10 @@ def test_prefix_rows_gib_needs_one_gpu_and_the_single_process_executor():
 
 @pytest.mark.parametrize("runner_kind", ["v2", "v1"])
 def test_hooks_that_keep_rows_capture_whole_under_continuous_batching_and_a_preemption(runner_kind):
-    """test_engine_cpu's batch (chunked prefill, late arrivals, a preemption with recompute, which
+    """toy_checks' batch (chunked prefill, late arrivals, a preemption with recompute, which
     V1 resumes among the cached requests) on hooks that keep prefix rows: every capture equals
     the reference."""
     from engine_toy import ToyModel, hooks_for
-    from test_engine_cpu import TAPS as ENGINE_TAPS
-    from test_engine_cpu import run_and_check
 
     plan = toy_plan(ENGINE_TAPS)
     run_and_check(*hooks_for(plan, ToyModel(), runner=runner_kind, prefix_rows=(BLOCK, 1 << 20)), plan)

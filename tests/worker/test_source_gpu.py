@@ -4,7 +4,7 @@ vLLM's V2 runner and on V1."""
 import pytest
 import torch
 from gpu_engines import engine_args, hf_forward, model_runner, shutdown
-from test_engine_gpu import assert_captures_equal_hf, prompts, sampling
+from hf_checks import assert_captures_equal_hf, prompts, sampling
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

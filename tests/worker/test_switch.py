@@ -5,14 +5,14 @@ outside graphs (batches larger than vLLM's largest graph) its op launches nothin
 engine runs every forward as the latter: an op asks the switch (`Switch.idle`, installed by
 patches.apply as the worker does) and skips when the step asks nothing of its tap; at every skip
 its row table must own none of the step's rows (what the kernel would have done is nothing).
-The captures are then compared with the model run alone, as in test_engine_cpu.py, under
+The captures are then compared with the model run alone, as in test_engine.py, under
 continuous batching, steering and a parameterless edit.
 """
 import numpy as np
 import pytest
 import torch
 from engine_toy import HIDDEN, Req, ToyModel, collect, hooks_for, run, toy_plan, wire_for
-from test_engine_cpu import TAPS, check, make_requests, run_and_check
+from toy_checks import TAPS, check, make_requests, run_and_check
 
 from tapc.api.requests import TapRequest
 from tapc import settings

@@ -5,7 +5,7 @@ import pytest
 import torch
 from engine_toy import HIDDEN, INTER, toy_plan
 
-from conftest import CONFIGS
+from places import CONFIGS
 from tapc.plan.planner import build_plan
 from tapc.api.engine_args import WORKER, engine_kwargs
 from tapc.plan.tapplan import TapPlan
@@ -397,7 +397,6 @@ def test_several_gpus_run_on_vllms_multiprocessing_or_ray_executor(backend, kept
 def test_expert_parallelism_is_refused_in_one_line_by_the_engine_and_by_tapc_serve(capsys):
     """Router and expert taps under expert parallelism are not built: `enable_expert_parallel`
     is refused where a tapped engine's arguments are made, and as `tapc serve`'s vLLM flag."""
-    from test_serving_cpu import LLAMA
 
     from tapc.cli import main
 
@@ -408,7 +407,7 @@ def test_expert_parallelism_is_refused_in_one_line_by_the_engine_and_by_tapc_ser
     assert str(refused.value) == words
     assert engine_kwargs(toy_plan(PLAN_TAPS), {"enable_expert_parallel": False})[0]["worker_cls"] == WORKER
     for flag in ("--enable-expert-parallel", "-ep"):
-        assert main(["serve", LLAMA, "--tap", "model.layers.0.resid", "--print", flag]) == 2
+        assert main(["serve", str(CONFIGS / "llama"), "--tap", "model.layers.0.resid", "--print", flag]) == 2
         assert capsys.readouterr().err == f"tapc: EngineError: {words}\n"
 
 

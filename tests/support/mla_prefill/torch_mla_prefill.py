@@ -1,4 +1,4 @@
-"""A plain torch MLA prefill backend for vLLM 0.26, for the GPU test machine (tests/test_mla_gpu.py).
+"""A plain torch MLA prefill backend for vLLM 0.26, for the GPU test machine (tests/plan/test_mla_gpu.py).
 
 vLLM 0.26 computes MLA attention's prefill (DeepSeek-V2/V3) with FlashAttention on Hopper, its
 only MLA prefill backend there, and the GPU bundle carries no FlashAttention binaries. This folder
