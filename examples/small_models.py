@@ -1,5 +1,5 @@
 """Small random checkpoints with realistic init (std 0.02) and a tokenizer, written locally: the
-examples and the GPU tests (tests/gpu_engines.py) run on them with no download.
+examples and the GPU tests (tests/support/gpu_engines.py) run on them with no download.
 
     from small_models import small_model, engine_args
     path = small_model("llama")          # a temp folder: config.json, safetensors weights, tokenizer
@@ -135,7 +135,7 @@ def engine_args(**more) -> dict:
 
 def require_gpu() -> None:
     """Every example runs vLLM engines: where none can start (no CUDA GPU), say so in one line and
-    exit, before anything is written (tests/test_examples_cpu.py checks what runs without one)."""
+    exit, before anything is written (tests/project/test_examples.py checks what runs without one)."""
     from tapc.errors import EngineError
     from tapc.api.engine_args import require_cuda
 

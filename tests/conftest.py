@@ -24,7 +24,8 @@ def _cuda() -> bool:
 if not _cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-CONFIGS = Path(__file__).parent / "configs"
+# The helpers (engine_toy, gpu_engines, ...) are imported by name from tests/support.
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 
 def pytest_configure(config):
@@ -38,6 +39,7 @@ def pytest_configure(config):
 
 # The GPU tests' shared checkpoints and engines (fixtures; nothing heavy is imported here).
 from gpu_engines import checkpoints, engines, tapped_engine, vanilla_llama  # noqa: E402,F401
+from places import CONFIGS  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

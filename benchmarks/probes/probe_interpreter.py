@@ -1,5 +1,5 @@
 """Does Triton's interpreter, switched on in the environment, break inductor's compile on a GPU?
-(tests/test_suite_guards.py, `require_cuda`)
+(tests/project/test_suite_guards.py, `require_cuda`)
 
     python3 benchmarks/probes/probe_interpreter.py
 

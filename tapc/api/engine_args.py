@@ -42,7 +42,7 @@ SEVERAL_GPUS = ("mp", "ray")
 
 # Modules whose code ends up inside the compiled graphs, or decides what does (which call a
 # `.source` tap wraps, which op and tables an edit reads, the tables' shapes): a change to any of
-# them must invalidate vLLM's compile cache. tests/test_digest_cpu.py runs an install and the
+# them must invalidate vLLM's compile cache. tests/worker/test_digest.py runs an install and the
 # patched forwards and fails if a tapc file they run is missing here.
 GRAPH_MODULES = ("tapc.worker.install", "tapc.worker.source", "tapc.worker.calls", "tapc.lang.functions",
                  "tapc.worker.layout", "tapc.plan.forwards", "tapc.lang.edits",

@@ -5,7 +5,7 @@ shipped to each actor, with two calls.
   builds the same), so that the folder's settings are checked before any engine starts;
 - a call: the tapped engine (`tapc.VLLM`), made in each actor, on the GPUs Ray gave it.
 
-The tests build the toy engine (tests/engine_toy.py) through a factory of their own.
+The tests build the toy engine (tests/support/engine_toy.py) through a factory of their own.
 """
 from __future__ import annotations
 

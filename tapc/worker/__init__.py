@@ -3,7 +3,7 @@ internals (docs/architecture.md walks the route).
 
 - `worker`: the vLLM worker class that installs all of it after the model loads, through
   `assemble`: the one wiring of the taps, the step components and the patches, which the CPU
-  toy engine (tests/engine_toy.py) uses too.
+  toy engine (tests/support/engine_toy.py) uses too.
 - `layout`: this GPU's part of the plan's in-graph taps, as table rows and capture groups.
 - `buffers`: the device tables and capture pools; `copyout`: a step's captured rows to host memory.
 - `install`, `source`: patched module forwards, so the tap ops land in the compiled graphs;

@@ -2,7 +2,7 @@
 (component.py) picked and built from this GPU's part of the plan (`Layout`) and the engine's
 config (tapc/wire/config.py), and the runner's step routed through its adapter (patches.py).
 
-`TapWorker.load_model` (worker.py) and the CPU toy engine (tests/engine_toy.py `hooks_for`) both
+`TapWorker.load_model` (worker.py) and the CPU toy engine (tests/support/engine_toy.py `hooks_for`) both
 call `assemble`. What only the process knows comes in a `Process` (the runner, device memory,
 pinning, the driver), so the toy differs from a GPU worker in those inputs only, never in how
 the parts are put together: the CPU tests check the wiring the GPU runs.

@@ -36,7 +36,7 @@ class CopyOut:
     """Copy-out of `pools` (Buffers.pools) on `device`, with snapshots sized for `rows` rows a
     capture and decode steps of up to `seqs` requests. It copies on a CUDA device; on the CPU it
     is made only to count its memory (the toy engine's tests copy with an object of the same
-    methods, tests/engine_toy.py)."""
+    methods, tests/support/engine_toy.py)."""
 
     def __init__(self, layout, pools: list[torch.Tensor], rows: int, seqs: int, device: torch.device):
         self.pools = pools

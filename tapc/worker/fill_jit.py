@@ -6,7 +6,7 @@ each mostly call overhead: about 0.1 ms for bench_host's served batch on a 2-cor
 on the H200 machine's host (bench_host, 2026-12-02), on the engine's one thread every step.
 Here each record's values are one row, made once (`Record.fill_row`), a step gathers them
 with a few calls, and one compiled loop writes the same tables, pool rows and segments (the
-fill's reference tests run both: tests/test_engine_tables.py, test_engine_cpu.py).
+fill's reference tests run both: tests/worker/test_tables.py, tests/api/test_engine.py).
 """
 from __future__ import annotations
 

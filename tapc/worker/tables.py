@@ -28,7 +28,7 @@ from tapc.worker.storage import Store
 
 class StepTables(StepComponent):
     """`copy_out`: a `CopyOut` (copyout.py) over `buffers.pools`, or an object of its methods
-    (tests/engine_toy.py copies on the CPU). `compiled`: fill with fill_jit.py where it can
+    (tests/support/engine_toy.py copies on the CPU). `compiled`: fill with fill_jit.py where it can
     (False: every step by fill.py's reference). `inline`: the API is on another node, so a
     collect sends the rows themselves rather than their places in the arena."""
 

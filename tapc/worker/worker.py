@@ -51,7 +51,7 @@ class TapWorker(Worker):
         buffers = Buffers(layout, runner.max_num_tokens, sched.max_num_seqs, self.vllm_config.max_concurrent_batches,
                           self.device)
         copy_out = CopyOut(layout, buffers.pools, runner.max_num_tokens, sched.max_num_seqs, self.device)
-        # What tapc took from the GPU, against what `tapc explain` said (tests/test_sizing_gpu.py).
+        # What tapc took from the GPU, against what `tapc explain` said (tests/plan/test_sizing_gpu.py).
         self.tapc_allocated = torch.cuda.memory_allocated(self.device) - before
         self.tapc_has_blocks = any(t.action == "block" for t in plan.taps)
         if config.prefix_rows:
