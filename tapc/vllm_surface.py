@@ -1,6 +1,6 @@
 """Every vLLM internal tapc touches, in one place: imports, methods it patches or calls, attributes
 it reads on vLLM's objects, environment variables, custom ops and the forward calls `.source`
-taps name. tests/test_vllm_surface.py resolves each against the installed vLLM, so that a vLLM
+taps name. tests/project/test_vllm_surface.py resolves each against the installed vLLM, so that a vLLM
 that renamed or moved one fails there in one line naming it, not later as a wrong capture;
 benchmarks/probes/probe_vllm_surface.py reads them statically from another release's wheel.
 

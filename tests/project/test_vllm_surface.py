@@ -3,14 +3,14 @@ vLLM module tapc imports is listed there: a vLLM that moved one fails here, one 
 import ast
 import importlib
 import inspect
-from pathlib import Path
 
 import pytest
+from places import ROOT
 
 from tapc.plan.forwards import forward_calls
 from tapc.vllm_surface import INTERNALS, Internal
 
-TAPC = Path(__file__).parent.parent / "tapc"
+TAPC = ROOT / "tapc"
 
 
 def _sets_on_self(klass, attr: str) -> bool:
