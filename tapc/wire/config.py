@@ -11,7 +11,6 @@ added or removed, bumps `VERSION`.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -45,15 +44,6 @@ class EngineConfig:
         d = asdict(self)
         d["blocks"], d["save"] = dict(self.blocks), None if self.save is None else dict(self.save)
         return d
-
-    def to_json(self) -> str:
-        """The wire form as JSON text, its keys sorted as vLLM sorts them when it hashes it."""
-        return json.dumps(self.to_wire(), sort_keys=True)
-
-    @property
-    def digest(self) -> str:
-        """A hash of every field: what this config adds to vLLM's compile-cache key."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     @classmethod
     def from_wire(cls, d) -> "EngineConfig":
