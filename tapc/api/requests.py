@@ -15,12 +15,11 @@ import dataclasses
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import islice
 from numbers import Integral
 from typing import Any
 
 from tapc.errors import RequestError
-from tapc.lang.edits import CALL, EDITS, POSITIONS, check_param, patch_rows, set_lengths
+from tapc.lang.edits import CALL, EDITS, POSITIONS, check_param, listed, patch_rows, set_lengths
 from tapc.lang.quoted import shown
 from tapc.plan.tapplan import TapPlan
 from tapc.wire.protocol import Ask
@@ -150,8 +149,7 @@ def _positions(positions, where: str, max_model_len: int | None):
     # no more are read than a request can have rows: a range(10**9) is refused, not made a list
     most, of = (max_model_len - 1, f"a request of max_model_len={max_model_len} has") if max_model_len \
         else (MAX_LISTED, "a list may hold")
-    iterable = isinstance(positions, Iterable) and not isinstance(positions, (bytes, bytearray, Mapping))
-    out = list(islice(positions, most + 1)) if iterable else None
+    out = listed(positions, most + 1)
     if out is not None and len(out) > most:
         raise RequestError(f"{where}: positions lists more than {most} positions, the most {of}, "
                            f"got {shown(positions)}")

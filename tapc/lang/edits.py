@@ -152,12 +152,12 @@ def check_param(kind: str, value, width: int):
     if kind == "rows":
         return _checked_patch(value, width)
     if kind == "columns":
-        cols = [value] if isinstance(value, (int, np.integer)) else _items(value)
+        cols = [value] if isinstance(value, (int, np.integer)) else listed(value)
         if not cols or len(cols) > MAX_COLUMNS or len(set(cols)) != len(cols) or \
                 not all(isinstance(c, (int, np.integer)) and not isinstance(c, bool) and 0 <= c < width for c in cols):
             raise ValueError(f"must be 1..{MAX_COLUMNS} distinct column indices in 0..{width - 1}, got {shown(value)}")
         return [int(c) for c in cols]
-    vals = [value] if isinstance(value, Real) else _items(value)
+    vals = [value] if isinstance(value, Real) else listed(value)
     if not vals or not all(_finite(v) for v in vals):
         raise ValueError(f"must be a number or a list of numbers, finite in float32 (its range is ±{F32_MAX:.4g}), "
                          f"got {shown(value)}")
@@ -171,7 +171,7 @@ def _checked_patch(value, width: int) -> bytes:
         raise ValueError(f'must be {{"positions": [p, ...], "rows": [n, {width}] numbers}}, got {shown(value)}')
     pos = value["positions"]
     # no more than a slot's rows are read: a range(10**9) is not made a list first
-    pos = _items(pos, MAX_PATCH_ROWS + 1)
+    pos = listed(pos, MAX_PATCH_ROWS + 1)
     if not pos or len(pos) > MAX_PATCH_ROWS or len(set(pos)) != len(pos) or \
             not all(isinstance(p, (int, np.integer)) and not isinstance(p, bool) and 0 <= p <= MAX_POSITION for p in pos):
         raise ValueError(f"positions must be distinct non-negative token positions (1..{MAX_PATCH_ROWS} of them, "
@@ -209,7 +209,7 @@ def _finite(v) -> bool:
         return False
 
 
-def _items(value, most: int | None = None) -> list | None:
+def listed(value, most: int | None = None) -> list | None:
     """The items of a list (up to `most` of them: no more are read); None for what is not a
     list: a number, text, bytes or a mapping (which iterate too)."""
     if not isinstance(value, Iterable) or isinstance(value, (str, bytes, bytearray, Mapping)):
