@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU suite, on one H200 460-520 s from a machine's start. From the project root, with
+# The whole GPU suite: on one H100 454 s on a warm machine, more than 560 s on a fresh one (every
+# kernel compiled afresh). Extra arguments go to pytest. From the project root, with
 # the bundle every script here uses (MoE kernels, what `vllm serve` needs beyond the bundle,
 # pytest-xdist; docs/internals/testing.md) in .gpu-serve:
 #     TAPC_GPU_MOE=1 TAPC_GPU_EXTRA="uvicorn click h11 watchfiles model-hosting-container-standards \
@@ -14,6 +15,8 @@ export VLLM_DISABLE_COMPILE_CACHE=1
 source .gpu-serve/activate
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 nvidia-smi > "$out/smi.txt" 2>&1
-timeout "${LIMIT:-560}" python3 -m pytest -m gpu tests -n 6 --dist loadgroup -q -p no:cacheprovider > "$out/suite.log" 2>&1
+# SIGINT at the limit, so that pytest still prints which tests had not finished
+timeout -s INT -k 15 "${LIMIT:-560}" python3 -m pytest -m gpu tests -n 6 --dist loadgroup -q -p no:cacheprovider \
+    --durations=15 "$@" > "$out/suite.log" 2>&1
 echo "rc=$?" >> "$out/suite.log"
 tail -30 "$out/suite.log"
