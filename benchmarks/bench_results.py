@@ -58,7 +58,7 @@ def app_for(results: int, rows: int, layers: int, width: int) -> FastAPI:
 async def fetch_all(port: int, n: int, clients: int, via: str) -> tuple[int, float]:
     import aiohttp
 
-    from bench_serve import kept
+    from serve_load import kept
 
     todo, got = list(range(n)), [0]
 

@@ -2,124 +2,56 @@
 
     source .gpu/activate && python3 benchmarks/bench_serve.py --quick --out bench_serve.md
 
-A random Llama checkpoint with realistic init (and a word-level tokenizer over its vocabulary)
-is written; a vanilla server and a tapc server (captures of every layer's residual stream,
-a steering edit with per-request vectors) run side by side, each on its share of the GPU.
-After 64 untimed warm-up requests, the same request list goes to each, over real HTTP, from `--clients` concurrent clients with
-staggered (Poisson) arrivals: untapped, capturing (all / prompt / generated rows), steered by
-one of three registered vectors (some capturing too), a share streamed, `--abort` of them
-aborted mid-stream (the client closes the connection), and half behind one shared system
-prompt. The vanilla server gets the same prompts and lengths without taps. `--mix` sets the
-shares of the four kinds; several mixes run one after the other on the same two servers (one
-server start, minutes of GPU time, for all), each with prompts of its own. Each mix runs
-`--rounds` times on each server, the servers in turn (the other one first every other round),
-with new prompts every round: one 10-second load's reading moved by a fifth from run to run,
-so the table gives medians and each round's own ratio; `--check-rounds K` checks the answers
-of the first K rounds only (the check is the longest part of a round), so that a run of limited
-time holds more timed rounds. `--inline S`: a
-share S of the capturing requests ask for their captures in the response (checked the same way).
-`--block`: the tapc server also runs a Python block at a layer, named by import path and
-imported by each worker (`tapc serve --block`); the norms it saves are checked against HF's.
-`--save S`: the tapc server has a save folder (`tapc serve --save-to`), and a share S of the
-requests capturing all rows ask `save: true`; once the servers have stopped (which commits the
-last shard), their rows in the folder's shards are checked against HF's like the fetched ones.
+A random Llama checkpoint (and a word-level tokenizer over its vocabulary) is written; a vanilla
+server and a tapc server (captures of every layer's residual stream, a steering edit with
+per-request vectors) run side by side, each on its share of the GPU. After untimed warm-up
+requests, the same request list goes to each over real HTTP from `--clients` concurrent clients
+with staggered (Poisson) arrivals: untapped, capturing (all / prompt / generated rows), steered by
+one of three registered vectors (some capturing too), a share streamed, `--abort` of them aborted
+mid-stream, and half behind one shared system prompt; a capturing request's client fetches its
+captures as soon as its response ends, inside the timed load. `--mix` sets the shares of the four
+kinds; each mix runs `--rounds` times on each server, the servers in turn, new prompts every
+round, and the table gives medians and each round's own ratio.
 
-A capturing request's client fetches its captures (`GET /v1/tapc/results/{id}`) as soon as its
-response ends, inside the timed load, as a client would (until 2026-12-01 they were fetched after
-the load, so every result of a load stayed in the server's host memory meanwhile and the load grew
-it, which costs the engine's steps about a second a GiB: the table says how long the tapc
-server spent doing so in each load).
-
-Checked for every finished request of the tapc server, against HF transformers on the same
-weights (teacher-forced on the tokens the request went through, with the request's own
-steering): every capture has exactly the rows its positions promise and equals HF's within
-bf16 tolerance; every generated token is HF's greedy choice unless HF's top two are within a
-near-tie margin (vLLM is not batch-invariant). A wider model puts vLLM's bf16 logits further from
-the float32 reference's, on vanilla's path as on tapc's, so a token within `NEAR` margins is a near
-miss: the same check runs on vanilla's own answers to the requests that steer nothing, both
-servers' near misses are printed a load, and tapc's are a problem only where they are more often
-than vanilla's; a farther miss is a problem on its own. No response lost; the server healthy after, and
-its workers hold nothing (`GET /v1/tapc/held`) once every result was fetched (the aborted
-requests' too: a response the server sent whole just before its client closed keeps its results).
-Reported: output tokens/s of each server and their ratio (goal >= 0.95x), and the share of
-untapped prompt tokens served from the prefix cache (`usage.prompt_tokens_details`, goal: equal
-to vanilla's). Beside them, what each engine did in the load, from vLLM's own counters at
-/metrics: its steps, tokens a step, prompt tokens it computed and wall ms a step, which say
-whether a slower tapc server computed more prefill (its cache salts), took longer a step (the
-engine's own cost), or ran smaller steps (requests reaching it more slowly: the API side); and
-for the tapc server, the engine thread's milliseconds a step in tapc's own hooks, which the
-worker times itself (`GET /v1/tapc/host-time`), so the part of a slower step that is tapc's
-host work is read without a sampler.
-`--profile MD` says where a process's time went: every process of both servers samples its
-stacks during the timed loads (serve_stacks/sitecustomize.py, on their PYTHONPATH), written to
-MD per process and thread; the sampling slows both servers' loads. `--timers MD` times the engine
-thread's calls of vLLM's engine-loop functions (scheduler, executor, model runner, the wait for
-the GPU: timers.py) on both servers and writes their ms a step side by side: which part of a
-slower tapc step is vLLM's own work grown, and which is not vLLM's; with the GPU's side of each
-step (CUDA events) and Python's collections, each mix apart. `--kernels MD` records the GPU's
-kernel and copy times in both engine cores (CUPTI, devicetime.py), each mix apart: whether a
-slower tapc step is more GPU work, and which kernels. `--dummy-weights` serves a
-model too large to write to disk quickly with vLLM's own random weights on both servers (nothing
-can be checked then: `--check-rounds 0`), and `--capture GLOB` sets what capturing requests
-ask for (e.g. one layer of 32, as an SAE harvest asks): the load where a step is the GPU's work
-rather than the host's.
+Reported per mix: output tokens/s of each server and their ratio (goal >= 0.95x), the untapped
+prompt tokens' prefix-cache hit rate (goal: vanilla's), what each engine did in the load from
+vLLM's counters at /metrics (steps, tokens a step, prompt tokens computed, wall ms a step), and
+the tapc engine thread's ms a step in tapc's hooks, which the worker times itself
+(`GET /v1/tapc/host-time`). The answers of the first `--check-rounds` rounds are checked against
+HF (serve_check.py); `--profile`, `--timers` and `--kernels` read every server process during
+the loads (readings.py).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import contextlib
-import fnmatch
 import json
-import math
 import os
-import random
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
+import record
+from readings import CallTimes, Kernels, Stacks, call_times_report, kernels_report
+from serve_check import (
+    ALPHA,
+    BLOCK_LAYER,
+    NEAR,
+    STEER_LAYER,
+    Reference,
+    check,
+    check_saved,
+    near_miss_problems,
+    vanilla_misses,
+)
+from serve_load import KINDS, MIX, Done, Job, load, make_jobs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEER_LAYER, ALPHA = 1, 4.0
-BLOCK_LAYER = 2   # --block: `probe` at this layer's residual stream, imported by the server by path
 WARMUP = 64   # requests sent to each server before its timed run
-
-
-@dataclass
-class Job:
-    i: int
-    prompt: list[int]
-    max_tokens: int
-    kind: str                    # untapped | capture | steer | steer+capture
-    positions: str = "all"
-    vector: int = -1             # which registered vector steers it
-    stream: bool = False
-    abort_after: int = 0         # streamed chunks read before closing the connection (0: never)
-    at: float = 0.0              # seconds after the start when it is sent
-    inline: bool = False         # its captures come in its response (else fetched by id)
-    save: bool = False           # its captures go to the server's save folder
-    capture: str = "model.layers.*.resid"   # what a capturing request asks for (a glob over the server's taps)
-
-
-@dataclass
-class Done:
-    job: Job
-    tokens: list[int] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached: int = 0
-    tid: str | None = None
-    error: str | None = None
-    aborted: bool = False
-    inline: dict | None = None   # the response's `tapc` object (inline results)
-    fetched: bytes | None = None  # its captures, fetched as soon as its response ended (safetensors)
-    taps: dict | None = None      # or (`--via shm`) copied from the server's shared memory
-    result_error: str = ""        # the error its fetched results carry ('' if none)
 
 
 def write_model(path: str, hidden: int, layers: int, vocab: int, weights: bool = True) -> None:
@@ -145,162 +77,6 @@ def write_model(path: str, hidden: int, layers: int, vocab: int, weights: bool =
                                          unk_token="t2").save_pretrained(path)
 
 
-def probe(ctx, x):
-    """The `--block` block (each worker imports it by path: `benchmarks.bench_serve:probe`): every
-    row's norm at its point, which the check compares with HF's."""
-    ctx.save("norm", x.float().norm(dim=-1).cpu())
-
-
-KINDS = ("untapped", "capture", "steer", "steer+capture")
-MIX = (0.4, 0.2, 0.25, 0.15)   # the share of each kind in the default load
-
-
-def make_jobs(n: int, vocab: int, rate: float, abort: float, seed: int = 0, mix=MIX, inline: float = 0.0,
-              save: float = 0.0, capture: str = Job.capture) -> list[Job]:
-    rng = random.Random(seed)
-    bounds = np.cumsum(mix) / sum(mix)
-    system = [rng.randrange(3, vocab) for _ in range(256)]
-    jobs, t = [], 0.0
-    for i in range(n):
-        t += rng.expovariate(rate)
-        own = [rng.randrange(3, vocab) for _ in range(rng.randrange(8, 200))]
-        prompt = system + own if i % 2 == 0 else own
-        r = rng.random()
-        kind = KINDS[min(int(np.searchsorted(bounds, r, side="right")), len(KINDS) - 1)]
-        job = Job(i, prompt, rng.randrange(16, 96), kind, at=t,
-                  positions=rng.choice(["all", "prompt", "generated"]), vector=rng.randrange(3), capture=capture)
-        job.stream = rng.random() < 0.25
-        if rng.random() < abort:
-            job.stream, job.abort_after = True, rng.randrange(1, 8)
-        # by index, not the generator: the other draws stay what they were without --inline
-        job.inline = "capture" in kind and (i * 0.618034) % 1.0 < inline
-        # the save folder keeps every row: requests capturing all of them
-        job.save = "capture" in kind and job.positions == "all" and not job.inline and (i * 0.381966) % 1.0 < save
-        jobs.append(job)
-    return jobs
-
-
-def taps_of(job: Job) -> dict | None:
-    ask = {}
-    if job.save:   # the folder's captures and positions
-        ask["save"] = True
-    elif "capture" in job.kind:
-        ask["capture"] = [job.capture]
-        ask["positions"] = job.positions
-    if "steer" in job.kind:
-        ask["params"] = {"steer": f"v{job.vector}"}
-    if job.inline:
-        ask["inline"] = True
-    return {"tapc": json.dumps(ask)} if ask else None
-
-
-async def send(session, url: str, model: str, job: Job, tapped: bool, via: str = "http") -> Done:
-    import aiohttp
-
-    done = Done(job)
-    body = {"model": model, "prompt": job.prompt, "max_tokens": job.max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True, "stream": job.stream}
-    if job.stream:
-        body["stream_options"] = {"include_usage": True}
-    xargs = taps_of(job) if tapped else None
-    if xargs:
-        body["vllm_xargs"] = xargs
-    try:
-        async with session.post(f"{url}/v1/completions", json=body) as resp:
-            done.tid = resp.headers.get("x-tapc-id")
-            if resp.status != 200:
-                done.error = f"HTTP {resp.status}: {await resp.text()}"
-                return done
-            if not job.stream:
-                data = await resp.json()
-                done.tokens = list(data["choices"][0]["token_ids"])
-                usage = data["usage"]
-                done.inline = data.get("tapc")
-            else:
-                usage, chunks = None, 0
-                async for line in sse_lines(resp):
-                    if not line.startswith(b"data: {"):
-                        continue
-                    event = json.loads(line[6:])
-                    for choice in event.get("choices") or []:
-                        done.tokens += choice.get("token_ids") or []
-                        chunks += 1
-                    usage = event.get("usage") or usage
-                    done.inline = event.get("tapc") or done.inline
-                    if job.abort_after and chunks >= job.abort_after:
-                        done.aborted = True
-                        resp.close()
-                        return done
-            done.prompt_tokens = usage["prompt_tokens"]
-            done.cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        if done.tid and "capture" in job.kind and not (job.save or (done.inline and "safetensors" in done.inline)):
-            # as a client would: its captures at once (the server then holds nothing of it), in
-            # the timed load, over the same HTTP; or, `via` shm, where they lie, copied out before
-            # the server gets the memory back
-            async with session.get(f"{url}/v1/tapc/results/{done.tid}", params={"via": via}) as resp:
-                if resp.status != 200:
-                    done.error = f"fetching its captures: HTTP {resp.status}: {await resp.text()}"
-                elif via == "http":
-                    done.fetched = await resp.read()
-                    n = int.from_bytes(done.fetched[:8], "little")
-                    done.result_error = json.loads(done.fetched[8:8 + n]).get("__metadata__", {}).get("error", "")
-                else:
-                    lent = await resp.json()
-                    done.result_error = lent.get("error", "")
-                    done.taps = await asyncio.to_thread(kept, lent["tensors"])
-                    async with session.delete(f"{url}/v1/tapc/results/{done.tid}") as back:
-                        if back.status != 200:
-                            done.error = f"giving back its captures: HTTP {back.status}: {await back.text()}"
-    except (aiohttp.ClientError, aiohttp.http_exceptions.HttpProcessingError) as e:
-        done.error = f"{type(e).__name__}: {e}"
-    return done
-
-
-def kept(described: dict) -> dict:
-    """A copy of each tensor a `via=shm` reply describes (tapc.serving.client.shared_views)."""
-    from tapc.serving.client import shared_views
-
-    return {k: v.clone() for k, v in shared_views(described).items()}
-
-
-async def sse_lines(resp):
-    """The response's lines of any length: an inline result's event is one line of up to 16 MiB of
-    base64, past aiohttp's line limit (512 KiB) for `async for line in resp.content`."""
-    parts: list[bytes] = []  # the current line's pieces: joined once, not re-scanned per chunk
-    async for chunk in resp.content.iter_any():
-        *ends, tail = chunk.split(b"\n")
-        for end in ends:
-            yield b"".join(parts) + end
-            parts = []
-        parts.append(tail)
-    if any(parts):
-        yield b"".join(parts)
-
-
-async def load(url: str, model: str, jobs: list[Job], clients: int, tapped: bool,
-               via: str = "http") -> tuple[list[Done], float]:
-    import aiohttp
-
-    queue: asyncio.Queue = asyncio.Queue()
-    for job in jobs:
-        queue.put_nowait(job)
-    out: list[Done] = []
-    start = time.perf_counter()
-
-    async def client(session):
-        while not queue.empty():
-            job = queue.get_nowait()
-            delay = job.at - (time.perf_counter() - start)
-            if delay > 0:
-                await asyncio.sleep(delay)
-            out.append(await send(session, url, model, job, tapped, via))
-
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        await asyncio.gather(*(client(session) for _ in range(clients)))
-    return sorted(out, key=lambda d: d.job.i), time.perf_counter() - start
-
-
 def start_server(cmd: list[str], log: str, readings: dict[str, str] | None = None) -> subprocess.Popen:
     """`readings`: environment variable -> folder, where every process of the server leaves its
     reading of each load (`Stacks`, `CallTimes`: serve_stacks/sitecustomize.py)."""
@@ -312,174 +88,6 @@ def start_server(cmd: list[str], log: str, readings: dict[str, str] | None = Non
         env = {**os.environ, **readings,
                "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
-
-
-class Window:
-    """A reading that every process of one server takes while a timed load runs: the file `on`
-    in `folder` marks the load (serve_stacks/sitecustomize.py); each load leaves a file a process."""
-
-    def __init__(self, folder: str):
-        self.folder = folder
-        self.flag = os.path.join(folder, "on")
-
-    def __enter__(self):
-        open(self.flag, "w").close()
-
-    # A process's reading may take a while to write once the flag goes (CUPTI's records of a load
-    # are hundreds of thousands of kernels): the mix's readings are set aside only once all are in.
-    WRITE_S = 600
-
-    def __exit__(self, *exc):
-        os.remove(self.flag)
-        time.sleep(0.2)   # each process sees the flag gone within a tick
-        deadline = time.time() + self.WRITE_S
-        while any(f.endswith(".open") for f in os.listdir(self.folder)):
-            if time.time() > deadline:
-                raise RuntimeError(f"a server process did not write its reading in {self.WRITE_S} s ({self.folder})")
-            time.sleep(0.1)
-
-    def set_aside(self, name: str) -> "Window":
-        """The loads' readings so far, moved into a folder of their own (`name`, in this one), as
-        a window of that folder: one mix's loads, read apart from the next mix's."""
-        dest = os.path.join(self.folder, name)
-        os.makedirs(dest)
-        for f in os.listdir(self.folder):
-            if f.endswith(".json"):
-                os.replace(os.path.join(self.folder, f), os.path.join(dest, f))
-        return type(self)(dest)
-
-    def readings(self) -> list[dict]:
-        out = []
-        for path in sorted(f for f in os.listdir(self.folder) if f.endswith(".json")):
-            with open(os.path.join(self.folder, path)) as f:
-                out.append(json.load(f))
-        return out
-
-
-class Stacks(Window):
-    """`--profile`: stack samples of every process of one server during its timed loads
-    (stacks.py), summed over the loads, as markdown per process and thread."""
-
-    ENV = "TAPC_STACKS_DIR"
-
-    def report(self, server: str, top: int = 3) -> list[str]:
-        from collections import Counter
-
-        from stacks import report_thread
-
-        procs: dict[str, dict[str, dict]] = {}
-        for got in self.readings():
-            threads = procs.setdefault(f"{got['process']} (pid {got['pid']})", {})
-            for tname, t in got["threads"].items():
-                if tname in ("tapc-stacks", "tapc-sampler", "tapc-timers"):   # the readings' own
-                    continue
-                acc = threads.setdefault(tname, {"samples": 0, "idle": 0, "inclusive": Counter(), "tapc": Counter(),
-                                                 "innermost": Counter()})
-                acc["samples"] += t["samples"]
-                acc["idle"] += t["idle"]
-                for key in ("inclusive", "tapc", "innermost"):
-                    acc[key].update(dict(t[key]))
-        lines = [f"## {server} server", ""]
-
-        def busy(threads):
-            return sum(t["samples"] - t["idle"] for t in threads.values())
-
-        for proc, threads in sorted(procs.items(), key=lambda kv: -busy(kv[1])):
-            if busy(threads) < 0.05 * max(t["samples"] for t in threads.values()):
-                continue   # a helper process that waited throughout (resource tracker, ...)
-            lines += [f"### process `{proc}`", ""]
-            for tname, t in sorted(threads.items(), key=lambda kv: kv[1]["idle"] - kv[1]["samples"])[:top]:
-                lines += report_thread(tname, {**t, **{k: t[k].most_common(25) for k in ("inclusive", "tapc", "innermost")}})
-        return lines
-
-
-class CallTimes(Window):
-    """`--timers`: the engine thread's milliseconds a step in vLLM's engine-loop functions
-    (timers.py), summed over one server's timed loads."""
-
-    ENV = "TAPC_TIMERS_DIR"
-
-    def per_step(self, steps: float) -> tuple[dict[str, tuple[float, float]], list[str]]:
-        """{function: (ms a step, calls a step)} of the engine-core process, and targets missing."""
-        engine = [got for got in self.readings() if got["process"].startswith("EngineCore")]
-        if not engine:
-            raise RuntimeError(f"--timers: no engine-core process left a reading in {self.folder}")
-        seconds, calls, missing = {}, {}, set()
-        for got in engine:
-            missing.update(got["missing"])
-            for k, v in got["seconds"].items():
-                seconds[k] = seconds.get(k, 0.0) + v
-                calls[k] = calls.get(k, 0) + got["calls"][k]
-        steps = max(steps, 1.0)
-        return {k: (seconds[k] * 1e3 / steps, calls[k] / steps) for k in seconds}, sorted(missing)
-
-
-class Kernels(Window):
-    """`--kernels`: the GPU's time by kernel (CUPTI's records, devicetime.py) in one server's
-    engine-core process during its timed loads."""
-
-    ENV = "TAPC_KERNELS_DIR"
-
-    def summed(self) -> dict[str, list]:
-        """{kernel or copy: [launches, GPU us]} summed over the loads."""
-        got: dict[str, list] = {}
-        for reading in self.readings():
-            for name, (count, us) in reading["kernels"].items():
-                acc = got.setdefault(name, [0, 0.0])
-                acc[0] += count
-                acc[1] += us
-        if not got:
-            raise RuntimeError(f"--kernels: no process recorded a kernel in {self.folder}")
-        return got
-
-
-def kernels_report(kernels: dict[str, Kernels], steps: dict[str, float], mix: str, top: int = 30) -> list[str]:
-    """Both servers' GPU time a step over one mix's loads: kernels, copies and tapc's own
-    kernels in all (devicetime.totals), then the kernels whose time differs most between the two."""
-    from devicetime import differing, totals
-
-    got = {name: k.summed() for name, k in kernels.items()}
-    per = {name: max(steps[name], 1.0) for name in got}
-    sums = {name: totals(g) for name, g in got.items()}
-    lines = [f"# bench_serve --kernels, mix {mix}: the GPU's ms a step (CUPTI's kernel and copy records in each "
-             "engine-core process during the timed loads; streams that overlap count twice; the records slow the "
-             "host, so these loads' speeds are not the benchmark's)", "",
-             f"steps: vanilla {steps['vanilla']:.0f}, tapc {steps['tapc']:.0f}", "",
-             "| GPU work | vanilla ms a step | tapc ms a step | tapc - vanilla | vanilla launches a step | tapc launches a step |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for what, ms, n in (("kernels", "kernels_ms", "launches"), ("copies and memsets", "copies_ms", "copies"),
-                        ("tapc's kernels", "tapc_ms", "tapc_launches")):
-        (vm, vn), (tm, tn) = ((sums[name][ms] / per[name], sums[name][n] / per[name]) for name in ("vanilla", "tapc"))
-        lines.append(f"| {what} | {vm:.3f} | {tm:.3f} | {tm - vm:+.3f} | {vn:.1f} | {tn:.1f} |")
-
-    lines += ["", f"The {top} kernels and copies whose GPU time a step differs most:", "",
-              "| kernel or copy | vanilla ms a step | tapc ms a step | tapc - vanilla | vanilla launches a step | tapc launches a step |",
-              "|---|---:|---:|---:|---:|---:|",
-              *differing(got["vanilla"], got["tapc"], per["vanilla"], per["tapc"], top)]
-    return lines + [""]
-
-
-def call_times_report(timers: dict[str, CallTimes], steps: dict[str, float], seconds: dict[str, float],
-                      mix: str) -> list[str]:
-    """Both servers' engine threads side by side over one mix's loads: ms a step in each timed
-    function (inclusive: a function's callees count in it too), calls a step, and the difference."""
-    got = {name: t.per_step(steps[name]) for name, t in timers.items()}
-    wall = {name: seconds[name] * 1e3 / max(steps[name], 1.0) for name in timers}
-    lines = [f"# bench_serve --timers, mix {mix}: the engine thread's ms a step in vLLM's engine-loop functions, "
-             "during the timed loads (inclusive; calls on the engine core's main thread only; (GPU) rows from "
-             "CUDA events, (gc) rows Python's collections)", "",
-             f"steps: vanilla {steps['vanilla']:.0f}, tapc {steps['tapc']:.0f}", "",
-             "| function | vanilla ms a step | tapc ms a step | tapc - vanilla | vanilla calls a step | tapc calls a step |",
-             "|---|---:|---:|---:|---:|---:|",
-             f"| (wall) | {wall['vanilla']:.3f} | {wall['tapc']:.3f} | {wall['tapc'] - wall['vanilla']:+.3f} | | |"]
-    names = sorted(set(got["vanilla"][0]) | set(got["tapc"][0]), key=lambda k: -got["vanilla"][0].get(k, (0, 0))[0])
-    for k in names:
-        (vm, vc), (tm, tc) = got["vanilla"][0].get(k, (0.0, 0.0)), got["tapc"][0].get(k, (0.0, 0.0))
-        lines.append(f"| `{k}` | {vm:.3f} | {tm:.3f} | {tm - vm:+.3f} | {vc:.2f} | {tc:.2f} |")
-    missing = sorted(set(got["vanilla"][1]) | set(got["tapc"][1]))
-    if missing:
-        lines += ["", f"not in this vLLM (not timed): {', '.join(missing)}"]
-    return lines
 
 
 _T0 = time.perf_counter()
@@ -516,217 +124,6 @@ def http_json(method: str, url: str, body=None):
         return r.status, r.read()
 
 
-class Reference:
-    """HF transformers on the checkpoint: residual stream per layer and logits, with steering.
-    In float32 (the checkpoint's bf16 weights exactly): the served engine's bf16 rounding is
-    then the only error a comparison sees, where a bf16 reference adds its own (four greedy
-    tokens in 7,600 untapped requests of one run fell outside the near-tie margin against a
-    bf16 reference, on vanilla vLLM's own path). Sequences run in batches (right-padded: causal
-    attention keeps every real position's activations what they are alone, up to the batched
-    kernels' rounding)."""
-
-    # Padded tokens per batch at the default model (1024 wide, 8 layers); wider or deeper models
-    # get fewer, in proportion: the hooks keep every layer's float32 rows of a batch on the GPU.
-    TOKENS = 32768
-
-    def __init__(self, path: str, vectors, device: str = "cuda"):
-        import torch
-        import transformers
-
-        self.torch, self.device = torch, device
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-        config = self.model.config
-        self.tokens = max(2048, self.TOKENS * 1024 * 8 // (config.hidden_size * config.num_hidden_layers))
-        self.vectors = [torch.tensor(v, dtype=torch.float32, device=device) for v in vectors]
-
-    def run(self, seqs: list[tuple[list[int], int, bool]]) -> list[tuple[dict, object]]:
-        """For each (tokens, steering vector or -1, residual wanted): ({key: [tokens, hidden]
-        float32 on the CPU} or {}, logits [tokens, vocab] float32 on the device)."""
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
-        out: list = [None] * len(seqs)
-        batch: list[int] = []
-        for i in order:
-            if batch and (len(batch) + 1) * len(seqs[i][0]) > self.tokens:
-                self._batch([seqs[j] for j in batch], batch, out)
-                batch = []
-            batch.append(i)
-        if batch:
-            self._batch([seqs[j] for j in batch], batch, out)
-        return out
-
-    def _batch(self, seqs, where: list[int], out: list) -> None:
-        torch = self.torch
-        width = max(len(t) for t, _, _ in seqs)
-        ids = torch.zeros((len(seqs), width), dtype=torch.long)
-        steer = torch.zeros((len(seqs), 1, self.model.config.hidden_size), dtype=torch.float32, device=self.device)
-        for b, (tokens, vector, _) in enumerate(seqs):
-            ids[b, :len(tokens)] = torch.tensor(tokens)
-            if vector >= 0:
-                steer[b, 0] = ALPHA * self.vectors[vector]
-        layers: list = []
-
-        def hook(i):
-            def f(mod, args, out):
-                h = out[0] if isinstance(out, tuple) else out
-                layers.append(h)
-                if i == STEER_LAYER:   # + 0 on the rows not steered
-                    h = h + steer
-                    return (h, *out[1:]) if isinstance(out, tuple) else h
-            return f
-
-        handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.model.model.layers)]
-        try:
-            with torch.no_grad():
-                logits = self.model(ids.to(self.device)).logits.float()
-        finally:
-            for h in handles:
-                h.remove()
-        for b, (tokens, _, resid) in enumerate(seqs):
-            n = len(tokens)
-            seen = {f"model.layers.{i}.resid": h[b, :n].float().cpu() for i, h in enumerate(layers)} if resid else {}
-            out[where[b]] = (seen, logits[b, :n])
-
-
-# A token HF scores at most this many margins below its top choice is a near miss: bf16 drift,
-# which grows with the model's width and depth (at 4096 wide, 8 layers, vanilla vllm serve's
-# answers missed the margin by up to 2.2 margins as often as tapc serve's: 149 and 158 of 1,135).
-# Near misses are counted on both servers and compared; a farther one is a problem on its own.
-NEAR = 4.0
-
-
-@dataclass
-class Miss:
-    text: str
-    near: bool   # within NEAR margins of HF's top
-
-
-def greedy_miss(rows, tokens: list[int]) -> Miss | None:
-    """Whether `tokens` are greedy under the reference's logits `rows` ([tokens, vocab], the rows
-    that chose them): each HF's top choice, but for near ties; the first one that is not, or None."""
-    import torch
-
-    top2 = rows.topk(2, dim=-1).values
-    chosen = rows.gather(1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
-    # Two bf16 steps at the logit's size: vLLM's bf16 logits are one step from the float32
-    # reference's at a near tie (the GPU tests use the same margin against a bf16 HF).
-    margin = 2e-2 * rows.abs().amax(dim=-1) + 1e-3
-    gap = top2[:, 0] - chosen
-    bad = (gap > margin) & ((top2[:, 0] - top2[:, 1]) > margin)
-    if not bad.any():
-        return None
-    k = int(bad.nonzero()[0])
-    far = bad & (gap > NEAR * margin)
-    return Miss(f"generated token {k} is not the greedy choice (HF top {top2[k, 0]:.4f}, chosen {chosen[k]:.4f})",
-                near=not bool(far.any()))
-
-
-def more_often(k: int, n: int, j: int, m: int) -> bool:
-    """Whether k near misses of n are more than j of m (the baseline) explains: a one-sided
-    two-proportion test at three standard errors, plus one request."""
-    if n == 0:
-        return False
-    p = (k + j) / (n + m)
-    bound = j / m if m else 0.0
-    return k / n > bound + 3 * math.sqrt(p * (1 - p) * (1 / n + (1 / m if m else 1.0))) + 1 / n
-
-
-def vanilla_misses(ref: Reference, done: list[Done]) -> tuple[int, int, int]:
-    """The greedy-token check on vanilla vllm serve's own answers (its unsteered requests: it
-    steers none): (requests with a near miss, with a farther one, requests checked). The baseline
-    for tapc's near misses: a wider or deeper model puts vLLM's bf16 logits further from the
-    float32 reference's, on vanilla's path as on tapc's."""
-    todo = [d for d in done if not (d.error or d.aborted) and "steer" not in d.job.kind
-            and len(d.tokens) == d.job.max_tokens]
-    refs = ref.run([((d.job.prompt + d.tokens)[:-1], -1, False) for d in todo])
-    misses = [greedy_miss(logits[len(d.job.prompt) - 1:], d.tokens) for d, (_, logits) in zip(todo, refs)]
-    near = sum(m is not None and m.near for m in misses)
-    return near, sum(m is not None for m in misses) - near, len(todo)
-
-
-def near_miss_problems(where: str, tapc: dict[str, tuple[int, int]], vanilla: tuple[int, int, int]) -> list[str]:
-    """tapc's near misses ({"unsteered": (k, n), "steered": (k, n)}) against vanilla's answers to
-    the requests that steer nothing (`vanilla_misses`): a problem where tapc's are more often."""
-    j, _, m = vanilla
-    return [f"{where}: {kind} requests' generated tokens miss the greedy margin more often on tapc serve ({k} of {n}) "
-            f"than vanilla vllm serve's unsteered ones ({j} of {m})"
-            for kind, (k, n) in tapc.items() if more_often(k, n, j, m)]
-
-
-def check(ref: Reference, url: str, done: list[Done], block: bool = False,
-          saved: list | None = None) -> tuple[list[str], dict[str, tuple[int, int]]]:
-    """Every finished tapc request against HF; the captures fetched from the server (`block`:
-    and the norms the server's block saved). Saving requests: (their number, where, HF's rows,
-    their tokens) go to `saved`, checked in the folder once the server has stopped. Returns the
-    problems (a generated token far outside the greedy margin among them), and its near misses
-    ({"unsteered": (near misses, checked), "steered": ...}), which `near_miss_problems` compares
-    with vanilla's."""
-    import torch
-    from safetensors.torch import load
-
-    from tapc.wire.positions import expected_rows, select
-
-    problems, todo = [], []
-    near = {"unsteered": [0, 0], "steered": [0, 0]}   # requests with a near miss, requests checked
-    for d in done:
-        job = d.job
-        if d.error or d.aborted:
-            continue
-        if len(d.tokens) != job.max_tokens:
-            problems.append(f"request {job.i}: {len(d.tokens)} tokens of {job.max_tokens}")
-            continue
-        todo.append(d)
-    refs = ref.run([((d.job.prompt + d.tokens)[:-1], d.job.vector if "steer" in d.job.kind else -1,
-                     "capture" in d.job.kind) for d in todo])
-    for d, (seen, logits) in zip(todo, refs):
-        job = d.job
-        where = f"request {job.i} ({job.kind}, {job.positions}, stream={job.stream})"
-        seq = job.prompt + d.tokens
-        miss = greedy_miss(logits[len(job.prompt) - 1:], d.tokens)
-        if miss and not miss.near:
-            problems.append(f"{where}: {miss.text}")
-        counts = near["steered" if "steer" in job.kind else "unsteered"]
-        counts[0] += miss is not None and miss.near
-        counts[1] += 1
-        if "capture" not in job.kind:
-            continue
-        if job.save:
-            if not (d.inline and "saved" in d.inline):
-                problems.append(f"{where}: asked to save, the response carried {d.inline!r}")
-            else:
-                saved.append((d.inline["saved"], where, seen, seq[:-1]))
-            continue
-        if job.inline and not (d.inline and ("safetensors" in d.inline or "fetch" in d.inline)):
-            problems.append(f"{where}: asked inline, the response carried {d.inline!r}")
-            continue
-        if d.taps is not None:
-            taps = d.taps
-        else:
-            taps = load(base64.b64decode(d.inline["safetensors"]) if job.inline and "safetensors" in d.inline
-                        else d.fetched)
-        seen = {k: v for k, v in seen.items() if fnmatch.fnmatchcase(k, job.capture)}
-        missing = sorted(set(seen) - set(taps))
-        if missing:
-            problems.append(f"{where}: its results lack {len(missing)} captures ({missing[0]}, ...)"
-                            + (f"; their error: {d.result_error}" if d.result_error else ""))
-        want = expected_rows(job.positions, len(job.prompt), len(d.tokens))
-        pos = np.arange(len(seq) - 1)
-        keep = torch.from_numpy(select(job.positions, pos, len(job.prompt)))
-        norms = sorted((k for k in taps if k.startswith("saved/norm/")), key=lambda k: int(k.rsplit("/", 1)[1]))
-        if block and job.positions == "all":   # the block sees every row; with positions "all" HF's are all here
-            got = torch.cat([taps.pop(k) for k in norms]).float()
-            hf = seen[f"model.layers.{BLOCK_LAYER}.resid"].norm(dim=-1).cpu()
-            if got.shape != hf.shape or not torch.allclose(got, hf, rtol=3e-2, atol=1e-2):
-                problems.append(f"{where}: the block's saved norms differ from HF's ({tuple(got.shape)} rows)")
-        for k in norms:
-            taps.pop(k, None)
-        for key, got in taps.items():
-            if got.shape[0] != want:
-                problems.append(f"{where}: {key} has {got.shape[0]} rows, its positions promise {want}")
-                continue
-            problems += differs(where, key, got, seen[key][keep])
-    return problems, {kind: tuple(c) for kind, c in near.items()}
-
-
 def taken_after_abort(url: str, d: Done) -> list[str]:
     """Fetch what the server kept of a tapped request the client closed mid-stream, so that the
     check of what the workers hold afterwards is exact: its error (the server saw the response
@@ -740,42 +137,6 @@ def taken_after_abort(url: str, d: Done) -> list[str]:
         if e.code != 404 or not (d.job.inline or d.job.save):
             return [f"request {d.job.i} (aborted): fetching what the server kept gave HTTP {e.code}: {e.read()[:200]!r}"]
     return []
-
-
-def differs(where: str, key: str, got, hf) -> list[str]:
-    """A problem if `got` is not HF's rows within bf16 tolerance."""
-    import torch
-
-    rel = ((got.float() - hf).norm() / hf.norm()).item()
-    cos = torch.nn.functional.cosine_similarity(got.float(), hf, dim=1).min().item()
-    if rel > 5e-2 or cos < 0.99:
-        return [f"{where}: {key} differs from HF: relative error {rel:.4f}, worst cosine {cos:.4f}"]
-    return []
-
-
-def check_saved(folder: str, saved: list) -> list[str]:
-    """The saved requests' rows in the stopped server's save folder: each request's number once,
-    its token ids, every position, each key equal to HF's."""
-    import torch
-
-    from tapc.data import Shards
-    from tapc.harvest.run import Manifest
-
-    m = Manifest.read(folder)
-    if not m.complete:
-        return [f"{folder}: the manifest is not complete (the server did not stop cleanly)"]
-    shards = Shards(folder)
-    cols = {k: torch.cat([shards.load(k, i) for i in range(len(m.shards))]) if m.shards else torch.zeros(0)
-            for k in (*m.keys, "request", "token_ids", "position")}
-    problems = [f"{folder}: request {f['request']} failed: {f['error']}" for f in m.failed]
-    for n, where, seen, tokens in saved:
-        mine = cols["request"] == n
-        if cols["token_ids"][mine].tolist() != tokens or cols["position"][mine].tolist() != list(range(len(tokens))):
-            problems.append(f"{where}: saved as {n}, its rows' token ids or positions are not its own")
-            continue
-        for key in m.keys:
-            problems += differs(f"{where} (saved as {n})", key, cols[key][mine], seen[key])
-    return problems
 
 
 # vLLM's own counters (Prometheus text at /metrics), summed over its engines: `iteration_tokens_total`
@@ -913,54 +274,36 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=200.0, help="mean arrivals per second")
     ap.add_argument("--abort", type=float, default=0.05, help="share of requests aborted mid-stream")
     ap.add_argument("--mix", nargs="+", default=[",".join(map(str, MIX))],
-                    help=f"shares of {', '.join(KINDS)} (e.g. 1,0,0,0: untapped traffic alone); several "
-                         "mixes run one after the other on the same two servers")
-    ap.add_argument("--rounds", type=int, default=None,
-                    help="loads of each mix on each server, in turn (new prompts each round); the table shows medians "
-                         "(default 3, with --quick 1)")
+                    help=f"shares of {', '.join(KINDS)} (e.g. 1,0,0,0: untapped traffic alone); several mixes run "
+                         "one after the other on the same two servers")
+    ap.add_argument("--rounds", type=int, default=None, help="loads of each mix on each server (default 3, --quick 1)")
     ap.add_argument("--check-rounds", type=int, default=None, metavar="K",
-                    help="check the answers of each mix's first K rounds only (default: every round); the check "
-                         "takes longer than a round's two loads, so more rounds fit in a run of limited time this way. Errors "
-                         "and lost requests are counted in every round")
+                    help="check the answers of each mix's first K rounds only (default: every round); errors and "
+                         "lost requests are counted in every round")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--dummy-weights", action="store_true",
-                    help="both servers make their own random weights (vLLM's --load-format dummy, the same on both): "
-                         "models too large to write to disk quickly (e.g. --hidden 4096 --layers 32, an 8B-sized body "
-                         "whose steps are the GPU's, not the host's). There is no checkpoint for HF, so nothing is "
-                         "checked: needs --check-rounds 0")
-    ap.add_argument("--capture", default=Job.capture,
-                    help="what capturing requests ask for, a glob over the server's taps (every layer's residual "
-                         "stream); e.g. one layer's, as an SAE harvest asks, on a model of many")
+                    help="both servers make their own random weights (--load-format dummy), for a model too large to "
+                         "write (e.g. --hidden 4096 --layers 32); nothing can be checked: needs --check-rounds 0")
+    ap.add_argument("--capture", default=Job.capture, help="what capturing requests ask for, a glob over the taps")
     ap.add_argument("--inline", type=float, default=0.0,
                     help="share of capturing requests that ask for their captures in the response")
-    ap.add_argument("--block", action="store_true",
-                    help="the tapc server also runs a Python block (imported by path) at a layer: every request "
-                         "then has taps, and the graph splits there")
+    ap.add_argument("--block", action="store_true", help="the tapc server also runs a Python block at a layer")
     ap.add_argument("--save", type=float, default=0.0,
                     help="share of the requests capturing all rows that ask to be saved in the server's save folder")
     ap.add_argument("--via", choices=("http", "shm"), default="http",
-                    help="how clients fetch their captures: the bytes over HTTP, or (the client on the server's "
-                         "host) where they lie in the server's shared memory, copied, then given back")
+                    help="clients fetch their captures over HTTP, or copy them from the server's shared memory")
     ap.add_argument("--prefix-rows-gib", type=float, default=0.0,
-                    help="the tapc server keeps captured rows of shared prompt blocks (tapc serve --prefix-rows-gib), "
-                         "so captures of prompt rows read the prefix cache")
-    ap.add_argument("--api-server-count", type=int, default=1,
-                    help="API server processes of each server (vLLM's --api-server-count)")
+                    help="the tapc server keeps captured rows of shared prompt blocks (tapc serve --prefix-rows-gib)")
+    ap.add_argument("--api-server-count", type=int, default=1, help="API server processes of each server")
     ap.add_argument("--out", default=None, help="write the summary table (markdown) here")
     ap.add_argument("--profile", default=None, metavar="MD",
-                    help="sample the stacks of every process of both servers during the timed loads (a "
-                         "thread per process takes the GIL every 2 ms: slower loads) and write them here")
+                    help="sample the stacks of every server process during the loads (slower loads) and write them here")
     ap.add_argument("--kernels", default=None, metavar="MD",
-                    help="record the GPU's kernel and copy times (CUPTI) in both servers' engine cores during the "
-                         "timed loads (benchmarks/devicetime.py) and write each mix's ms a step here; the records slow "
-                         "both servers")
+                    help="record both engine cores' GPU kernel and copy times (CUPTI) during the loads, ms a step here")
     ap.add_argument("--timers", default=None, metavar="MD",
-                    help="time the engine thread's calls of vLLM's engine-loop functions on both servers during "
-                         "the timed loads (benchmarks/timers.py: two clock reads a call) and write ms a step here")
+                    help="time both engine threads' calls of vLLM's engine-loop functions during the loads, ms a step here")
     args = ap.parse_args()
-    import record   # here: the servers import this module as benchmarks.bench_serve, from the root
-
     if args.quick:
         args.requests, args.hidden, args.layers = 300, 512, 4
     if args.rounds is None:
@@ -1008,7 +351,7 @@ def main() -> int:
                                "--tap", "model.layers.*.resid",
                                "--tap", f"model.layers.{STEER_LAYER}.resid | add(steer, alpha={ALPHA})",
                                *(["--tap", f"model.layers.{BLOCK_LAYER}.resid -> probe",
-                                  "--block", "probe=benchmarks.bench_serve:probe"] if args.block else []),
+                                  "--block", "probe=benchmarks.serve_check:probe"] if args.block else []),
                                *(["--save-to", save_dir, "--save-shard-tokens", "4096"] if args.save else []),
                                *(["--prefix-rows-gib", str(args.prefix_rows_gib)] if args.prefix_rows_gib else []), *common],
                               logs[8102], {w.ENV: w.folder for w in windows["tapc"]})
@@ -1067,7 +410,7 @@ def main() -> int:
                     problems += [f"{where}: {p}" for p in found]
                     continue
                 ref = ref or Reference(model, vectors)   # after the first timed runs: its GPU memory is not theirs
-                checked, near = check(ref, "http://127.0.0.1:8102", results["tapc"][0], args.block, saved)
+                checked, near = check(ref, results["tapc"][0], args.block, saved)
                 found += checked
                 problems += [f"{where}: {p}" for p in found]
                 base = vanilla_misses(ref, results["vanilla"][0])

@@ -23,7 +23,7 @@ def _watch(folder: str, start) -> None:
             time.sleep(0.05)
         name = multiprocessing.current_process().name
         path = os.path.join(folder, f"{name}-{os.getpid()}-{window}.json")
-        open(path + ".open", "w").close()   # a reading under way: the bench waits for it (bench_serve.Window)
+        open(path + ".open", "w").close()   # a reading under way: the bench waits for it (readings.Window)
         stop = start()
         while os.path.exists(flag):
             time.sleep(0.05)

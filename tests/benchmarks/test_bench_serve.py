@@ -10,6 +10,7 @@ from places import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_serve  # noqa: E402
+import serve_check  # noqa: E402
 
 VOCAB, PROMPT, MADE = 64, 10, 6
 
@@ -25,10 +26,10 @@ def logits(seed: int) -> torch.Tensor:
 def test_the_greedy_tokens_pass_and_a_clear_miss_is_named():
     rows = logits(0)
     greedy = rows.argmax(-1).tolist()
-    assert bench_serve.greedy_miss(rows, greedy) is None
+    assert serve_check.greedy_miss(rows, greedy) is None
     wrong = list(greedy)
     wrong[3] = int(rows[3].argmin())
-    said = bench_serve.greedy_miss(rows, wrong)
+    said = serve_check.greedy_miss(rows, wrong)
     assert said is not None and said.text.startswith("generated token 3 is not the greedy choice")
     assert not said.near, "the row's lowest logit is far below its top"
 
@@ -42,19 +43,19 @@ def test_a_miss_by_a_few_margins_is_near_and_one_by_more_is_not():
     picked[4] = runner_up
     for gap, near in ((2 * margin, True), (6 * margin, False)):
         rows[4, runner_up] = rows[4, greedy[4]] - gap
-        said = bench_serve.greedy_miss(rows, picked)
+        said = serve_check.greedy_miss(rows, picked)
         assert said is not None and said.near is near, (gap, said)
 
 
 def test_near_misses_are_a_problem_only_beyond_vanillas_rate():
     # As often as vanilla passes (one H200 run, 4096 wide, 8 layers, mix 0.4,0.2,0.25,0.15: of the same
     # 1135 requests that steer nothing, tapc's missed in 158 and vanilla's in 149); a tenfold rate does not
-    assert bench_serve.near_miss_problems("m", {"unsteered": (158, 1135), "steered": (0, 770)}, (149, 0, 1135)) == []
-    said = bench_serve.near_miss_problems("m", {"unsteered": (40, 1135), "steered": (0, 770)}, (4, 0, 1135))
+    assert serve_check.near_miss_problems("m", {"unsteered": (158, 1135), "steered": (0, 770)}, (149, 0, 1135)) == []
+    said = serve_check.near_miss_problems("m", {"unsteered": (40, 1135), "steered": (0, 770)}, (4, 0, 1135))
     assert len(said) == 1 and said[0].startswith("m: unsteered requests' generated tokens miss")
     # where vanilla misses none, a few of tapc's pass, a few dozen do not
-    assert bench_serve.near_miss_problems("m", {"steered": (3, 770)}, (0, 0, 1135)) == []
-    assert bench_serve.near_miss_problems("m", {"steered": (30, 770)}, (0, 0, 1135)) != []
+    assert serve_check.near_miss_problems("m", {"steered": (3, 770)}, (0, 0, 1135)) == []
+    assert serve_check.near_miss_problems("m", {"steered": (30, 770)}, (0, 0, 1135)) != []
 
 
 def test_a_near_tie_is_not_a_miss():
@@ -64,7 +65,7 @@ def test_a_near_tie_is_not_a_miss():
     rows[2, runner_up] = rows[2, greedy[2]] - 1e-3    # within one bf16 step of the top
     tied = list(greedy)
     tied[2] = runner_up
-    assert bench_serve.greedy_miss(rows, tied) is None
+    assert serve_check.greedy_miss(rows, tied) is None
 
 
 class Reference:
@@ -102,7 +103,7 @@ def test_vanilla_answers_are_counted_on_the_requests_that_steer_nothing():
         answer(4, "untapped", greedy[4][:-1]),              # short of max_tokens: not checked
     ]
     ref = Reference(rows)
-    assert bench_serve.vanilla_misses(ref, done) == (1, 1, 2)
+    assert serve_check.vanilla_misses(ref, done) == (1, 1, 2)
     # teacher-forced on what each answer went through, unsteered and without captures
     assert [(s[0][0], s[1], s[2]) for s in ref.asked] == [(0, -1, False), (1, -1, False)]
     assert all(len(s[0]) == PROMPT + MADE - 1 for s in ref.asked)

@@ -1,5 +1,5 @@
 """bench_serve's readings of each server's processes during its loads (serve_stacks/
-sitecustomize.py): the call timers (timers.py) wrap a module's functions (methods and
+sitecustomize.py, readings.py): the call timers (timers.py) wrap a module's functions (methods and
 module-level functions) when it is imported, count only the main thread's calls and Python's
 collections, name targets that do not exist, and every target they name exists in the installed
 vLLM; the GPU marks read each step's GPU time and the GPU's idle time between steps, and the
@@ -20,7 +20,7 @@ import pytest
 from places import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-import bench_serve  # noqa: E402
+import readings  # noqa: E402
 import timers  # noqa: E402
 
 MODULE = '''
@@ -139,7 +139,7 @@ def test_the_report_gives_each_servers_engine_ms_a_step_for_each_mix_apart(tmp_p
     for name, sched in (("vanilla", 0.2), ("tapc", 0.3)):
         folder = tmp_path / name
         folder.mkdir()
-        window = bench_serve.CallTimes(str(folder))
+        window = readings.CallTimes(str(folder))
         # the first mix's load, set aside before the second mix's
         reading(folder, "EngineCore", {"Scheduler.schedule": 5.0}, {"Scheduler.schedule": 7}, 99)
         first = window.set_aside("mix0")
@@ -148,7 +148,7 @@ def test_the_report_gives_each_servers_engine_ms_a_step_for_each_mix_apart(tmp_p
             reading(folder, "EngineCore", {"Scheduler.schedule": sched}, {"Scheduler.schedule": 100}, k)
             reading(folder, "MainProcess", {"Scheduler.schedule": 9.0}, {"Scheduler.schedule": 1}, 10 + k)
         views[name] = window.set_aside("mix1")
-    lines = bench_serve.call_times_report(views, {"vanilla": 200, "tapc": 100}, {"vanilla": 1.0, "tapc": 1.0},
+    lines = readings.call_times_report(views, {"vanilla": 200, "tapc": 100}, {"vanilla": 1.0, "tapc": 1.0},
                                           "0.4,0.6,0,0")
     assert lines[0].startswith("# bench_serve --timers, mix 0.4,0.6,0,0:")
     assert "| (wall) | 5.000 | 10.000 | +5.000 | | |" in lines
@@ -156,7 +156,7 @@ def test_the_report_gives_each_servers_engine_ms_a_step_for_each_mix_apart(tmp_p
 
 
 def test_a_server_that_left_no_engine_reading_is_an_error(tmp_path):
-    empty = bench_serve.CallTimes(str(tmp_path))
+    empty = readings.CallTimes(str(tmp_path))
     try:
         empty.per_step(10)
     except RuntimeError as e:
@@ -175,8 +175,8 @@ def test_the_kernel_report_gives_each_servers_gpu_ms_a_step_by_kernel(tmp_path):
         for k, got in enumerate((kernels, {})):   # the API server's process records none
             with open(folder / f"p-{k}.json", "w") as f:
                 json.dump({"process": "EngineCore" if k == 0 else "MainProcess", "pid": k, "kernels": got}, f)
-        views[name] = bench_serve.Kernels(str(folder))
-    lines = bench_serve.kernels_report(views, {"vanilla": 100, "tapc": 50}, "1,0,0,0")
+        views[name] = readings.Kernels(str(folder))
+    lines = readings.kernels_report(views, {"vanilla": 100, "tapc": 50}, "1,0,0,0")
     assert lines[0].startswith("# bench_serve --kernels, mix 1,0,0,0:")
     assert "| kernels | 0.020 | 0.058 | +0.038 | 2.0 | 5.0 |" in lines
     assert "| copies and memsets | 0.001 | 0.003 | +0.002 | 1.0 | 2.0 |" in lines
@@ -188,7 +188,7 @@ def test_the_kernel_report_gives_each_servers_gpu_ms_a_step_by_kernel(tmp_path):
 
 def test_a_server_that_recorded_no_kernel_is_an_error(tmp_path):
     with pytest.raises(RuntimeError, match="no process recorded a kernel"):
-        bench_serve.Kernels(str(tmp_path)).summed()
+        readings.Kernels(str(tmp_path)).summed()
 
 
 @pytest.mark.gpu
@@ -229,7 +229,7 @@ def test_each_process_of_a_server_leaves_its_readings_of_a_load(tmp_path):
         time.sleep(1.0)
         with contextlib.ExitStack() as load:   # a load's window on both readings, as bench_serve opens them
             for folder in folders.values():
-                load.enter_context(bench_serve.Window(str(folder)))
+                load.enter_context(readings.Window(str(folder)))
             time.sleep(0.5)
         # once the windows are closed, every reading is in (none is still being written)
         assert all(list(f.glob("*.json")) and not list(f.glob("*.open")) for f in folders.values())
