@@ -78,8 +78,7 @@ def assemble(layout: Layout, config: EngineConfig, process: Process) -> Assembly
                         inline=not process.on_api_node(config.api_shm))
     # Graphs broken by blocks are not switched (switch.py), nor where the user said not to;
     # where the driver cannot (or the process has none), only the launches outside graphs are.
-    switch = Switch(process.driver(), buffers.table, ops.KERNELS, tables) \
-        if not layout.blocks and process.switching else None
+    switch = Switch(process.driver(), buffers.table, ops.KERNELS) if not layout.blocks and process.switching else None
     hooks = RunnerHooks(layout, arena, tables, EditSlots(buffers), prefix_rows=rows, switch=switch, points=points)
     adapter = process.adapter(runner, hooks)
     applied = patches.apply(runner, adapter, points, breaks=bool(layout.blocks), switch=switch, prefix_rows=rows,

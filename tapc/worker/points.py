@@ -77,10 +77,9 @@ class EnginePoints(StepComponent):
     def end_step(self, step: Step | None) -> None:
         self.runtime.begin_step([])   # boundary ops in later (dummy) forwards must see no rows
 
-    def collect(self, rec, out: dict) -> None:
+    def collect(self, rec) -> dict:
         engine, saved, block_error = self.take(rec.id)
-        if "error" not in out:   # a failed capture drops the rest
-            out.update(engine=engine, saved=saved, block_error=block_error)
+        return {"engine": engine, "saved": saved, "block_error": block_error}
 
     def on_logits(self, logits: torch.Tensor) -> None:
         self.logit_edits.apply(logits, self.rows)

@@ -119,10 +119,11 @@ class PrefixRows(StepComponent):
         self.keep()
         self.trim()
 
-    def collect(self, rec, out: dict) -> None:
+    def collect(self, rec) -> dict:
         # its copies are done (StepTables.collect): the last chance to keep its rows
         self.keep([rec])
         self.forget(rec.rid)
+        return {}
 
     def admit(self, rec, computed: int) -> None:
         """`rec` starts at position `computed` (vLLM served the rest from its cache): its rows

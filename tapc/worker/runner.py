@@ -10,9 +10,9 @@ A runner adapter (runner_v2.py for vLLM's V2 runner, runner_v1.py for V1) calls,
 - `begin_step(batch)` before the forward, with the batch's final row layout (a `StepBatch`);
 - `end_step()` after the forward is enqueued;
 - `reset()` for dummy runs (profiling, warmup without requests).
-Each of these goes to every component in turn (end_step in reverse order). `collect(ids)`
-hands requests' results back, by the ids the API put in extra_args, each component adding its
-part.
+Each of these goes to every component in turn (end_step in reverse order); `begin_step`'s
+step goes from each to the next as the one before handed it on. `collect(ids)` hands requests'
+results back, by the ids the API put in extra_args, each component giving its part.
 """
 from __future__ import annotations
 
@@ -114,9 +114,10 @@ class RunnerHooks:
     def begin_step(self, batch: StepBatch) -> None:
         self.steps += 1
         tapped = tapped_of(self.records, batch) if self.records else []
-        self._step = Step(batch, tapped, self.records, self.unadmitted)
+        step = Step(batch, tapped, self.records, self.unadmitted)
         for c in self.components:
-            c.begin_step(self._step)
+            step = c.begin_step(step) or step
+        self._step = step
 
     @_timed
     def end_step(self) -> None:
@@ -204,11 +205,11 @@ class RunnerHooks:
                 continue
             fields: dict = {}
             for c in self.components:
-                c.collect(rec, fields)
+                fields.update(c.collect(rec))
             if not rec.finished:  # vLLM tells the worker only with its next step
                 self._retire(rec, finished=False)
                 self.records.pop(rec.rid, None)
-            out[tid] = Result(tid, **fields)
+            out[tid] = Result(tid, error=fields["error"]) if "error" in fields else Result(tid, **fields)
         return CollectReply(tuple(out.values()), nonfinite=self.tables.copy_out.nonfinite())
 
     def release(self, chunks: list[tuple[str, int]]) -> None:
