@@ -1,6 +1,8 @@
 """The parts of the worker's step loop. Each feature is a `StepComponent`: the runner hooks
 (runner.py) call every component, in order, at the same few events, and a feature adds
-nothing to the loop but its component.
+nothing to the loop but its component. What a feature changes outside the loop it declares on
+its component too: the patches it needs (`patches`, applied at load by patches.py `apply`) and
+the worker RPCs it answers (`rpcs`, which the worker's methods reach through `RunnerHooks.rpc`).
 
 The components, in the order the hooks call them (end_step in reverse):
 - `StepTables` (tables.py): the row tables that say which rows each capture and edit takes, a
@@ -14,9 +16,11 @@ The components, in the order the hooks call them (end_step in reverse):
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import NamedTuple
 
+from tapc.worker.patches import Patch
 from tapc.worker.records import Record
 from tapc.worker.step import StepBatch
 
@@ -35,6 +39,16 @@ class Step(NamedTuple):
 
 class StepComponent:
     """One feature of the step loop. Every event is a no-op unless the feature needs it."""
+
+    # The worker RPCs it answers (TapWorker's methods, by vLLM's collective_rpc name) -> its method
+    # that answers each; one component an RPC (RunnerHooks.rpc).
+    rpcs: Mapping[str, str] = MappingProxyType({})
+
+    def patches(self, runner) -> list[Patch]:
+        """The changes to objects tapc does not own (patches.py) that the feature needs in the
+        process of `runner` (vLLM's model runner), made at load after the runner adapter's, in
+        this order, and undone in reverse."""
+        return []
 
     def admit(self, rec: Record, computed: int) -> None:
         """`rec` enters vLLM's batch, new or resumed after a preemption, with its first
@@ -58,6 +72,14 @@ class StepComponent:
     def collect(self, rec: Record) -> dict:
         """`rec`'s results are taken: its part, as `protocol.Result` fields (an `error` among them
         means the request failed: its result carries nothing else)."""
+        return {}
+
+    def reply(self) -> dict:
+        """A collect's reply is made: its part, as `protocol.CollectReply` fields besides the results."""
+        return {}
+
+    def held(self) -> dict[str, int]:
+        """What requests hold of the feature now, by name (`RunnerHooks.held`)."""
         return {}
 
     def reset(self) -> None:

@@ -41,8 +41,10 @@ import logging
 import torch
 
 from tapc.errors import EngineError
+from tapc.kernels import ops
 from tapc.worker.component import Step, StepComponent
 from tapc.worker.cugraph import Driver
+from tapc.worker.patches import Patch, capture_patch
 
 log = logging.getLogger("tapc")
 
@@ -67,6 +69,14 @@ class Switch(StepComponent):
         self._base = table.data_ptr()
         self._row_bytes = table.stride(0) * table.element_size()
         self._end = self._base + table.shape[0] * self._row_bytes
+
+    def patches(self, runner) -> list[Patch]:
+        """Tap ops outside graphs ask `idle` before they launch; with a driver, the runner's
+        graphs are captured as `SwitchedGraph`s, the ops' launches telling them their tap nodes."""
+        made = [Patch(ops, "_idle", self.idle)]
+        if self.driver is not None:
+            made.append(capture_patch(runner, SwitchedGraph.bound(self), Patch(ops, "_launch_observer", self.observe)))
+        return made
 
     def begin_step(self, step: Step) -> None:
         self.want = step.taps

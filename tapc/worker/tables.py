@@ -32,6 +32,8 @@ class StepTables(StepComponent):
     (False: every step by fill.py's reference). `inline`: the API is on another node, so a
     collect sends the rows themselves rather than their places in the arena."""
 
+    rpcs = {"tapc_count_nonfinite": "count_nonfinite"}
+
     def __init__(self, layout: Layout, buffers: Buffers, copy_out, arena: Arena, compiled: bool = True,
                  inline: bool = False):
         self.layout = layout
@@ -141,6 +143,14 @@ class StepTables(StepComponent):
         return taps
 
     # ---------------------------------------------------------------- to the API
+
+    def count_nonfinite(self, on: bool) -> None:
+        """Count the NaN / inf values of the captures as they are copied out, from 0, or stop
+        (a harvest's check, `tapc_count_nonfinite`); collect replies carry the count."""
+        self.copy_out.count_nonfinite(on)
+
+    def reply(self) -> dict:
+        return {"nonfinite": self.copy_out.nonfinite()}
 
     def collect(self, rec: Record) -> dict:
         """Once its copies (and kept prefix rows written into it) are done: where its rows are
