@@ -90,13 +90,15 @@ class HookTimer:
     HOOKS = ("schedule", "begin_step", "end_step")
 
     def __init__(self, hooks):
-        self.hooks, self.spent = hooks, {}
         import tapc.worker.copyout as copyout_module
+        from tapc.worker.tables import StepTables
 
-        out = hooks.tables.copy_out
+        self.spent = {}
+        self.tables = tables = hooks.component(StepTables)
+        out = tables.copy_out
         wrapped = [(hooks, name) for name in self.HOOKS] + [(out, "copy_out"), (out, "_copy_direct"),
                                                             (copyout_module, "copy_segments"), (out, "_recorded"),
-                                                            (hooks.buffers, "upload")]
+                                                            (tables.buffers, "upload")]
         for part in ("_batch", "_events"):
             if getattr(out, part, None) is not None:
                 wrapped.append((out, part) if part == "_batch" else (out._events, "record"))
@@ -106,7 +108,7 @@ class HookTimer:
             self.spent[name] = [0, 0.0, []]
             setattr(obj, name, timed(self.spent[name], getattr(obj, name)))
         # steps that repeated the last decode step (rings.py `Repeat`: no fill, no upload)
-        self.repeated, repeat = 0, hooks.tables._repeat
+        self.repeated, repeat = 0, tables._repeat
         advance = repeat.advance
 
         def counted(computed):
@@ -134,7 +136,7 @@ class HookTimer:
                 del obj.__dict__[name]
             else:
                 setattr(obj, name, own)
-        del self.hooks.tables._repeat.__dict__["advance"]
+        del self.tables._repeat.__dict__["advance"]
         gc.callbacks.remove(self._gc_seen)
         out = {name: {"calls": n, "us_per_call": s / n * 1e6 if n else 0.0, **spread(samples)}
                for name, (n, s, samples) in self.spent.items()}

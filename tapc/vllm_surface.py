@@ -101,7 +101,7 @@ vllm.v1.worker.gpu.model_runner:GPUModelRunner.get_model | object | the model to
 vllm.v1.worker.gpu.model_runner:GPUModelRunner.input_buffers | field | the positions buffer | tapc/worker/runner_v2.py
 vllm.v1.worker.gpu.model_runner:GPUModelRunner.req_states | field | prompt lengths by request state | tapc/worker/runner_v2.py
 vllm.v1.worker.gpu.model_runner:GPUModelRunner.cudagraph_manager | field | the FULL graphs captured | tapc/worker/runner_v2.py
-vllm.v1.worker.gpu.model_runner:GPUModelRunner.sampler | field | the sampler to tap logits and samples | tapc/worker/patches.py
+vllm.v1.worker.gpu.model_runner:GPUModelRunner.sampler | field | the sampler to tap logits and samples | tapc/worker/points.py
 vllm.v1.worker.gpu.model_runner:GPUModelRunner.model_config | field | M-RoPE positions | tapc/worker/runner_v2.py
 vllm.v1.worker.gpu.model_runner:GPUModelRunner.max_num_tokens | field | sizing the tables | tapc/worker/worker.py
 vllm.v1.worker.gpu.input_batch:InputBuffers.positions | field | the model's positions | tapc/worker/runner_v2.py
@@ -125,7 +125,7 @@ vllm.v1.worker.gpu_model_runner:GPUModelRunner.input_batch | field | the persist
 vllm.v1.worker.gpu_model_runner:GPUModelRunner.query_start_loc | field | the step's rows | tapc/worker/runner_v1.py
 vllm.v1.worker.gpu_model_runner:GPUModelRunner.positions | field | the model's positions | tapc/worker/runner_v1.py
 vllm.v1.worker.gpu_model_runner:GPUModelRunner.model | field | the FULL graph wrapper | tapc/worker/runner_v1.py
-vllm.v1.worker.gpu_model_runner:GPUModelRunner.sampler | field | the sampler to tap logits and samples | tapc/worker/patches.py
+vllm.v1.worker.gpu_model_runner:GPUModelRunner.sampler | field | the sampler to tap logits and samples | tapc/worker/points.py
 vllm.v1.worker.gpu_model_runner:GPUModelRunner.model_config | field | M-RoPE positions | tapc/worker/runner_v1.py
 vllm.v1.worker.gpu_model_runner:GPUModelRunner.max_num_tokens | field | sizing the tables | tapc/worker/worker.py
 vllm.v1.worker.gpu_input_batch:InputBatch.num_reqs | object | the batch's requests | tapc/worker/runner_v1.py

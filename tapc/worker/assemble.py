@@ -1,6 +1,7 @@
 """The one wiring of a worker's step loop: the taps installed in the model, the step components
 (component.py) picked and built from this GPU's part of the plan (`Layout`) and the engine's
-config (tapc/wire/config.py), and the runner's step routed through its adapter (patches.py).
+config (tapc/wire/config.py), the runner's step routed through its adapter, and the patches
+the components declare applied (patches.py).
 
 `TapWorker.load_model` (worker.py) and the CPU toy engine (tests/support/engine_toy.py `hooks_for`) both
 call `assemble`. What only the process knows comes in a `Process` (the runner, device memory,
@@ -73,15 +74,15 @@ def assemble(layout: Layout, config: EngineConfig, process: Process) -> Assembly
     arena = Arena(register=process.register, unregister=process.unregister, keep=config.capture_keep,
                   segment_bytes=process.segment_bytes)
     arena.reserve(config.capture_memory)   # capture_memory_gib: pinned now, not on a step's path
-    rows = PrefixRows(layout, process.cache_block, config.prefix_rows) if config.prefix_rows else None
+    rows = PrefixRows(layout, process.cache_block, config.prefix_rows, process.kv_manager) \
+        if config.prefix_rows else None
     tables = StepTables(layout, buffers, process.copy_out, arena, compiled=process.compiled,
                         inline=not process.on_api_node(config.api_shm))
     # Graphs broken by blocks are not switched (switch.py), nor where the user said not to;
     # where the driver cannot (or the process has none), only the launches outside graphs are.
-    switch = Switch(process.driver(), buffers.table, ops.KERNELS, tables) \
-        if not layout.blocks and process.switching else None
-    hooks = RunnerHooks(layout, arena, tables, EditSlots(buffers), prefix_rows=rows, switch=switch, points=points)
+    switch = Switch(process.driver(), buffers.table, ops.KERNELS) if not layout.blocks and process.switching else None
+    # in the loop's order: the switch reads the taps the step tables hand on (component.py)
+    components = [c for c in (tables, EditSlots(buffers), rows, switch, points) if c is not None]
+    hooks = RunnerHooks(layout, arena, components)
     adapter = process.adapter(runner, hooks)
-    applied = patches.apply(runner, adapter, points, breaks=bool(layout.blocks), switch=switch, prefix_rows=rows,
-                            kv_manager=process.kv_manager)
-    return Assembly(hooks, adapter, applied)
+    return Assembly(hooks, adapter, patches.apply(runner, adapter, components))

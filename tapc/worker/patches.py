@@ -1,23 +1,24 @@
 """Every change tapc makes to objects it does not own (vLLM's runner and sampler, torch, the
-`tapc::boundary` handler), in one place, each owned by a `Patch` that can undo it.
+`tapc::boundary` handler), made here, each owned by a `Patch` that can undo it.
 
 The worker applies them at load (assemble.py, `apply`), after the taps are installed
 in the model (install.py patches forwards of that model's own module instances: part of the
-model, not listed here):
-- the runner's step methods become its adapter's (`adapter.METHODS`: `execute_model` and
-  `prepare_inputs` on V2, runner_v2.py; `execute_model`, `_model_forward` and `_dummy_run` on V1,
-  runner_v1.py), which call the originals around the runner-independent hooks (runner.py);
-- the sampler's class becomes a subclass that runs the engine points around sampling
-  (`logits` before, `samples` after; points.py);
-- the process's `tapc::boundary` handler (tapc/kernels/ops.py) becomes the block runtime, breaking
-  FULL graphs while they are captured (graphs.py `breaking`);
-- with kept prefix rows (prefixrows.py), vLLM's `KVCacheManager.get_computed_blocks` reads the
-  prefix cache of a capture of prompt rows only as far as those rows go;
-- the runner's `capture_model` captures with `torch.cuda.CUDAGraph` swapped, only while it runs:
-  for `SegmentedGraph` (graphs.py) with Python blocks, else for a `SwitchedGraph` (switch.py),
-  with the tap ops' launch observer set (tapc/kernels/ops.py) so that each graph learns its tap nodes;
-- with a switch, the tap ops ask it whether to launch at all outside graphs (tapc/kernels/ops.py `_idle`).
-`Patches.undo` puts everything back, last applied first.
+model, not listed here): first the runner's step methods, which become its adapter's
+(`adapter.METHODS`: `execute_model` and `prepare_inputs` on V2, runner_v2.py; `execute_model`,
+`_model_forward` and `_dummy_run` on V1, runner_v1.py) and call the originals around the
+runner-independent hooks (runner.py); then what each step component declares it needs
+(`StepComponent.patches`, component.py), in the components' order:
+- `PrefixRows` (prefixrows.py): vLLM's `KVCacheManager.get_computed_blocks` reads the prefix
+  cache of a capture of prompt rows only as far as its kept rows go (`cache_lookup_patch`);
+- `Switch` (switch.py): the tap ops ask it whether to launch at all outside graphs
+  (tapc/kernels/ops.py `_idle`), and, with its driver, `capture_model` captures `SwitchedGraph`s,
+  with the tap ops' launch observer set so that each graph learns its tap nodes;
+- `EnginePoints` (points.py): the sampler's class becomes a subclass that runs the engine points
+  around sampling (`sampler_patch`: `logits` before, `samples` after); the process's
+  `tapc::boundary` handler (tapc/kernels/ops.py) becomes the block runtime; with blocks in the
+  forward, the runner's `capture_model` captures `SegmentedGraph`s (graphs.py `breaking`).
+`capture_patch` swaps `torch.cuda.CUDAGraph` only while `capture_model` runs. `Patches.undo`
+puts everything back, last applied first.
 """
 from __future__ import annotations
 
@@ -71,35 +72,16 @@ class Patches:
             self.applied.pop().undo()
 
 
-def apply(runner, adapter, points=None, breaks: bool = False, switch=None, prefix_rows=None,
-          kv_manager=None) -> Patches:
+def apply(runner, adapter, components) -> Patches:
     """Route `runner`'s step (vLLM's V2 or V1 model runner, or a stand-in with its methods) through
-    `adapter` (runner_v2.V2Adapter, runner_v1.V1Adapter); with `points` (EnginePoints), the sampler and
-    the boundary handler; with `breaks` (the plan has Python blocks), FULL graphs captured broken at
-    them; else, with `switch` (switch.Switch), tap ops that launch only for taps the step asks
-    for, and (with its driver) graphs whose tap kernels it switches; with
-    `prefix_rows` (prefixrows.PrefixRows), vLLM's prefix-cache lookup limited by it (on
-    `kv_manager`, vLLM's `KVCacheManager` unless a stand-in)."""
-    from tapc.kernels import ops
-    from tapc.worker.graphs import SegmentedGraph, breaking
-    from tapc.worker.switch import SwitchedGraph
-
+    `adapter` (runner_v2.V2Adapter, runner_v1.V1Adapter), then make the changes each of
+    `components` (component.py `StepComponent.patches`) needs, in their order."""
     patches = Patches()
     for name in adapter.METHODS:
         patches.add(Patch(runner, name, getattr(adapter, name)))
-    if points is not None:
-        if runner.sampler is not None:
-            patches.add(sampler_patch(runner.sampler, points))
-        patches.add(Patch(ops, "_boundary_handler", breaking(points.runtime)))
-    if breaks:
-        patches.add(capture_patch(runner, SegmentedGraph))
-    elif switch is not None:
-        patches.add(Patch(ops, "_idle", switch.idle))
-        if switch.driver is not None:
-            patches.add(capture_patch(runner, SwitchedGraph.bound(switch),
-                                      Patch(ops, "_launch_observer", switch.observe)))
-    if prefix_rows is not None:
-        patches.add(cache_lookup_patch(prefix_rows, kv_manager))
+    for component in components:
+        for patch in component.patches(runner):
+            patches.add(patch)
     return patches
 
 

@@ -21,16 +21,21 @@ import numpy as np
 import torch
 
 from tapc.errors import EngineError
+from tapc.kernels import ops
 from tapc.lang.edits import EDITS
 from tapc.plan.sharding import gather_index
 from tapc.wire.positions import select
 from tapc.wire.protocol import BlockFailure, TensorData
 from tapc.worker.component import Step, StepComponent
+from tapc.worker.graphs import SegmentedGraph, breaking
 from tapc.worker.layout import Layout
+from tapc.worker.patches import Patch, capture_patch, sampler_patch
 from tapc.worker.runtime import BlockPoint, BlockRuntime, Sharded, Span
 
 
 class EnginePoints(StepComponent):
+    rpcs = {"tapc_set_blocks": "set_blocks"}
+
     def __init__(self, layout: Layout, buffers, all_gather=None):
         """`all_gather`: the tensor-parallel group's all-gather on the last dim (worker.py),
         which blocks at sharded points need to see whole rows."""
@@ -38,12 +43,27 @@ class EnginePoints(StepComponent):
         self.block_taps = layout.blocks + tuple(engine_blocks)
         self.runtime = BlockRuntime([BlockPoint(t.key, t.block, _sharded(layout, t.key, buffers.table.device, all_gather))
                                      for t in self.block_taps])
+        self.breaks = bool(layout.blocks)   # blocks in the forward: FULL graphs break at them (graphs.py)
         self.block_at = {t.key: len(layout.blocks) + i for i, t in enumerate(engine_blocks)}
         self.captures = {t.key for t in layout.engine if t.action == "capture"}
         self.logit_edits = LogitEdits(layout, buffers)
         self.kept: dict[str, dict[str, list[torch.Tensor]]] = {}   # tapc id -> point -> rows
         self.wants: dict[str, tuple[str, ...]] = {}                 # tapc id -> engine captures
         self.rows: list[tuple] = []   # this step: (record, batch index, position) of real predictions
+
+    def patches(self, runner) -> list[Patch]:
+        """The sampler runs `logits` and `samples` around sampling; the process's `tapc::boundary`
+        handler (tapc/kernels/ops.py) runs blocks; with blocks in the forward, the runner's FULL
+        graphs are captured broken at them."""
+        made = [sampler_patch(runner.sampler, self)] if runner.sampler is not None else []
+        made.append(Patch(ops, "_boundary_handler", breaking(self.runtime)))
+        if self.breaks:
+            made.append(capture_patch(runner, SegmentedGraph))
+        return made
+
+    def set_blocks(self, blocks: bytes) -> None:
+        """Engine-wide Python blocks, by name, cloudpickled by the API (`tapc_set_blocks`)."""
+        self.runtime.register(pickle.loads(blocks))
 
     def admit(self, rec, computed: int) -> None:
         if rec.id in self.wants:   # resumed after a preemption: its blocks and rows go on
@@ -77,10 +97,9 @@ class EnginePoints(StepComponent):
     def end_step(self, step: Step | None) -> None:
         self.runtime.begin_step([])   # boundary ops in later (dummy) forwards must see no rows
 
-    def collect(self, rec, out: dict) -> None:
+    def collect(self, rec) -> dict:
         engine, saved, block_error = self.take(rec.id)
-        if "error" not in out:   # a failed capture drops the rest
-            out.update(engine=engine, saved=saved, block_error=block_error)
+        return {"engine": engine, "saved": saved, "block_error": block_error}
 
     def on_logits(self, logits: torch.Tensor) -> None:
         self.logit_edits.apply(logits, self.rows)

@@ -43,6 +43,7 @@ from tapc.wire.positions import ALWAYS_COMPUTED, select
 from tapc.wire.protocol import WireRequest
 from tapc.worker.component import StepComponent
 from tapc.worker.layout import Layout
+from tapc.worker.patches import Patch, cache_lookup_patch
 
 # Block hashes counted (how many requests had each): the most recent this many, a block seen
 # again moving to the end. Every request's blocks are counted, so the bound is reached under
@@ -52,8 +53,10 @@ COUNTED = 1 << 18
 
 
 class PrefixRows(StepComponent):
-    def __init__(self, layout: Layout, block: int, budget: int):
+    def __init__(self, layout: Layout, block: int, budget: int, kv_manager: type | None = None):
+        """`kv_manager`: the scheduler's KV cache manager class whose lookup it limits (None: vLLM's)."""
         self.layout = layout
+        self.kv_manager = kv_manager
         self.block = block                 # tokens a block (vLLM's cache_config.block_size)
         self.budget = budget               # bytes of rows kept
         self.size = 0
@@ -68,6 +71,10 @@ class PrefixRows(StepComponent):
         self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tapc-prefix-rows")
 
     # ---------------------------------------------------------------- the scheduler's side
+
+    def patches(self, runner) -> list[Patch]:
+        """vLLM's prefix-cache lookup, limited by `limit` (patches.py `cache_lookup_patch`)."""
+        return [cache_lookup_patch(self, self.kv_manager)]
 
     def limit(self, rid: str, hashes: list, extra_args: dict | None) -> int | None:
         """The leading blocks whose cached KV request `rid` may read: None where it captures no
@@ -119,10 +126,11 @@ class PrefixRows(StepComponent):
         self.keep()
         self.trim()
 
-    def collect(self, rec, out: dict) -> None:
+    def collect(self, rec) -> dict:
         # its copies are done (StepTables.collect): the last chance to keep its rows
         self.keep([rec])
         self.forget(rec.rid)
+        return {}
 
     def admit(self, rec, computed: int) -> None:
         """`rec` starts at position `computed` (vLLM served the rest from its cache): its rows

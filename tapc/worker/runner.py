@@ -10,32 +10,31 @@ A runner adapter (runner_v2.py for vLLM's V2 runner, runner_v1.py for V1) calls,
 - `begin_step(batch)` before the forward, with the batch's final row layout (a `StepBatch`);
 - `end_step()` after the forward is enqueued;
 - `reset()` for dummy runs (profiling, warmup without requests).
-Each of these goes to every component in turn (end_step in reverse order). `collect(ids)`
-hands requests' results back, by the ids the API put in extra_args, each component adding its
-part.
+Each of these goes to every component in turn (end_step in reverse order); `begin_step`'s
+step goes from each to the next as the one before handed it on. `collect(ids)` hands requests'
+results back, by the ids the API put in extra_args, each component giving its part. The
+worker's other RPCs reach the component that declared them (`rpc`).
 """
 from __future__ import annotations
 
 import functools
 import logging
 import time
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
-from tapc.errors import ProtocolError, RequestError
+from tapc.errors import EngineError, ProtocolError, RequestError
 from tapc.wire.arena import Arena
 from tapc.wire.protocol import CollectReply, Result, WireRequest
 from tapc.worker.component import Step, StepComponent
 from tapc.worker.fill import tapped_of
 from tapc.worker.layout import Layout
-from tapc.worker.points import EnginePoints
-from tapc.worker.prefixrows import PrefixRows
 from tapc.worker.records import Record
-from tapc.worker.slots import EditSlots
 from tapc.worker.step import StepBatch
-from tapc.worker.switch import Switch
-from tapc.worker.tables import StepTables
 
 log = logging.getLogger("tapc")
 
+C = TypeVar("C", bound=StepComponent)
 TIMED = ("schedule", "begin_step", "end_step", "collect")   # the hooks whose host time `host_time` sums
 
 
@@ -56,23 +55,14 @@ def _timed(hook):
 
 class RunnerHooks:
     """The step loop: a request's admission and its results, and each event handed to every
-    component in order (end_step in reverse). `tables` (the step tables) and `slots` (the edits'
-    parameter slots) are always there; `prefix_rows`, `switch` and `points` where the engine
-    has them."""
+    component in order (end_step in reverse). `components`: the step components, as assemble.py
+    picked them for this engine."""
 
-    def __init__(self, layout: Layout, arena: Arena, tables: StepTables, slots: EditSlots,
-                 prefix_rows: PrefixRows | None = None, switch: Switch | None = None,
-                 points: EnginePoints | None = None):
+    def __init__(self, layout: Layout, arena: Arena, components: Sequence[StepComponent]):
         self.layout = layout
         self.arena = arena                       # captures' host storage, shared with the API
-        self.tables = tables
-        self.buffers = tables.buffers
-        self.slots = slots.slots
-        self.prefix_rows = prefix_rows           # captured rows of shared prompt blocks (prefixrows.py)
-        self.switch = switch                     # which tap kernels the step's graphs run (switch.py)
-        self.points = points                     # logits, samples and Python blocks (points.py)
-        self.components: list[StepComponent] = [c for c in (tables, slots, prefix_rows, switch, points)
-                                                if c is not None]
+        self.components = list(components)
+        self._rpcs = _answers(self.components)   # worker RPC -> the component's method that answers it
         self.records: dict[str, Record] = {}     # vLLM request id -> record, while vLLM has it
         self.by_id: dict[str, Record] = {}       # tapc id -> record, until collected
         self.errors: dict[str, str] = {}         # tapc id -> why its taps were not served
@@ -114,9 +104,10 @@ class RunnerHooks:
     def begin_step(self, batch: StepBatch) -> None:
         self.steps += 1
         tapped = tapped_of(self.records, batch) if self.records else []
-        self._step = Step(batch, tapped, self.records, self.unadmitted)
+        step = Step(batch, tapped, self.records, self.unadmitted)
         for c in self.components:
-            c.begin_step(self._step)
+            step = c.begin_step(step) or step
+        self._step = step
 
     @_timed
     def end_step(self) -> None:
@@ -204,12 +195,15 @@ class RunnerHooks:
                 continue
             fields: dict = {}
             for c in self.components:
-                c.collect(rec, fields)
+                fields.update(c.collect(rec))
             if not rec.finished:  # vLLM tells the worker only with its next step
                 self._retire(rec, finished=False)
                 self.records.pop(rec.rid, None)
-            out[tid] = Result(tid, **fields)
-        return CollectReply(tuple(out.values()), nonfinite=self.tables.copy_out.nonfinite())
+            out[tid] = Result(tid, error=fields["error"]) if "error" in fields else Result(tid, **fields)
+        reply: dict = {}
+        for c in self.components:
+            reply.update(c.reply())
+        return CollectReply(tuple(out.values()), **reply)
 
     def release(self, chunks: list[tuple[str, int]]) -> None:
         """The API no longer uses these chunks (file, byte offset): their space is free again.
@@ -228,8 +222,33 @@ class RunnerHooks:
         """What requests hold here now: `running`, records of requests vLLM still runs;
         `uncollected`, results (or errors) waiting for `collect`; `chunks`, capture blocks of the
         arena not given back; `slots`, parameter slots taken."""
-        return {"running": len(self.records), "uncollected": len(self.by_id) + len(self.errors),
-                "chunks": len(self.arena.held), "slots": self.slots.held}
+        held = {"running": len(self.records), "uncollected": len(self.by_id) + len(self.errors),
+                "chunks": len(self.arena.held)}
+        for c in self.components:
+            held.update(c.held())
+        return held
+
+    # ---------------------------------------------------------------- the components
+
+    def rpc(self, name: str) -> Callable | None:
+        """The method that answers the worker RPC `name`, of the component that declared it
+        (`StepComponent.rpcs`); None where this engine has no such component."""
+        return self._rpcs.get(name)
+
+    def component(self, kind: type[C]) -> C | None:
+        """This engine's component of class `kind`, None where it has none."""
+        return next((c for c in self.components if isinstance(c, kind)), None)
+
+
+def _answers(components: list[StepComponent]) -> dict[str, Callable]:
+    """Each worker RPC the components declare, to the bound method that answers it."""
+    answers: dict[str, Callable] = {}
+    for c in components:
+        for rpc, method in c.rpcs.items():
+            if rpc in answers:
+                raise EngineError(f"two step components answer the worker RPC {rpc}")
+            answers[rpc] = getattr(c, method)
+    return answers
 
 
 def row_positions(model_config, positions):

@@ -83,3 +83,6 @@ class EditSlots(StepComponent):
         if rec.slot >= 0:
             self.slots.give(rec.slot)
             rec.slot = -1
+
+    def held(self) -> dict[str, int]:
+        return {"slots": self.slots.held}

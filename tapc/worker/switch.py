@@ -16,12 +16,13 @@ cugraph.py), so:
 - once captured, a graph with tap nodes also gets a copy of itself without them (`bare`:
   cloned, the tap nodes taken out and their neighbours joined, instantiated);
 - before each forward the hooks say which taps the step's requests ask for (`Switch.want`, a
-  bitmask over the table rows: `StepTables.taps`, which the step tables set, tables.py). A graph, when replayed, launches its bare copy where
-  the step asks for no tap; otherwise it enables the nodes of the taps asked for and disables
-  the others, calling the driver only for nodes whose state changes (none while the steps ask
-  for the same taps). A disabled node is an empty node, which still costs the graph about
-  half of what the kernel did (benchmarks/probes/probe_nodes.py); the bare copy costs nothing a step
-  but a graph's instantiation at start.
+  bitmask over the table rows: the step's `taps`, as the step tables hand it on, tables.py). A
+  graph, when replayed, launches its bare copy where the step asks for no tap; otherwise it
+  enables the nodes of the taps asked for and disables the others, calling the driver only
+  for nodes whose state changes (none while the steps ask for the same taps). A disabled node
+  is an empty node, which still costs the graph about half of what the kernel did
+  (benchmarks/probes/probe_nodes.py); the bare copy costs nothing a step but a graph's
+  instantiation at start.
 
 A node is only off where no request of the step asks for its tap: its table owns no row then,
 and the kernel would have done nothing. Graphs broken by Python blocks (graphs.py) are not
@@ -40,8 +41,10 @@ import logging
 import torch
 
 from tapc.errors import EngineError
+from tapc.kernels import ops
 from tapc.worker.component import Step, StepComponent
 from tapc.worker.cugraph import Driver
+from tapc.worker.patches import Patch, capture_patch
 
 log = logging.getLogger("tapc")
 
@@ -52,12 +55,12 @@ class Switch(StepComponent):
     """One worker's switch: which taps the next replay runs, and how a tap op's tables map to
     taps (`table`: Buffers.table, `[taps, rows]` int32, a tap's tables are views into its row).
     Without a driver (the CPU stand-in) it only holds what the hooks want. As a step component
-    it takes each step's want from `tables` (tables.py `StepTables.taps`), so it comes after
-    them in the step loop (assemble.py); a switch without them has its `want` set by hand."""
+    it takes each step's want from the step (`Step.taps`, as the step tables hand it on), so it
+    comes after them in the step loop (assemble.py); a switch outside the loop has its `want`
+    set by hand."""
 
-    def __init__(self, driver: Driver | None, table: torch.Tensor, kernels: frozenset[str], tables=None):
+    def __init__(self, driver: Driver | None, table: torch.Tensor, kernels: frozenset[str]):
         self.driver = driver
-        self.tables = tables
         self.kernels = kernels
         self.want = ALL
         # Whether the forward under way is a step's (the hooks filled its tables), not a dummy run:
@@ -67,8 +70,16 @@ class Switch(StepComponent):
         self._row_bytes = table.stride(0) * table.element_size()
         self._end = self._base + table.shape[0] * self._row_bytes
 
+    def patches(self, runner) -> list[Patch]:
+        """Tap ops outside graphs ask `idle` before they launch; with a driver, the runner's
+        graphs are captured as `SwitchedGraph`s, the ops' launches telling them their tap nodes."""
+        made = [Patch(ops, "_idle", self.idle)]
+        if self.driver is not None:
+            made.append(capture_patch(runner, SwitchedGraph.bound(self), Patch(ops, "_launch_observer", self.observe)))
+        return made
+
     def begin_step(self, step: Step) -> None:
-        self.want = self.tables.taps   # filled for this step just before (their begin_step)
+        self.want = step.taps
         self.stepping = True
 
     def reset(self) -> None:

@@ -32,6 +32,8 @@ class StepTables(StepComponent):
     (False: every step by fill.py's reference). `inline`: the API is on another node, so a
     collect sends the rows themselves rather than their places in the arena."""
 
+    rpcs = {"tapc_count_nonfinite": "count_nonfinite"}
+
     def __init__(self, layout: Layout, buffers: Buffers, copy_out, arena: Arena, compiled: bool = True,
                  inline: bool = False):
         self.layout = layout
@@ -41,7 +43,7 @@ class StepTables(StepComponent):
         self.inline = inline
         self._compiled = CompiledFill(layout) if compiled else None
         self._repeat = Repeat()
-        self.taps = 0      # the taps with rows in the step begun last, as a mask (Layout.taps_mask)
+        self._taps = 0     # the taps with rows in the step begun last, as a mask (Layout.taps_mask)
         # that step's capture blocks to copy out after it, and the rows of each group's pool it takes
         self._segments: list = []
         self._used: list[int] = []
@@ -54,13 +56,15 @@ class StepTables(StepComponent):
     def retire(self, rec: Record) -> None:
         self.forget()
 
-    def begin_step(self, step: Step) -> None:
+    def begin_step(self, step: Step) -> Step:
+        """The step's tables filled and uploaded (or the last step's kept, where it repeats it);
+        the step handed on with the taps that have rows in it (`Step.taps`, the switch's want)."""
         batch, tapped = step.batch, step.tapped
         owns = bool(self.layout.always) or bool(tapped)
         self._segments, self._used = [], []
         if not owns and self.buffers.clean(batch.padded):
-            self.taps = 0
-            return
+            self._taps = 0
+            return step._replace(taps=0)
         repeat = self._repeat
         # the device's tables are this step's already when it repeats the last decode step,
         # unless this step starts a ring (the first repeat, filled again), which it can where
@@ -70,7 +74,7 @@ class StepTables(StepComponent):
             repeat.ring_fits(self.layout, self.buffers.rows)
         if computed is not None and not ring:   # the taps too are the last step's
             self._segments, self._used = repeat.advance(computed)
-            return
+            return step._replace(taps=self._taps)
         self._end_ring()   # its rows, before the tables and pools change
         table = self.buffers.host_table(batch.padded)
         phases = PHASES if ring else 1
@@ -78,7 +82,8 @@ class StepTables(StepComponent):
         self._segments, self._used = filled or fill_step(self.layout, table, tapped, batch, phases)
         self.buffers.upload(batch.padded, owns_rows=owns)
         repeat.keep(batch, tapped, (self._segments, self._used), phases)
-        self.taps = self._asked(table, self._segments) if owns else 0
+        self._taps = self._asked(table, self._segments) if owns else 0
+        return step._replace(taps=self._taps)
 
     def end_step(self, step: Step | None) -> None:
         # held no longer than the step (the records' stores), as the runner holds the step
@@ -95,7 +100,7 @@ class StepTables(StepComponent):
     def reset(self) -> None:
         self.forget()
         self.buffers.reset()
-        self.taps = 0
+        self._taps = 0
 
     def forget(self) -> None:
         """No step repeats the last one from here on (records, slots or tables change)."""
@@ -139,7 +144,15 @@ class StepTables(StepComponent):
 
     # ---------------------------------------------------------------- to the API
 
-    def collect(self, rec: Record, out: dict) -> None:
+    def count_nonfinite(self, on: bool) -> None:
+        """Count the NaN / inf values of the captures as they are copied out, from 0, or stop
+        (a harvest's check, `tapc_count_nonfinite`); collect replies carry the count."""
+        self.copy_out.count_nonfinite(on)
+
+    def reply(self) -> dict:
+        return {"nonfinite": self.copy_out.nonfinite()}
+
+    def collect(self, rec: Record) -> dict:
         """Once its copies (and kept prefix rows written into it) are done: where its rows are
         in the arena, or why its captures failed (its chunks then go back: nobody will view them)."""
         # A ring's rows go out with its last step's, or when it ends: here, for a request vLLM has
@@ -158,9 +171,8 @@ class StepTables(StepComponent):
             for st in rec.stores:
                 for chunk in st.chunks:
                     self.arena.give_back_tensor(chunk)
-            out["error"] = failed
-            return
-        out["stores"] = tuple(_store_result(self.layout, self.arena, st, self.inline) for st in rec.stores)
+            return {"error": failed}
+        return {"stores": tuple(_store_result(self.layout, self.arena, st, self.inline) for st in rec.stores)}
 
 
 def _store_result(layout: Layout, arena: Arena, store: Store, inline: bool) -> StoreResult:

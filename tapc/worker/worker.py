@@ -11,6 +11,10 @@ Under tensor / pipeline parallelism vLLM's multiprocessing executor runs one wor
 each with the whole plan: it installs its own GPU's part (layout.py, tapc/plan/ranks.py), fills
 its tables from the same scheduler output as the others, writes its captures into its own
 arena, and answers `tapc_collect` for itself (the API merges the answers, session.py).
+
+The `tapc_*` methods are the RPCs the API sends (vLLM's `collective_rpc`): the step loop's own
+(`RunnerHooks`), the worker's readings of what it built, and those a step component declares
+(`StepComponent.rpcs`), passed on to it through `RunnerHooks.rpc`.
 """
 from __future__ import annotations
 
@@ -63,6 +67,7 @@ class TapWorker(Worker):
                           self.vllm_config.cache_config.block_size, settings.TAPC_SWITCH_GRAPHS,
                           driver=Driver.load,
                           register=_register, unregister=_unregister, all_gather=_tp_all_gather)
+        self.tapc_process = process   # its device memory, which `tapc_memory` reads
         self.tapc, self.tapc_adapter, self.tapc_patches = assemble(layout, config, process)
 
     def tapc_collect(self, ids: list[str], release: list[tuple[str, int]] = ()) -> dict:
@@ -72,8 +77,8 @@ class TapWorker(Worker):
 
     def tapc_count_nonfinite(self, on: bool) -> None:
         """Count the NaN / inf values of the captures as they are copied out (a harvest's
-        check), from 0, or stop; collect replies carry the count."""
-        self.tapc.tables.copy_out.count_nonfinite(on)
+        check), from 0, or stop; collect replies carry the count (tables.py)."""
+        self.tapc.rpc("tapc_count_nonfinite")(on)
 
     def tapc_release(self, chunks: list[tuple[str, int]]) -> None:
         self.tapc.release(chunks)
@@ -97,7 +102,7 @@ class TapWorker(Worker):
         `allocated`, what the allocator handed out while they were made. Host memory for
         captures: `host`, the arena's bytes (pinned), and `host_growth_s`, the seconds spent
         making and pinning them."""
-        tensors = self.tapc.buffers.tensors() + self.tapc.tables.copy_out.tensors()
+        tensors = self.tapc_process.buffers.tensors() + self.tapc_process.copy_out.tensors()
         arena = self.tapc.arena
         return {"owned": sum(t.nbytes for t in tensors), "tensors": len(tensors), "allocated": self.tapc_allocated,
                 "host": arena.size, "host_growth_s": arena.growth_s}
@@ -118,12 +123,13 @@ class TapWorker(Worker):
 
     def tapc_set_blocks(self, blocks: bytes) -> None:
         """Engine-wide Python blocks, by name (cloudpickled by the API). Every worker gets them;
-        one whose GPU runs none of the plan's blocks (another pipeline stage's) keeps none."""
-        if self.tapc.points is None:
+        one whose GPU runs none of the plan's blocks (another pipeline stage's) keeps none (points.py)."""
+        register = self.tapc.rpc("tapc_set_blocks")
+        if register is None:
             if not self.tapc_has_blocks:
                 raise EngineError("this engine's plan has no Python blocks")
             return
-        self.tapc.points.runtime.register(pickle.loads(blocks))
+        register(blocks)
 
 
 def runner_adapter(runner):

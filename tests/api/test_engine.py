@@ -17,6 +17,8 @@ from tapc.api.requests import TapRequest
 from tapc.errors import RequestError
 from tapc.kernels.capture import PHASES
 from tapc.api.session import TapSession
+from tapc.worker.slots import EditSlots
+from tapc.worker.tables import StepTables
 
 
 RUNNERS = pytest.mark.parametrize("runner_kind", ["v2", "v1"])   # vLLM's model runners (runner_v*.py)
@@ -115,7 +117,8 @@ def test_rings_hold_steady_decode_rows_and_copy_them_out_whole(runner_kind, comp
         if r.wire is not None:
             assert outs[r.rid].error is None
             check(r, dict(outs[r.rid].taps), r.wire.ask.positions)
-    assert hooks.steps > 40 and hooks.tables.copy_out.copies * 2 < hooks.steps, (hooks.tables.copy_out.copies, hooks.steps)
+    copies = hooks.component(StepTables).copy_out.copies
+    assert hooks.steps > 40 and copies * 2 < hooks.steps, (copies, hooks.steps)
     assert not hooks.by_id and not hooks.records
 
 
@@ -146,7 +149,7 @@ def test_steering_per_request_and_untouched_others(runner_kind, fill, monkeypatc
     s1 = outs["s1"].taps
     assert not torch.allclose(s1[f"model.layers.{LAYERS - 1}.resid"],
                               reference(reqs[0], [f"model.layers.{LAYERS - 1}.resid"])[f"model.layers.{LAYERS - 1}.resid"])
-    assert hooks.slots.held == 0, "every parameter slot is back"
+    assert hooks.component(EditSlots).slots.held == 0, "every parameter slot is back"
 
 
 @RUNNERS
@@ -158,9 +161,9 @@ def test_requests_with_equal_values_share_a_slot_written_once(runner_kind, slots
     plan = toy_plan(["model.layers.1.resid | add(steer, alpha=2.0)", "model.layers.*.resid"], slots=slots)
     runner, hooks = hooks_for(plan, ToyModel(), slots=slots, runner=runner_kind)
     writes = []
-    write = hooks.buffers.params.write
-    monkeypatch.setattr(hooks.buffers.params, "write", lambda slot, edits, params: (writes.append(slot),
-                                                                                    write(slot, edits, params)))
+    params = hooks.component(StepTables).buffers.params
+    write = params.write
+    monkeypatch.setattr(params, "write", lambda slot, edits, values: (writes.append(slot), write(slot, edits, values)))
     rng = np.random.default_rng(7)
     shared = [rng.standard_normal(HIDDEN) for _ in range(3)]
     vecs = {f"r{i}": rng.standard_normal(HIDDEN) if 3 <= i < 6 else shared[i % 3] for i in range(12)}
@@ -175,7 +178,7 @@ def test_requests_with_equal_values_share_a_slot_written_once(runner_kind, slots
         assert len(writes) == 6, f"3 shared vectors and 3 of their own: 6 writes, not one a request ({len(writes)})"
     else:
         assert 6 < len(writes) < 12, f"some slots were reused for other values, not every request wrote ({len(writes)})"
-    assert hooks.slots.held == 0
+    assert hooks.component(EditSlots).slots.held == 0
 
 
 def test_parameterless_edit_applies_to_every_request():
@@ -208,9 +211,10 @@ def test_dummy_runs_see_tables_that_own_no_rows():
     reqs = make_requests(plan)[:2]
     reqs[0].max_tokens = 50
     run(runner, [reqs[1]], budget=64)
-    hooks.buffers.table.fill_(7)
+    table = hooks.component(StepTables).buffers.table
+    table.fill_(7)
     runner.execute_model(_empty(), dummy_run=True)
-    assert (hooks.buffers.table == -1).all()
+    assert (table == -1).all()
 
 
 def test_untapped_batches_own_no_rows_and_copy_nothing():
@@ -218,17 +222,18 @@ def test_untapped_batches_own_no_rows_and_copy_nothing():
     the earlier step) and write no pool row."""
     plan = toy_plan(TAPS)
     runner, hooks = hooks_for(plan, ToyModel())
+    buffers = hooks.component(StepTables).buffers
     rng = np.random.default_rng(3)
     tapped = Req("t", rng.integers(0, 50, 9).tolist(), 2, wire_for(plan, TapRequest(capture="*"), "t"))
     run(runner, [tapped], budget=64)
-    assert (hooks.buffers.table >= 0).any()
+    assert (buffers.table >= 0).any()
     collect(hooks, [tapped], TapSession(plan))
-    for p in hooks.buffers.pools:
+    for p in buffers.pools:
         p.fill_(0)
     run(runner, [Req("u", rng.integers(0, 50, 9).tolist(), 3, None)], budget=64)
     assert not hooks.by_id and not hooks.records
-    assert (hooks.buffers.table == -1).all(), "the step's tables own no row"
-    assert all((p == 0).all() for p in hooks.buffers.pools), "no pool row written"
+    assert (buffers.table == -1).all(), "the step's tables own no row"
+    assert all((p == 0).all() for p in buffers.pools), "no pool row written"
 
 
 @RUNNERS
@@ -238,7 +243,7 @@ def test_steps_that_own_no_row_upload_no_table_once_the_device_tables_own_none(r
     untapped step clears its wider rows, and a tapped request that joins later is served whole."""
     plan = toy_plan(TAPS)
     runner, hooks = hooks_for(plan, ToyModel(), runner=runner_kind)
-    buffers = hooks.buffers
+    buffers = hooks.component(StepTables).buffers
     uploads, seen = [], []
     upload, begin = buffers.upload, hooks.begin_step
 
@@ -294,12 +299,13 @@ def test_a_collect_waits_for_its_requests_own_last_copies_not_the_newest_steps(r
     short = Req("a", rng.integers(0, 50, 5).tolist(), 2, wire_for(plan, TapRequest(capture="*"), "a"))
     long = Req("b", rng.integers(0, 50, 6).tolist(), 8, wire_for(plan, TapRequest(capture="*"), "b"))
     run(runner, [short, long], budget=64)   # both prefill in step 1; "a" finishes at step 2, "b" at 8
-    assert hooks.tables.copy_out.copies == (3 if rings == "1" else 8)
+    copy_out = hooks.component(StepTables).copy_out
+    assert copy_out.copies == (3 if rings == "1" else 8)
     got = collect(hooks, [short], TapSession(plan))
-    assert hooks.tables.copy_out.waited == [2], hooks.tables.copy_out.waited
+    assert copy_out.waited == [2], copy_out.waited
     check(short, got["a"].taps, "all")
     got = collect(hooks, [long], TapSession(plan))
-    assert hooks.tables.copy_out.waited == [2, 4 if rings == "1" else 8], hooks.tables.copy_out.waited
+    assert copy_out.waited == [2, 4 if rings == "1" else 8], copy_out.waited
     check(long, got["b"].taps, "all")
 
 
@@ -454,7 +460,7 @@ def test_a_steered_request_keeps_its_edit_across_a_preemption(runner_kind):
     outs = collect(hooks, reqs, TapSession(plan))
     for r in reqs:
         check(r, dict(outs[r.rid].taps), "all", [(1, vs[r.rid], 2.0, "all")])
-    assert hooks.slots.held == 0
+    assert hooks.component(EditSlots).slots.held == 0
 
 
 def test_v1_step_batch_is_the_persistent_batchs_first_requests():
@@ -484,6 +490,7 @@ def test_v1_dummy_runs_see_tables_that_own_no_rows():
     reqs = [Req("a", rng.integers(0, 50, 9).tolist(), 3, wire_for(plan, TapRequest(capture="*"), "a"), arrive=0),
             Req("b", rng.integers(0, 50, 30).tolist(), 2, wire_for(plan, TapRequest(capture="*"), "b"), arrive=0)]
     run(runner, reqs, budget=16)
-    assert (hooks.buffers.table >= 0).any(), "the last step's rows are still in the table"
+    table = hooks.component(StepTables).buffers.table
+    assert (table >= 0).any(), "the last step's rows are still in the table"
     runner._dummy_run(8)
-    assert runner.dummy_runs == 1 and not (hooks.buffers.table >= 0).any()
+    assert runner.dummy_runs == 1 and not (table >= 0).any()

@@ -17,6 +17,7 @@ from tapc.data import Shards
 from tapc.errors import TapcError
 from tapc.harvest.corpus import read_prompts
 from tapc.harvest.run import harvest
+from tapc.worker.tables import StepTables
 
 
 def test_shards_hold_every_row_of_every_request_in_order(tmp_path):
@@ -304,8 +305,9 @@ def test_a_nan_is_counted_on_the_device_and_its_request_listed_never_written(tmp
     from vllm import SamplingParams
 
     llm, hooks = toy_vllm(TAPS)
-    counted, count = [], hooks.tables.copy_out.nonfinite
-    hooks.tables.copy_out.nonfinite = lambda: counted.append(count()) or counted[-1]   # what each collect reply says
+    copy_out = hooks.component(StepTables).copy_out
+    counted, count = [], copy_out.nonfinite
+    copy_out.nonfinite = lambda: counted.append(count()) or counted[-1]   # what each collect reply says
     with torch.no_grad():
         llm.llm.runner.model.model.embed_tokens.weight[13] = float("nan")   # token 13: NaN from layer 0 on (the toy has no attention: only its own rows)
     ps = [[1, 2, 3], [4, 13, 5, 13], [6, 7], [8, 9, 13]]

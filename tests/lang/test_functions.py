@@ -17,6 +17,7 @@ from tapc.api.session import TapSession
 from tapc.errors import PlanError, RequestError, TapcError, TapSyntaxError
 from tapc.lang.syntax import parse_tap
 from tapc.wire.positions import select
+from tapc.worker.slots import EditSlots
 
 
 def clamp_ref(s: torch.Tensor, thr: float) -> torch.Tensor:
@@ -71,7 +72,7 @@ def test_a_compiled_function_edits_its_requests_and_keeps_their_results():
     # the threshold mattered: some rows of "low" were clamped that "high" left alone
     edited = reference(reqs[0], 1, lambda s: clamp_ref(s, 0.5))["model.layers.2.resid"]
     assert not torch.allclose(edited, reference(reqs[0], 1)["model.layers.2.resid"])
-    assert hooks.slots.held == 0
+    assert hooks.component(EditSlots).slots.held == 0
 
 
 def test_requests_that_do_not_apply_it_are_bit_equal_to_an_engine_without_it():

@@ -436,11 +436,12 @@ def hooks_for(plan, model, rows: int = 64, slots: int = 8, pad: int = 8, tp_rank
               compiled: bool = True, functions: dict | None = None, kv_manager: type | None = None):
     """The toy runner of vLLM's `runner` ("v2" or "v1") with `plan` installed in `model`, as the
     worker installs it; and its hooks (`inline`: a worker on another node than the API; `switch`:
-    with a `Switch` for the hooks to set, `hooks.switch`, without a driver: no graphs here;
-    `prefix_rows`: (block, budget bytes) of kept prefix rows, `hooks.prefix_rows`; `compiled`
-    False: every step filled by the numpy reference, tapc/worker/fill.py; `functions`: the plan's
-    compiled functions, by name; `kv_manager`: the prefix cache's class whose lookup the kept
-    rows limit, a class of its own unless given). Built by the worker's own `assemble`."""
+    with a `Switch` for the hooks to set, `hooks.component(Switch)`, without a driver: no graphs
+    here; `prefix_rows`: (block, budget bytes) of kept prefix rows, `hooks.component(PrefixRows)`;
+    `compiled` False: every step filled by the numpy reference, tapc/worker/fill.py;
+    `functions`: the plan's compiled functions, by name; `kv_manager`: the prefix cache's class
+    whose lookup the kept rows limit, a class of its own unless given). Built by the worker's
+    own `assemble`."""
     from tapc.wire.config import EngineConfig
     from tapc.worker.assemble import Process, assemble
     from tapc.worker.layout import Layout
@@ -600,10 +601,12 @@ class ToyLLM:
         return [output_of(r) for r in reqs]
 
     def collective_rpc(self, method, args=()):
+        """The worker's RPC `method`: the step loop's own, or the one a step component declares
+        (`RunnerHooks.rpc`), as TapWorker's methods reach them."""
         self.rpcs.append(method)
-        worker = {"tapc_collect": lambda ids, release=(): self.hooks.collect(ids, release).to_wire(), "tapc_release": self.hooks.release,
-                  "tapc_count_nonfinite": self.hooks.tables.copy_out.count_nonfinite, "tapc_close": self.hooks.arena.close}
-        return [over_the_wire(worker[method](*args))]
+        worker = {"tapc_collect": lambda ids, release=(): self.hooks.collect(ids, release).to_wire(),
+                  "tapc_release": self.hooks.release, "tapc_close": self.hooks.arena.close}
+        return [over_the_wire((worker.get(method) or self.hooks.rpc(method))(*args))]
 
 
 def toy_vllm(taps: list[str], params: dict | None = None, block: int | None = None, prefix_rows: int = 0):

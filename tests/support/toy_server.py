@@ -7,6 +7,7 @@ from async_toy import ToyAsyncLLM
 from engine_toy import ToyModel, hooks_for, toy_plan
 
 from tapc.api.session import TapSession
+from tapc.worker.points import EnginePoints
 
 TAPS = ["model.layers.*.resid", "model.layers.1.resid | add(steer, alpha=2.0)"]
 
@@ -75,7 +76,7 @@ def stand_in_app(taps=TAPS, api_key=None, blocks=None, shared=None, save=None, p
     if blocks:
         from tapc.lang.blockpaths import import_blocks
 
-        hooks.points.runtime.register(import_blocks(blocks, "the engine's plan"))
+        hooks.component(EnginePoints).runtime.register(import_blocks(blocks, "the engine's plan"))
     app.state.tapc = TapcServer(toy, TapSession(plan, params, blocks=blocks or (), prefix_rows=prefix_rows), shared=shared,
                                 save=SaveFolder(plan, **save) if save else None)
     return app, hooks

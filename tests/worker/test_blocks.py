@@ -12,6 +12,7 @@ from engine_toy import HIDDEN, Req, ToyModel, collect, hooks_for, run, toy_plan,
 from tapc.api.requests import TapRequest, check
 from tapc.errors import RequestError
 from tapc.api.session import TapSession
+from tapc.worker.points import EnginePoints
 
 
 def requests(plan, asks, seed=0):
@@ -35,7 +36,7 @@ def test_block_sees_what_the_in_graph_capture_sees(compiled):
                      "model.layers.2.mlp.down_proj.output -> rec2"])
     model = ToyModel()
     runner, hooks = hooks_for(plan, model)
-    hooks.points.runtime.register({"rec": recorder, "rec2": recorder})
+    hooks.component(EnginePoints).runtime.register({"rec": recorder, "rec2": recorder})
     if compiled:  # the boundary op must survive Dynamo (fullgraph: no break at it)
         runner.model = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
     reqs = requests(plan, [("a", 3, 4, 0, TapRequest(capture="*")), ("b", 21, 3, 1, TapRequest(capture="*")),
@@ -68,7 +69,7 @@ def test_block_edit_equals_in_graph_edit():
         plan = toy_plan(taps)
         runner, hooks = hooks_for(plan, ToyModel())
         if blocks:
-            hooks.points.runtime.register(blocks)
+            hooks.component(EnginePoints).runtime.register(blocks)
         reqs = requests(plan, [a[:4] + (ask(plan),) for a in asks])
         run(runner, reqs, budget=64)
         return results(plan, hooks, reqs)
@@ -93,7 +94,7 @@ def test_a_raising_block_fails_its_request_and_the_others_go_on():
 
     plan = toy_plan(["model.layers.0.resid -> probe", "model.layers.2.resid"])
     runner, hooks = hooks_for(plan, ToyModel())
-    hooks.points.runtime.register({"probe": lambda ctx, x: None})
+    hooks.component(EnginePoints).runtime.register({"probe": lambda ctx, x: None})
     asks = [(rid, 4 + i, 3, 0, TapRequest(capture="*", blocks={"probe": probe} if rid == "bad" else {}))
             for i, rid in enumerate(("a", "bad", "c", "d"))]
     reqs = requests(plan, asks)
@@ -137,7 +138,8 @@ def test_a_request_this_gpu_could_not_admit_keeps_the_groups_collectives_in_step
 
     plan = toy_plan(["model.layers.1.resid", "model.layers.0.resid -> probe"])
     runner, hooks = hooks_for(plan, ToyModel())
-    hooks.points.runtime.register({"probe": lambda ctx, x: None})
+    points = hooks.component(EnginePoints)
+    points.runtime.register({"probe": lambda ctx, x: None})
     arena_tensor = hooks.arena.tensor
 
     def refuse_b(*shape):
@@ -148,13 +150,13 @@ def test_a_request_this_gpu_could_not_admit_keeps_the_groups_collectives_in_step
     refusing = False
     hooks.arena.tensor = refuse_b
     steps = []
-    begin = hooks.points.begin_step
+    begin = points.begin_step
 
     def watch(step):
         begin(step)
-        steps.append((tuple(step.batch.req_ids), hooks.points.runtime.elsewhere))
+        steps.append((tuple(step.batch.req_ids), points.runtime.elsewhere))
 
-    hooks.points.begin_step = watch
+    points.begin_step = watch
     schedule = hooks.schedule
 
     def admit_b_refused(out):

@@ -10,6 +10,7 @@ from engine_toy import HIDDEN, Req, ToyModel, collect, hooks_for, run, toy_plan,
 from tapc import batched
 from tapc.api.requests import TapRequest
 from tapc.api.session import TapSession
+from tapc.worker.points import EnginePoints
 
 
 def requests(plan, asks, seed=0):
@@ -35,7 +36,7 @@ def served(block, compiled=False, seed=0, asks=ASKS):
     plan = toy_plan(TAPS)
     model = ToyModel()
     runner, hooks = hooks_for(plan, model)
-    hooks.points.runtime.register({"probe": block})
+    hooks.component(EnginePoints).runtime.register({"probe": block})
     if compiled:   # the boundary op survives Dynamo, and a batched block is called the same
         runner.model = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=True)
     reqs = requests(plan, asks, seed)

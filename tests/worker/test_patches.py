@@ -42,11 +42,12 @@ def test_undo_restores_every_original(runner_cls, adapter_cls):
     runner.sampler = sampler = Sampler()
     points = EnginePoints(layout, buffers)
     tables = StepTables(layout, buffers, ToyCopyOut(buffers.pools), arena)
-    adapter = adapter_cls(runner, RunnerHooks(layout, arena, tables, EditSlots(buffers), points=points))
+    components = [tables, EditSlots(buffers), points]
+    adapter = adapter_cls(runner, RunnerHooks(layout, arena, components))
     before = (dict(vars(runner)), type(sampler), ops._boundary_handler, torch.cuda.CUDAGraph)
     assert runner.capture_model() is torch.cuda.CUDAGraph
 
-    applied = patches.apply(runner, adapter, points, breaks=True)
+    applied = patches.apply(runner, adapter, components)
     assert all(getattr(runner, name) == getattr(adapter, name) for name in adapter_cls.METHODS)
     assert type(sampler) is not Sampler and isinstance(sampler, Sampler)
     logits = torch.randn(3, 7)

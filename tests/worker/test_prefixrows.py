@@ -34,7 +34,7 @@ def test_a_capture_behind_kept_rows_reads_the_cache_and_has_every_row(positions)
     llm, hooks = toy_vllm(TAPS, block=BLOCK, prefix_rows=1 << 20)
     p = prompt(1)
     shared(llm, p, TapRequest(capture=EVERY))
-    assert len(hooks.prefix_rows.rows) == 3, "the prompt's three full blocks"
+    assert len(hooks.component(PrefixRows).rows) == 3, "the prompt's three full blocks"
     out = llm.generate([p], params(), taps=TapRequest(capture=EVERY, positions=positions))[0]
     assert llm.llm.cached == [12] and not llm.llm.submitted[0].skip_reading_prefix_cache
     assert out.error is None
@@ -52,12 +52,12 @@ def test_blocks_an_untapped_request_had_are_kept_from_the_first_capture():
     out = llm.generate([p], params(), taps=TapRequest(capture=EVERY))[0]
     assert llm.llm.cached == [0] and out.error is None, "no rows kept yet: computed in full"
     check_rows(as_req(out), dict(out.taps), "all")
-    assert len(hooks.prefix_rows.rows) == 3, "the three full blocks the untapped request had"
+    assert len(hooks.component(PrefixRows).rows) == 3, "the three full blocks the untapped request had"
     out = llm.generate([p], params(), taps=TapRequest(capture=EVERY, positions="prompt"))[0]
     assert llm.llm.cached == [12] and out.error is None
     check_rows(as_req(out), dict(out.taps), "prompt")
     llm.generate([own], params(), taps=TapRequest(capture=EVERY))
-    assert len(hooks.prefix_rows.rows) == 3, "a prompt no other request had: none of its rows kept"
+    assert len(hooks.component(PrefixRows).rows) == 3, "a prompt no other request had: none of its rows kept"
 
 
 def test_a_request_asking_for_a_capture_not_kept_computes_its_prompt():
@@ -92,7 +92,8 @@ def test_rows_past_the_budget_are_dropped_and_a_later_request_computes_them():
     llm, hooks = toy_vllm(TAPS, block=BLOCK, prefix_rows=1000)
     a, b = prompt(4), prompt(5)
     shared(llm, a, TapRequest(capture=EVERY))
-    assert len(hooks.prefix_rows.rows) == 1 and hooks.prefix_rows.size <= 1000
+    kept = hooks.component(PrefixRows)
+    assert len(kept.rows) == 1 and kept.size <= 1000
     out = llm.generate([a], params(), taps=TapRequest(capture=EVERY))[0]
     assert llm.llm.cached == [4], "of its three blocks the first is kept (a chain is dropped from its tail)"
     check_rows(as_req(out), dict(out.taps), "all")
@@ -158,11 +159,11 @@ def test_rows_are_kept_from_a_request_collected_right_after_its_prompt():
     p = prompt(8)
     for _ in range(2):
         llm.generate([p], params(1), taps=TapRequest(capture=EVERY, positions="prompt"))
-    assert len(hooks.prefix_rows.rows) == 3
+    assert len(hooks.component(PrefixRows).rows) == 3
     out = llm.generate([p], params(1), taps=TapRequest(capture=EVERY, positions="prompt"))[0]
     assert llm.llm.cached == [12]
     check_rows(as_req(out), dict(out.taps), "prompt")
-    assert not hooks.prefix_rows.hashes, "collected: nothing of theirs is held but the kept rows"
+    assert not hooks.component(PrefixRows).hashes, "collected: nothing of theirs is held but the kept rows"
 
 
 def test_a_slow_write_of_kept_rows_is_waited_for_and_a_failed_one_fails_its_captures(monkeypatch):

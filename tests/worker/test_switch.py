@@ -48,7 +48,7 @@ def switched(monkeypatch):
     def start(plan, **kwargs):
         runner, hooks = hooks_for(plan, ToyModel(), switch=True, **kwargs)
         asked = ops._idle
-        assert asked == hooks.switch.idle, "the hooks' patches make the ops ask the switch"
+        assert asked == hooks.component(Switch).idle, "the hooks' patches make the ops ask the switch"
         begin, step = hooks.begin_step, {}
 
         def begin_step(batch):
@@ -99,11 +99,11 @@ def test_steered_and_plain_requests_with_unasked_taps_switched_off(switched):
 def wants_of(hooks) -> list[tuple[int, int]]:
     """(the least computed tokens of its requests, `Switch.want`) of each step from here on."""
     wants = []
-    begin = hooks.begin_step
+    begin, switch = hooks.begin_step, hooks.component(Switch)
 
     def begin_step(batch):
         begin(batch)
-        wants.append((int(batch.num_computed[: len(batch.req_ids)].min()), hooks.switch.want))
+        wants.append((int(batch.num_computed[: len(batch.req_ids)].min()), switch.want))
 
     hooks.begin_step = begin_step
     return wants
@@ -165,7 +165,7 @@ def test_a_parameterless_edit_keeps_its_kernel_on_for_untapped_requests(switched
             Req("y", rng.integers(0, 50, 8).tolist(), 9, None)]
     run(runner, reqs, budget=64)
     layout = hooks.layout
-    assert hooks.switch.want == layout.taps_mask(map(layout.edit_row, layout.always)) != 0, \
+    assert hooks.component(Switch).want == layout.taps_mask(map(layout.edit_row, layout.always)) != 0, \
         "y alone at the end: only the scale's kernel"
     assert seen["off"], "the capture's kernel is off once x is done"
 
@@ -177,10 +177,11 @@ def test_hooks_want_nothing_in_dummy_runs_and_what_records_ask_otherwise(monkeyp
     layout = hooks.layout
     reqs = make_requests(plan)
     run(runner, reqs[:2], budget=64)   # "a" captures every key, "b" the residual at prompt rows
-    assert hooks.switch.want == layout.taps_mask([layout.cap_index[k] for k in plan.capture_keys])
-    assert hooks.switch.stepping
+    switch = hooks.component(Switch)
+    assert switch.want == layout.taps_mask([layout.cap_index[k] for k in plan.capture_keys])
+    assert switch.stepping
     hooks.reset()
-    assert hooks.switch.want == 0 and not hooks.switch.stepping
+    assert switch.want == 0 and not switch.stepping
 
 
 def test_an_op_launches_nothing_only_in_a_step_that_asks_nothing_of_its_tap():
