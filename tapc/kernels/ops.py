@@ -20,13 +20,14 @@ import triton
 
 from . import capture as _capture
 from . import edit as _edit
+from . import lens as _lens
 from .common import runs_triton
 
 # Kept alive for the life of the process: the ops are unregistered when it is collected.
 _LIB = torch.library.Library("tapc", "DEF")
 
 # The names of the Triton kernels the ops launch: how the engine knows a graph node is a tap's.
-KERNELS = frozenset(v.__name__ for m in (_capture, _edit) for v in vars(m).values()
+KERNELS = frozenset(v.__name__ for m in (_capture, _edit, _lens) for v in vars(m).values()
                     if isinstance(v, triton.runtime.KernelInterface))
 
 LaunchObserver = Callable[[tuple[torch.Tensor, ...]], None]
@@ -127,6 +128,25 @@ def patch_(x: torch.Tensor, b: Optional[torch.Tensor], slot: torch.Tensor, pos: 
     _run((slot,), _edit.patch_, _edit.patch_ref, x, b, slot, pos, rows, at)
 
 
+def lens(x: torch.Tensor, b: Optional[torch.Tensor], dst_ids: torch.Tensor, dst_logits: torch.Tensor,
+         ids: torch.Tensor, logits: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+         cand_ids: torch.Tensor, cand_vals: torch.Tensor, eps: float, vocab: int, block_v: int,
+         ring: Optional[torch.Tensor] = None, pos: Optional[torch.Tensor] = None, stride_ids: int = 0,
+         stride_logits: int = 0) -> None:
+    """The logit lens (lens.py): the top `k` token ids and logits of x (+ b) through the final
+    norm and the unembedding, into ids[dst_ids[i]] and logits[dst_logits[i]]. Two launches, each
+    observed, so the switch turns both graph nodes off on steps that ask for neither table."""
+    tables = (dst_ids, dst_logits)
+    if _idle is not None and all(_idle(t) for t in tables):
+        return
+    args = (x, b, dst_ids, dst_logits, ids, logits, norm_weight, weight, cand_ids, cand_vals, eps, vocab, block_v,
+            ring, pos, stride_ids, stride_logits)
+    if not runs_triton(x):
+        _lens.lens_ref(*args)
+        return
+    _lens.lens(*args, observe=None if _launch_observer is None else lambda: _launch_observer(tables))
+
+
 BoundaryHandler = Callable[[int, torch.Tensor, Optional[torch.Tensor]], None]
 _boundary_handler: Optional[BoundaryHandler] = None
 
@@ -166,4 +186,7 @@ _register("set_cols_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor cols, Tensor v
           set_cols_)
 _register("project_out_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor dirs) -> ()", project_out_)
 _register("patch_(Tensor(a!) x, Tensor? b, Tensor slot, Tensor pos, Tensor rows, Tensor at) -> ()", patch_)
+_register("lens(Tensor x, Tensor? b, Tensor dst_ids, Tensor dst_logits, Tensor(a!) ids, Tensor(b!) logits, "
+          "Tensor norm_weight, Tensor weight, Tensor(c!) cand_ids, Tensor(d!) cand_vals, float eps, int vocab, "
+          f"int block_v, {_RING}, int stride_ids=0, int stride_logits=0) -> ()", lens)
 _register("boundary(Tensor(a!) x, Tensor(b!)? b, int point) -> ()", boundary)

@@ -41,6 +41,11 @@ F32_MAX = float(np.finfo(np.float32).max)
 AT = ("at", "positions", "all")
 # The action that runs a compiled function (tapc/lang/functions.py); its tables are its parameters'.
 CALL = "call"
+# The logit lens (`| lens(k=10)`): a point's rows through the final norm and the unembedding,
+# their k best tokens; k sizes two captures and the kernel's candidates (tapc/kernels/lens.py).
+LENS = "lens"
+LENS_K = ("k", 10)
+MAX_LENS_K = 64
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import lark
 from lark import Lark, Transformer
 
 from tapc.errors import PlanError, TapSyntaxError
-from tapc.lang.edits import AT, CALL, REQUIRED, SIGNATURES, check_literal
+from tapc.lang.edits import AT, CALL, LENS, LENS_K, MAX_LENS_K, REQUIRED, SIGNATURES, check_literal
 
 # ----------------------------------------------------------------------------- the AST
 
@@ -90,7 +90,9 @@ class TapSpec:
 # op -> ((argument, kind, default), ...) is tapc/lang/edits.py's SIGNATURES; every edit also takes `at=` (AT).
 # `call(name, p=value, ...)` runs a compiled function (tapc/lang/functions.py): its parameters
 # are the function's, so only the plan, which has the function, checks them.
-ACTIONS = ("capture", *SIGNATURES, CALL)
+# `lens(k=10)` reads the point through the model's final norm and unembedding: the plan makes
+# it two captures, `<point>:lens.ids` and `<point>:lens.logits`.
+ACTIONS = ("capture", *SIGNATURES, CALL, LENS)
 
 
 # ----------------------------------------------------------------------------- limits
@@ -331,6 +333,8 @@ def _bind_action(text: str, op: str | None, args: list, where: str) -> Action:
         return Action()
     if op == CALL:
         return _bind_call(text, args, where)
+    if op == LENS:
+        return _bind_lens(text, args, where)
     if op not in SIGNATURES:
         col = text.rindex("|") + 2
         near = difflib.get_close_matches(op, ACTIONS, n=1, cutoff=0.6)
@@ -387,6 +391,19 @@ def _bind_call(text: str, args: list, where: str) -> Action:
         bound[name] = value
     bound.setdefault(AT[0], AT[2])
     return Action(op=CALL, args=tuple(bound.items()), function=args[0][1].name)
+
+
+def _bind_lens(text: str, args: list, where: str) -> Action:
+    """`lens(k)` or `lens(k=10)`: how many of the best tokens each row keeps."""
+    name, default = LENS_K
+    if len(args) > 1 or args and args[0][0] not in (None, name):
+        raise _syntax_error(text, len(text), f"lens() takes one argument, {name} (the tokens a row keeps): "
+                            f"`lens({name}={default})`", where)
+    k = args[0][1] if args else default
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_LENS_K:
+        raise _syntax_error(text, len(text), f"lens(): {name} must be a whole number in 1..{MAX_LENS_K}, not "
+                            f"{k.name if isinstance(k, Param) else k!r}", where)
+    return Action(op=LENS, args=((name, k),))
 
 
 def _check_value(text: str, op: str, name: str, kind: str, value: Value, where: str) -> Value:

@@ -11,6 +11,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from tapc.plan.lens import is_lens
 from tapc.plan.sizing import host_row_bytes, param_slots
 from tapc.plan.tapplan import BLOCK, EDIT, READ, TapPlan
 from tapc.plan.tree import ModuleTree, Node
@@ -26,8 +27,9 @@ def human_bytes(n: int) -> str:
 
 def _kind(tap) -> str:
     """A tap's kind as `tapc explain` says it: a compiled function's call is the plan's `edit` (it
-    reads the edit row table) but runs as the function's own code, no tap kernel: `call`."""
-    return "call" if tap.action == "call" else tap.kind
+    reads the edit row table) but runs as the function's own code, no tap kernel: `call`; a
+    logit lens's two captures are `lens` (one kernel computes both, tapc/plan/lens.py)."""
+    return "call" if tap.action == "call" else "lens" if is_lens(tap) else tap.kind
 
 
 def _args(tap) -> str:
@@ -57,6 +59,8 @@ def taps_table(plan: TapPlan, width: int | None = None) -> tuple[Table, list[str
     for tap in plan.taps:
         if tap.action == "call":
             action = f"call({', '.join([tap.function, *filter(None, [_args(tap)])])})"
+        elif is_lens(tap):
+            action = f"lens(k={tap.width})"
         else:
             action = tap.action + (f"({_args(tap)})" if tap.args else f" {_args(tap)}" if tap.block else "")
         where = (f"{tap.layout}, stage {tap.stage}",) if parallel else ()

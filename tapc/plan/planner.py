@@ -12,6 +12,7 @@ from tapc.errors import PlanError
 from tapc.lang.schema import EngineArgs, checked
 from tapc.lang.syntax import TapSpec, parse_taps
 from tapc.plan.calls import check_function, complete_calls, function_specs
+from tapc.plan.lens import complete_lens
 from tapc.plan.resolve import resolve_tap
 from tapc.plan.sharding import ModelDims, pp_stages, shard_points
 from tapc.plan.shards import PointShard
@@ -51,10 +52,10 @@ def build_plan(model: str, taps, *, max_num_batched_tokens: int = DEFAULT_MAX_NU
                 raise PlanError(f"{tap.key} is tapped twice the same way: by `{seen[sig].source}` and `{tap.source}`")
             seen[sig] = tap
             planned.append(tap)
-    specs = function_specs(functions)
-    planned = complete_calls(planned, specs)
-    params = _collect_params(planned)
     tp, pp = sizes.tensor_parallel_size, sizes.pipeline_parallel_size
+    specs = function_specs(functions)
+    planned = complete_lens(complete_calls(planned, specs), tree, tp, pp)
+    params = _collect_params(planned)
     calls = [t for t in planned if t.action == "call"]
     if calls and tp * pp > 1:
         raise PlanError(f"`{calls[0].source}`: compiled functions run on one GPU for now (this plan is for "

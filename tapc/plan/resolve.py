@@ -12,7 +12,7 @@ import logging
 import re
 
 from tapc.errors import ResolveError
-from tapc.lang.edits import EDITS, check_at_point
+from tapc.lang.edits import EDITS, LENS, check_at_point
 from tapc.lang.syntax import Param, Slice, Star, TapSpec, parse_tap
 from tapc.plan.tapplan import BLOCK, EDIT, ENGINE, READ, Arg, PlannedTap, Point, TapPlan
 from tapc.plan.tree import ModuleTree, Node
@@ -347,6 +347,9 @@ def _planned(spec: TapSpec, point: Point, width: int, dtype: str, layer, kind: s
                                          value=None if isinstance(value, Param) else value)
                                      for name, value in action.args),
                           width=width, dtype=dtype, layer=layer)
+    if action.op == LENS:   # two captures of its results: tapc/plan/lens.py
+        return PlannedTap(source=spec.text, point=point, action=LENS, kind=kind or READ, width=width, dtype=dtype,
+                          layer=layer, args=tuple(Arg(name=name, kind="count", value=value) for name, value in action.args))
     kinds = EDITS[action.op].kinds()
     args = tuple(Arg(name=name, kind=kinds[name], param=value.name) if isinstance(value, Param) else
                  Arg(name=name, kind=kinds[name], value=value) for name, value in action.args)

@@ -10,6 +10,8 @@ The worker allocates, once, before vLLM's first forward (tapc/worker/buffers.py,
 - per edit: its parameter tables, `[slots, ...]` each (tapc/lang/edits.py `tables`), with
   `slots = SLOTS_PER_SEQ * max_num_seqs`; a named vector or scalar table is one table for every
   edit that uses the name (counted at the first);
+- for a plan with a logit lens: one scratch of `rows` candidate rows, int32 ids and float32
+  values (tapc/plan/lens.py `scratch_columns`), counted with the first lens capture;
 - per `logits` edit: its parameter tables, and an int32 row of `max_num_seqs` entries mapping
   the step's logits rows to slots.
 `rows` is max_num_batched_tokens. Under tensor / pipeline parallelism every GPU allocates this
@@ -23,6 +25,7 @@ host memory: the pinned staging buffers of the row tables and of parameter rows
 from __future__ import annotations
 
 from tapc.lang.edits import CALL, EDITS, Table, tables
+from tapc.plan.lens import is_lens, scratch_columns
 from tapc.plan.ranks import indexed_rank_taps
 from tapc.plan.tapplan import EDIT, ENGINE, READ, PlannedTap
 
@@ -83,6 +86,9 @@ def tap_bytes(taps, rows: int, max_num_seqs: int) -> list[int]:
         index = [i for i, t in enumerate(taps) if t.kind == kind and (t.action in EDITS or t.action == CALL)]
         for i, own in zip(index, edit_tables([taps[i] for i in index])):
             out[i] = per_row * ROW_ENTRY + sum(slots * t.nbytes_per_slot for t, first in own if first)
+    lens = next((i for i, tap in enumerate(taps) if is_lens(tap)), None)
+    if lens is not None:   # the candidates' scratch, int32 ids and float32 values: counted with the first
+        out[lens] += rows * scratch_columns(taps) * 8
     return out
 
 

@@ -38,6 +38,7 @@ import torch
 
 from tapc.errors import EngineError
 from tapc.lang.edits import EDITS
+from tapc.plan.lens import HEAD, IDS, LOGITS, NORM, VOCAB_BLOCK, is_lens, scratch_columns
 from tapc.worker.calls import Call
 from tapc.worker.layout import Layout
 from tapc.worker.source import rewrite_forward
@@ -55,10 +56,13 @@ def install(model: torch.nn.Module, layout: Layout, buffers, functions: dict | N
     import tapc.kernels  # noqa: F401  registers torch.ops.tapc.*
 
     calls = _Functions(model, functions or {}, positions)
+    lens = _Lens.of(model, layout, buffers)
     by_path: dict[str, list] = defaultdict(list)
     for c, tap in enumerate(layout.captures):
         if tap.point.result is None:   # a function's results are captured by its call
             by_path[tap.point.module].append((tap, ("capture", c)))
+        elif is_lens(tap) and tap.point.result == IDS:   # the pair's one op, at the ids' place
+            by_path[tap.point.module].append((tap, ("lens", c)))
     for e, tap in enumerate(layout.edits):
         by_path[tap.point.module].append((tap, ("edit", e)))
     for k, tap in enumerate(layout.blocks):
@@ -74,7 +78,7 @@ def install(model: torch.nn.Module, layout: Layout, buffers, functions: dict | N
         taps.sort(key=lambda te: layout.plan_order[id(te[0])])
         prefix = "" if target is owner else f"{path.rpartition('.')[2]}_"
         bound[key] = (target, method, path, owner,
-                      [(tap, _bind(owner, f"{prefix}{i}", tap, what, layout, buffers, calls))
+                      [(tap, _bind(owner, f"{prefix}{i}", tap, what, layout, buffers, calls, lens))
                        for i, (tap, what) in enumerate(taps)])
     leads = _logits_at_routers(bound)
     for key, (target, method, path, _, ops) in bound.items():
@@ -147,7 +151,7 @@ def _target(model: torch.nn.Module, path: str) -> tuple[torch.nn.Module, object,
 
 
 def _bind(module: torch.nn.Module, i: str, tap, what: tuple[str, int], layout: Layout, buffers,
-          calls: "_Functions") -> TapOp:
+          calls: "_Functions", lens: "_Lens | None") -> TapOp:
     """Register the tap's tables on `module` (names `_tapc_<i>_*`) and return the op call that reads them."""
     kind, index = what
     if kind == "block":
@@ -169,6 +173,10 @@ def _bind(module: torch.nn.Module, i: str, tap, what: tuple[str, int], layout: L
 
     if kind == "capture":
         return capture(index)
+    if kind == "lens":
+        logits = next(c for c, t in enumerate(layout.captures)
+                      if is_lens(t) and t.point == dataclasses.replace(tap.point, result=LOGITS))
+        return lens.bind(tap, reg, capture(index, "lens_ids_"), capture(logits, "lens_logits_"))
 
     slot = reg("slot", buffers.table[layout.edit_row(index)])
     if tap.action == "call":
@@ -208,6 +216,47 @@ class _Functions:
             return fn
         module.add_module(f"_tapc_{i}_fn", fn.to(self.device))
         return getattr(module, f"_tapc_{i}_fn")
+
+
+class _Lens:
+    """The logit lens's share of the model: its final norm's weight and epsilon, `lm_head`'s
+    weight (the model's own tensors, not copies) and the candidates' scratch every lens op of
+    this GPU writes in turn (tapc/kernels/lens.py)."""
+
+    def __init__(self, norm: torch.nn.Module, head: torch.nn.Module, columns: int, rows: int):
+        device = head.weight.device
+        self.tensors = {"norm": norm.weight.data, "head": head.weight.data,
+                        "cand_ids": torch.empty((rows, columns), dtype=torch.int32, device=device),
+                        "cand_vals": torch.empty((rows, columns), dtype=torch.float32, device=device)}
+        self.eps = float(norm.variance_epsilon)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, layout: Layout, buffers) -> "_Lens | None":
+        columns = scratch_columns(layout.captures)
+        if not columns:
+            return None
+        try:
+            norm, head = model.get_submodule(NORM), model.get_submodule(HEAD)
+        except AttributeError:
+            raise EngineError(f"the plan has a logit lens, and this engine's model has no `{NORM}` or `{HEAD}`: "
+                              "was the plan built for another model?") from None
+        return cls(norm, head, columns, buffers.table.shape[1])
+
+    def bind(self, tap, reg: Callable[[str, torch.Tensor], str], ids: "_Capture", logits: "_Capture") -> TapOp:
+        """The op at `tap`'s point: the shared tensors registered on the tapped module (`reg`), as
+        its tables are, so that each layer's compiled piece reads them as graph inputs."""
+        vocab = next(a.value for a in tap.args if a.name == "vocab")
+        module, eps = ids.module, self.eps
+        names = {name: reg(f"lens_{name}", t) for name, t in self.tensors.items()}
+
+        def op(x: torch.Tensor, b: torch.Tensor | None) -> None:
+            got = {name: getattr(module, attr) for name, attr in names.items()}
+            ring, pos, stride_ids = ids._ring()
+            torch.ops.tapc.lens(x, b, getattr(module, ids.dst), getattr(module, logits.dst),
+                                getattr(module, ids.pool), getattr(module, logits.pool), got["norm"], got["head"],
+                                got["cand_ids"], got["cand_vals"], eps, vocab, VOCAB_BLOCK, ring, pos, stride_ids,
+                                logits._ring()[2])
+        return op
 
 
 class _Capture:

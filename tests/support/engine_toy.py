@@ -79,11 +79,22 @@ class Layer(torch.nn.Module):
         return self.mlp(residual * 0.5), residual
 
 
+class RMSNorm(torch.nn.Module):
+    """vLLM's final norm as the logit lens reads it: `weight` and `variance_epsilon` (the toy's
+    forward does not call it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(1 + 0.1 * torch.randn(HIDDEN))
+        self.variance_epsilon = 1e-6
+
+
 class Inner(torch.nn.Module):
     def __init__(self, mlp=MLP, layers: int = LAYERS):
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(VOCAB, HIDDEN)
         self.layers = torch.nn.ModuleList(Layer(mlp) for _ in range(layers))
+        self.norm = RMSNorm()
 
     def forward(self, input_ids, positions):
         h = self.embed_tokens(input_ids) + 0.01 * positions[:, None].float()
@@ -100,6 +111,7 @@ class ToyModel(torch.nn.Module):
         super().__init__()
         torch.manual_seed(seed)
         self.model = Inner(mlp, layers)
+        self.lm_head = Linear(HIDDEN, VOCAB)   # its weight, [vocab, hidden], as vLLM's ParallelLMHead
 
     def forward(self, input_ids, positions):
         return self.model(input_ids, positions)
@@ -120,6 +132,7 @@ def toy_tree(mlp=mlp_nodes, layers: int = LAYERS, arch: str = "ToyForCausalLM") 
     for i in range(layers):
         p = f"model.layers.{i}"
         nodes += [Node(p, "Layer", "pair", HIDDEN, HIDDEN, layer=i), *mlp(f"{p}.mlp", i)]
+    nodes += [Node("model.norm", "RMSNorm", "norm", HIDDEN, HIDDEN), Node("lm_head", "ParallelLMHead", "none", None, None)]
     return ModuleTree(model="toy", architecture=arch, hidden_size=HIDDEN, num_layers=layers,
                       vocab_size=VOCAB, dtype="float32", layers_path="model.layers", vllm_version="0.26.0",
                       nodes=tuple(nodes))
