@@ -16,7 +16,7 @@ TAPS = ["model.layers.*.resid", "model.layers.0.mlp.input", "model.layers.1.mlp.
         "model.layers.2.mlp.source.h_split_0.output[1]", "model.layers.1.mlp.source.self_down_proj_0.input",
         "model.layers.0.resid | add(steer, alpha=a)", "model.layers.1.resid | scale(0.5)",
         "model.layers.2.resid | set([1, 2], value=3.0)", "model.layers.0.mlp.up_proj.output | zero(cols)",
-        "model.layers.2.mlp.down_proj.output | project_out(d)"]
+        "model.layers.2.mlp.down_proj.output | project_out(d)", "model.layers.1.resid | lens(k=3)"]
 
 
 
