@@ -23,7 +23,9 @@ READS = {   # what each example reads from its requests' captures
     "sae": lambda ex: [ex.KEY], "steer-served": lambda ex: [ex.KEY], "probe": lambda ex: [ex.KEY],
     "patching": lambda ex: ex.SITES + ["logits"],
     "moe-routing": lambda ex: [f"model.layers.{i}.mlp.experts.router.output[1]" for i in range(ex.LAYERS)],
-    "lora": lambda ex: [f"{ex.QKV}.input", f"{ex.QKV}.output", f"{ex.DOWN}.input", f"{ex.DOWN}.output"]}
+    "lora": lambda ex: [f"{ex.QKV}.input", f"{ex.QKV}.output", f"{ex.DOWN}.input", f"{ex.DOWN}.output"],
+    "lens": lambda ex: [f"model.layers.{i}.resid:lens.{r}" for i in range(ex.LAYERS) for r in ("ids", "logits")]
+    + ["logits"]}
 
 
 def load(name: str):

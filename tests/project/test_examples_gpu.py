@@ -2,7 +2,8 @@
 must exit 0 and print what it exists to show. Its printed result is checked here again from its
 output: the SAE's reconstruction error halved, steered completions unlike the plain ones with the
 edit read back in the captures, probe scores equal to HF's, the exactly known patches, no banned
-expert chosen, LoRA outputs equal to the layers' own weights with and without the adapter.
+expert chosen, LoRA outputs equal to the layers' own weights with and without the adapter, the
+last layer's lens equal to the model's own next-token logits.
 
 Each example is an xdist group of its own, so that `--dist loadgroup` spreads them over the
 workers. The SAE example needs sae-lens, the served one vLLM's serving packages (uvicorn): each
@@ -110,3 +111,11 @@ def test_lora_captures_with_and_without_the_adapter():
     assert qkv > 0.1 and down > 0.1, out
     moved = numbers(r"^  layer \d: ([\d.]+)$", out)
     assert len(moved) == 4 and all(m > 0.01 for (m,) in moved), out
+
+
+@example("lens")
+def test_the_lens_of_the_last_layer_is_the_models_own_next_token():
+    out = run("lens/lens.py")
+    rows = re.findall(r"its rank in each layer's lens ((?:[-\d]+ ?){4}); first best at layer (\w+)$", out, re.M)
+    assert len(rows) == 4, out
+    assert "checked: the last layer's lens is the model's own next-token logits" in out, out

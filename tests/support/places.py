@@ -6,4 +6,5 @@ SUPPORT = Path(__file__).resolve().parent   # this folder: the helpers, on sys.p
 CONFIGS = SUPPORT / "configs"   # vLLM configs of small models, one folder each
 EXAMPLES = ROOT / "examples"
 SCRIPTS = {"sae": "sae/sae.py", "steer-served": "steer-served/steer_served.py", "probe": "probe/probe.py",
-           "patching": "patching/patching.py", "moe-routing": "moe-routing/moe_routing.py", "lora": "lora/lora.py"}
+           "patching": "patching/patching.py", "moe-routing": "moe-routing/moe_routing.py", "lora": "lora/lora.py",
+           "lens": "lens/lens.py"}
