@@ -9,7 +9,7 @@ hook. An unpatched request in the same batch equals HF's plain run.
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL, engine_args, hf_forward, shutdown
+from gpu_engines import SMALL, hf_forward, llama_engine
 from hf_checks import assert_matches, hf_reference
 
 import tapc
@@ -22,16 +22,7 @@ RESID = [f"model.layers.{i}.resid" for i in range(LAYERS)]
 TAPS = [*(f"model.layers.{i}.resid | patch(clean{i}, rows=2)" for i in range(LAYERS)), "model.layers.*.resid"]
 
 
-@pytest.fixture(scope="module")
-def path(checkpoints):
-    return checkpoints("llama")
-
-
-@pytest.fixture(scope="module")
-def engine(path):
-    llm = tapc.VLLM(path, taps=TAPS, **engine_args())
-    yield llm
-    shutdown(llm)
+path, engine = llama_engine(TAPS)
 
 
 def hf_patched(path: str, tokens: list[int], layer: int, rows: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -145,6 +145,24 @@ def shutdown(llm) -> None:
     gc.collect()
 
 
+def llama_engine(taps: list[str]):
+    """A module's `path` and `engine` fixtures: the session's Llama checkpoint, and one tapped
+    engine on it with `taps`, stopped after the module. In the module: `path, engine = llama_engine(TAPS)`."""
+    @pytest.fixture(scope="module")
+    def path(checkpoints):
+        return checkpoints("llama")
+
+    @pytest.fixture(scope="module")
+    def engine(path):
+        from tapc import VLLM
+
+        llm = VLLM(path, taps=taps, **engine_args())
+        yield llm
+        shutdown(llm)
+
+    return path, engine
+
+
 class Engines:
     """Engines by configuration name: started on first use, stopped at the session's end."""
 

@@ -9,7 +9,7 @@ model's own next-token distribution, so at generated positions its best token is
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL, engine_args, hf_model, shutdown
+from gpu_engines import SMALL, hf_model, llama_engine
 from hf_checks import hf_reference
 
 import tapc
@@ -20,16 +20,7 @@ LAYERS, K = SMALL["num_hidden_layers"], 8
 TAPS = ["model.layers.*.resid | lens(k=8)"]
 
 
-@pytest.fixture(scope="module")
-def path(checkpoints):
-    return checkpoints("llama")
-
-
-@pytest.fixture(scope="module")
-def engine(path):
-    llm = tapc.VLLM(path, taps=TAPS, **engine_args())
-    yield llm
-    shutdown(llm)
+path, engine = llama_engine(TAPS)
 
 
 def hf_lens(path: str, resid: torch.Tensor) -> torch.Tensor:
