@@ -170,9 +170,9 @@ def lens(x: torch.Tensor, b: torch.Tensor | None, dst_ids: torch.Tensor, dst_log
          ids: torch.Tensor, logits: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
          cand_ids: torch.Tensor, cand_vals: torch.Tensor, eps: float, vocab: int, block_v: int,
          ring: torch.Tensor | None = None, pos: torch.Tensor | None = None, stride_ids: int = 0,
-         stride_logits: int = 0, observe=None) -> None:
-    """The lens's two launches (Triton); `observe()` after each (the engine's switch notes the
-    graph node each launch made: tapc/kernels/ops.py)."""
+         stride_logits: int = 0, between=None) -> None:
+    """The lens's two launches (Triton), `between()` after the first (the engine's switch notes
+    the graph node each launch made: tapc/kernels/ops.py)."""
     _check(x, b, dst_ids, dst_logits, ids, logits, norm_weight, weight, cand_ids, cand_vals, vocab, block_v)
     check_ring(ring, pos, x)
     n, hidden = x.shape
@@ -186,8 +186,8 @@ def lens(x: torch.Tensor, b: torch.Tensor | None, dst_ids: torch.Tensor, dst_log
         K=k, HAS_Y=b is not None, BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_H=BLOCK_H, SCAN=SCAN,
         INTERPRETED=INTERPRET, FP32=weight.dtype == torch.float32, num_warps=4,
     )
-    if observe is not None:
-        observe()
+    if between is not None:
+        between()
     n_cand = candidates(vocab, k, block_v)
     _lens_topk_kernel[(n,)](
         dst_ids, dst_logits, ids, logits, ids.shape[0], logits.shape[0], cand_ids, cand_vals, n_cand,
@@ -195,12 +195,10 @@ def lens(x: torch.Tensor, b: torch.Tensor | None, dst_ids: torch.Tensor, dst_log
         dst_ids if ring is None else ring, dst_ids if pos is None else pos, stride_ids, stride_logits,
         K=k, RING=ring is not None, PHASES=PHASES, BLOCK_C=triton.next_power_of_2(n_cand), num_warps=4,
     )
-    if observe is not None:
-        observe()
 
 
 def lens_ref(x, b, dst_ids, dst_logits, ids, logits, norm_weight, weight, cand_ids, cand_vals, eps, vocab, block_v,
-             ring=None, pos=None, stride_ids=0, stride_logits=0, observe=None) -> None:
+             ring=None, pos=None, stride_ids=0, stride_logits=0) -> None:
     """Plain-torch reference of `lens` (the candidates are not used)."""
     n = x.shape[0]
     d = {"ids": dst_ids[:n].long(), "logits": dst_logits[:n].long()}

@@ -13,6 +13,7 @@ Registered through `torch.library.Library` rather than `torch.library.custom_op`
 schema and fake, but about a tenth of the dispatch cost per call, which counts in batches
 that run the compiled graph without CUDA graphs (vLLM does the same for its own ops).
 """
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -134,17 +135,13 @@ def lens(x: torch.Tensor, b: Optional[torch.Tensor], dst_ids: torch.Tensor, dst_
          ring: Optional[torch.Tensor] = None, pos: Optional[torch.Tensor] = None, stride_ids: int = 0,
          stride_logits: int = 0) -> None:
     """The logit lens (lens.py): the top `k` token ids and logits of x (+ b) through the final
-    norm and the unembedding, into ids[dst_ids[i]] and logits[dst_logits[i]]. Two launches, each
+    norm and the unembedding, into ids[dst_ids[i]] and logits[dst_logits[i]]. Two launches, both
     observed, so the switch turns both graph nodes off on steps that ask for neither table."""
     tables = (dst_ids, dst_logits)
-    if _idle is not None and all(_idle(t) for t in tables):
-        return
-    args = (x, b, dst_ids, dst_logits, ids, logits, norm_weight, weight, cand_ids, cand_vals, eps, vocab, block_v,
-            ring, pos, stride_ids, stride_logits)
-    if not runs_triton(x):
-        _lens.lens_ref(*args)
-        return
-    _lens.lens(*args, observe=None if _launch_observer is None else lambda: _launch_observer(tables))
+    # the first launch's node is noted between the two; `_run` notes the second's
+    between = None if _launch_observer is None else lambda: _launch_observer(tables)
+    _run(tables, functools.partial(_lens.lens, between=between), _lens.lens_ref, x, b, dst_ids, dst_logits, ids,
+         logits, norm_weight, weight, cand_ids, cand_vals, eps, vocab, block_v, ring, pos, stride_ids, stride_logits)
 
 
 BoundaryHandler = Callable[[int, torch.Tensor, Optional[torch.Tensor]], None]
