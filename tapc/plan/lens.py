@@ -38,14 +38,19 @@ def complete_lens(taps: list[PlannedTap], tree, tp: int, pp: int) -> list[Planne
             if point.key in keys:
                 raise PlanError(f"`{tap.source}`: {point.key} is also a compiled function's result; name the "
                                 "function otherwise than `lens`")
+            # k is the width; the vocabulary the kernel ranks travels with each capture
             out.append(PlannedTap(source=tap.source, point=point, action="capture", kind=READ, width=k, dtype=dtype,
-                                  layer=tap.layer, args=(Arg("k", "count", value=k),
-                                                         Arg("vocab", "count", value=tree.vocab_size))))
+                                  layer=tap.layer, args=(Arg("vocab", "count", value=tree.vocab_size),)))
     return out
 
 
 def is_lens(tap: PlannedTap) -> bool:
     return tap.point.result is not None and tap.point.result.startswith(f"{LENS}.") and tap.function is None
+
+
+def vocab_of(tap: PlannedTap) -> int:
+    """The vocabulary a lens capture ranks (its k is its width)."""
+    return next(a.value for a in tap.args if a.name == "vocab")
 
 
 def candidates(vocab: int, k: int) -> int:
@@ -56,7 +61,7 @@ def candidates(vocab: int, k: int) -> int:
 def scratch_columns(taps) -> int:
     """Candidate columns of the one scratch every lens of a GPU shares (they run one after
     another on its stream): the widest any of them needs; 0 without a lens."""
-    return max((candidates(t.args[1].value, t.width) for t in taps if is_lens(t)), default=0)
+    return max((candidates(vocab_of(t), t.width) for t in taps if is_lens(t)), default=0)
 
 
 def _check(tap: PlannedTap, tree, tp: int, pp: int) -> None:

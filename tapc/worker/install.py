@@ -38,7 +38,7 @@ import torch
 
 from tapc.errors import EngineError
 from tapc.lang.edits import EDITS
-from tapc.plan.lens import HEAD, IDS, LOGITS, NORM, VOCAB_BLOCK, is_lens, scratch_columns
+from tapc.plan.lens import HEAD, IDS, LOGITS, NORM, VOCAB_BLOCK, is_lens, scratch_columns, vocab_of
 from tapc.worker.calls import Call
 from tapc.worker.layout import Layout
 from tapc.worker.source import rewrite_forward
@@ -245,7 +245,7 @@ class _Lens:
     def bind(self, tap, reg: Callable[[str, torch.Tensor], str], ids: "_Capture", logits: "_Capture") -> TapOp:
         """The op at `tap`'s point: the shared tensors registered on the tapped module (`reg`), as
         its tables are, so that each layer's compiled piece reads them as graph inputs."""
-        vocab = next(a.value for a in tap.args if a.name == "vocab")
+        vocab = vocab_of(tap)
         module, eps = ids.module, self.eps
         names = {name: reg(f"lens_{name}", t) for name, t in self.tensors.items()}
 
