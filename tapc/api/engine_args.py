@@ -46,7 +46,8 @@ SEVERAL_GPUS = ("mp", "ray")
 # patched forwards and fails if a tapc file they run is missing here.
 GRAPH_MODULES = ("tapc.worker.install", "tapc.worker.source", "tapc.worker.calls", "tapc.lang.functions",
                  "tapc.worker.layout", "tapc.plan.forwards", "tapc.lang.edits",
-                 "tapc.plan.sizing", "tapc.plan.ranks", "tapc.plan.sharding", "tapc.plan.lens")
+                 "tapc.plan.sizing", "tapc.plan.ranks", "tapc.plan.sharding", "tapc.plan.lens",
+                 "tapc.plan.pattern")
 GRAPH_PACKAGES = ("tapc.kernels",)   # every module of these
 
 

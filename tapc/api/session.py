@@ -35,9 +35,10 @@ from tapc.api.gather import gathered, place
 from tapc.api.prefix import PrefixPolicy, salted
 from tapc.api.requests import TapRequest, check, check_engine_params, check_fields, patch_positions
 from tapc.errors import EngineError, ProtocolError, RequestError, TapcError
+from tapc.plan.pattern import is_pattern, shape_of
 from tapc.plan.tapplan import ENGINE, TapPlan
 from tapc.wire.arena import ArenaReader
-from tapc.wire.positions import expected_rows, last_reachable, unreached
+from tapc.wire.positions import beyond_pattern, expected_rows, last_reachable, unreached
 from tapc.wire.protocol import Ask, Result, WireRequest
 
 log = logging.getLogger("tapc")
@@ -94,6 +95,9 @@ class TapSession:
     def __init__(self, plan: TapPlan, params: dict | None = None, blocks: Iterable[str] = (),
                  prefix_rows: bool = False, max_model_len: int | None = None, prefix_caching: bool = True):
         self.plan = plan
+        # attention patterns: key -> (heads, keys) of a row, which comes back [rows, heads, keys]
+        self.patterns = {t.key: shape_of(t) for t in plan.taps if is_pattern(t)}
+        self.pattern_keys = {k: keys for k, (_, keys) in self.patterns.items()}
         self.max_model_len = max_model_len   # the engine's, once it is known: bounds requests' positions
         self.block_names = plan_blocks(plan, blocks)
         self.engine_blocks = set(blocks)
@@ -140,6 +144,10 @@ class TapSession:
         """A `RequestError` where a listed position lies beyond any the request can reach (its
         prompt and max_tokens, the engine's max_model_len: tapc/wire/positions.py), which would
         come back with no row."""
+        if prompt_len is not None and max_tokens is not None:
+            beyond = beyond_pattern(self.pattern_keys, checked.capture, checked.positions, prompt_len, max_tokens)
+            if beyond is not None:
+                raise RequestError(f"{where}: {beyond}")
         listed = () if isinstance(checked.positions, str) else checked.positions
         patched = patch_positions(self.plan, checked.params) if checked.params else ()
         if not listed and not patched:
@@ -281,6 +289,8 @@ class TapSession:
             for j, k in enumerate(keys):
                 if k in shards and shards[k].sharded:
                     parts_of.setdefault(k, []).append((store.rank, block[:, j]))
+                elif k in self.patterns:
+                    taps[k] = block[:, j].view(-1, *self.patterns[k])
                 else:
                     taps[k] = block[:, j]
         for k, parts in parts_of.items():

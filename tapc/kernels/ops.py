@@ -22,13 +22,14 @@ import triton
 from . import capture as _capture
 from . import edit as _edit
 from . import lens as _lens
+from . import pattern as _pattern
 from .common import runs_triton
 
 # Kept alive for the life of the process: the ops are unregistered when it is collected.
 _LIB = torch.library.Library("tapc", "DEF")
 
 # The names of the Triton kernels the ops launch: how the engine knows a graph node is a tap's.
-KERNELS = frozenset(v.__name__ for m in (_capture, _edit, _lens) for v in vars(m).values()
+KERNELS = frozenset(v.__name__ for m in (_capture, _edit, _lens, _pattern) for v in vars(m).values()
                     if isinstance(v, triton.runtime.KernelInterface))
 
 LaunchObserver = Callable[[tuple[torch.Tensor, ...]], None]
@@ -142,6 +143,17 @@ def lens(x: torch.Tensor, b: Optional[torch.Tensor], dst_ids: torch.Tensor, dst_
     between = None if _launch_observer is None else lambda: _launch_observer(tables)
     _run(tables, functools.partial(_lens.lens, between=between), _lens.lens_ref, x, b, dst_ids, dst_logits, ids,
          logits, norm_weight, weight, cand_ids, cand_vals, eps, vocab, block_v, ring, pos, stride_ids, stride_logits)
+
+
+def pattern(q: torch.Tensor, key_cache: torch.Tensor, dst: torch.Tensor, out: torch.Tensor, heads: torch.Tensor,
+            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float,
+            keys: int, ring: Optional[torch.Tensor] = None, pos: Optional[torch.Tensor] = None,
+            stride: int = 0) -> None:
+    """Attention patterns (pattern.py): each asked row's softmax weights over its request's keys.
+    Not a `torch.ops.tapc` op: it runs inside vLLM's attention op, which the graphs call as one
+    (tapc/worker/install.py `_Pattern`), so Dynamo never traces it."""
+    _run((dst,), _pattern.pattern, _pattern.pattern_ref, q, key_cache, dst, out, heads, query_start_loc, seq_lens,
+         block_table, scale, keys, ring, pos, stride)
 
 
 BoundaryHandler = Callable[[int, torch.Tensor, Optional[torch.Tensor]], None]

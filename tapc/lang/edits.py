@@ -46,6 +46,12 @@ CALL = "call"
 LENS = "lens"
 LENS_K = ("k", 10)
 MAX_LENS_K = 64
+# Attention patterns (`<attention>.pattern`, tapc/kernels/pattern.py): a capture whose row is
+# [heads, keys]; `capture(heads=[...], keys=N)` bounds its width (keys: the engine's
+# max_model_len unless given).
+PATTERN = "pattern"
+PATTERN_ARGS = ("heads", "keys")
+MAX_PATTERN_KEYS = 1 << 20
 
 
 @dataclass(frozen=True)

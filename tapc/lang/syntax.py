@@ -18,7 +18,8 @@ import lark
 from lark import Lark, Transformer
 
 from tapc.errors import PlanError, TapSyntaxError
-from tapc.lang.edits import AT, CALL, LENS, LENS_K, MAX_LENS_K, REQUIRED, SIGNATURES, check_literal
+from tapc.lang.edits import (AT, CALL, LENS, LENS_K, MAX_LENS_K, MAX_PATTERN_KEYS, PATTERN, PATTERN_ARGS, REQUIRED,
+                             SIGNATURES, check_literal)
 
 # ----------------------------------------------------------------------------- the AST
 
@@ -73,7 +74,7 @@ class TapSpec:
 
     text: str                     # the tap as written (comment stripped)
     path: tuple[Segment, ...] = ()
-    site: str = "output"          # output | input | resid | source | logits | samples
+    site: str = "output"          # output | input | resid | pattern | source | logits | samples
     op: str | None = None         # `.source` op name
     io: str = "output"            # `.source.<op>.output|input`
     element: int | None = None
@@ -104,7 +105,7 @@ MAX_TAP_CHARS = 2000      # characters in one tap
 MAX_SEGMENTS = 64         # `.`-separated parts of a point
 MAX_NESTING = 8           # `[` inside `[`
 MAX_DIGITS = 18           # digits of an integer (and of a float's integer part before its exponent)
-SITES = ("output", "input", "resid", "source")  # the words that end a module point
+SITES = ("output", "input", "resid", "pattern", "source")  # the words that end a module point
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -157,6 +158,9 @@ class _ToAst(Transformer):
 
     def resid(self, _):
         return {"site": "resid"}
+
+    def pattern(self, _):
+        return {"site": PATTERN}
 
     def source(self, items):
         _, op, io, *element = items
@@ -220,7 +224,7 @@ _TERMINAL_WORDS = {
     "RSQB": "`]`", "LPAR": "`(`", "RPAR": "`)`", "COMMA": "`,`", "COLON": "`:`",
     "VBAR": "`|` and an action", "__ANON_0": "`->` and a block name", "EQUAL": "`=`",
     "SIGNED_NUMBER": "a number", "OUTPUT": "`output`", "INPUT": "`input`", "RESID": "`resid`",
-    "SOURCE": "`source`", "LOGITS": "`logits`", "SAMPLES": "`samples`", "$END": "the end of the tap",
+    "SOURCE": "`source`", "PATTERN": "`pattern`", "LOGITS": "`logits`", "SAMPLES": "`samples`", "$END": "the end of the tap",
     "<END-OF-FILE>": "the end of the tap",  # how Lark's lexer names $END when it stops at a token
 }
 
@@ -306,7 +310,7 @@ def parse_tap(text: str, line: int = 1, unit: str = "line") -> TapSpec:
     if kind == "block":
         action = Action(op="block", block=str(name))
     else:
-        action = _bind_action(text, None if name is None else str(name), args, where)
+        action = _bind_action(text, None if name is None else str(name), args, where, point.get("site"))
     return TapSpec(text=text.strip(), action=action, line=line, **point)
 
 
@@ -325,11 +329,14 @@ def _point_word_hint(text: str, at_end: bool) -> str:
     return ""
 
 
-def _bind_action(text: str, op: str | None, args: list, where: str) -> Action:
+def _bind_action(text: str, op: str | None, args: list, where: str, site: str | None = None) -> Action:
     """Check an action call against its signature; fill in defaults."""
     if op is None or op == "capture":
+        if site == PATTERN:
+            return _bind_pattern(text, args, where)
         if args:
-            raise _syntax_error(text, text.index("capture") + 1, "capture takes no arguments", where)
+            raise _syntax_error(text, text.index("capture") + 1, "capture takes no arguments (but at an attention's "
+                                "`.pattern`: heads, keys)", where)
         return Action()
     if op == CALL:
         return _bind_call(text, args, where)
@@ -404,6 +411,35 @@ def _bind_lens(text: str, args: list, where: str) -> Action:
         raise _syntax_error(text, len(text), f"lens(): {name} must be a whole number in 1..{MAX_LENS_K}, not "
                             f"{k.name if isinstance(k, Param) else k!r}", where)
     return Action(op=LENS, args=((name, k),))
+
+
+def _bind_pattern(text: str, args: list, where: str) -> Action:
+    """`capture(heads=[0, 5], keys=512)` at a `.pattern`: the heads kept (default: all) and the
+    keys a row holds (default: the engine's max_model_len), both by name; what is not given is
+    left out, for the plan to fill in."""
+    bound = {}
+    for name, value in args:
+        if name not in PATTERN_ARGS:
+            raise _syntax_error(text, len(text), f"capture() at a `.pattern` takes {' and '.join(PATTERN_ARGS)}, by "
+                                f"name (`capture(heads=[0, 5], keys=512)`), not {name or 'a positional argument'}",
+                                where)
+        if name in bound:
+            raise _syntax_error(text, len(text), f"capture(): argument {name!r} given twice", where)
+        heads = value if isinstance(value, tuple) else None
+        if name == "heads" and not (heads and all(isinstance(h, int) and not isinstance(h, bool) and 0 <= h
+                                                   for h in heads) and len(set(heads)) == len(heads)):
+            raise _syntax_error(text, len(text), f"capture(): heads must be a list of distinct head numbers (0 "
+                                f"and up), e.g. [0, 5], not {_shown(value)}", where)
+        if name == "keys" and (isinstance(value, bool) or not isinstance(value, int)
+                               or not 1 <= value <= MAX_PATTERN_KEYS):
+            raise _syntax_error(text, len(text), f"capture(): keys must be a whole number in 1..{MAX_PATTERN_KEYS} "
+                                f"(the keys a row holds), not {_shown(value)}", where)
+        bound[name] = value
+    return Action(args=tuple((name, bound[name]) for name in PATTERN_ARGS if name in bound))
+
+
+def _shown(value) -> str:
+    return value.name if isinstance(value, Param) else repr(value)
 
 
 def _check_value(text: str, op: str, name: str, kind: str, value: Value, where: str) -> Value:

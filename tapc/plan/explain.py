@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tapc.plan.lens import is_lens
+from tapc.plan.pattern import heads_of, is_pattern, keys_of
 from tapc.plan.sizing import host_row_bytes, param_slots
 from tapc.plan.tapplan import BLOCK, EDIT, READ, TapPlan
 from tapc.plan.tree import ModuleTree, Node
@@ -29,7 +30,13 @@ def _kind(tap) -> str:
     """A tap's kind as `tapc explain` says it: a compiled function's call is the plan's `edit` (it
     reads the edit row table) but runs as the function's own code, no tap kernel: `call`; a
     logit lens's two captures are `lens` (one kernel computes both, tapc/plan/lens.py)."""
-    return "call" if tap.action == "call" else "lens" if is_lens(tap) else tap.kind
+    return "call" if tap.action == "call" else "lens" if is_lens(tap) else "pattern" if is_pattern(tap) else tap.kind
+
+
+def _heads(heads: tuple[int, ...]) -> str:
+    """A pattern's heads, short: `0..31` for a run, else the list."""
+    run = len(heads) > 2 and heads == tuple(range(heads[0], heads[0] + len(heads)))
+    return f"{heads[0]}..{heads[-1]}" if run else "[" + ", ".join(map(str, heads)) + "]"
 
 
 def _args(tap) -> str:
@@ -61,10 +68,13 @@ def taps_table(plan: TapPlan, width: int | None = None) -> tuple[Table, list[str
             action = f"call({', '.join([tap.function, *filter(None, [_args(tap)])])})"
         elif is_lens(tap):
             action = f"lens(k={tap.width})"
+        elif is_pattern(tap):
+            action = f"capture(heads={_heads(heads_of(tap))}, keys={keys_of(tap)})"
         else:
             action = tap.action + (f"({_args(tap)})" if tap.args else f" {_args(tap)}" if tap.block else "")
         where = (f"{tap.layout}, stage {tap.stage}",) if parallel else ()
-        rows.append((tap.key, _kind(tap), action, f"{tap.width} x {tap.dtype}", *where,
+        per_token = f"{len(heads_of(tap))} x {keys_of(tap)} x {tap.dtype}" if is_pattern(tap) else f"{tap.width} x {tap.dtype}"
+        rows.append((tap.key, _kind(tap), action, per_token, *where,
                      human_bytes(tap.buffer_bytes) if tap.buffer_bytes else "-", tap.source))
     widest = [max(len(name), *(len(r[i]) for r in rows)) for i, (name, _) in enumerate(cols)]
     # a point's name stays whole (its widest); the others may wrap down to NARROWEST

@@ -13,6 +13,7 @@ from tapc.lang.schema import EngineArgs, checked
 from tapc.lang.syntax import TapSpec, parse_taps
 from tapc.plan.calls import check_function, complete_calls, function_specs
 from tapc.plan.lens import complete_lens
+from tapc.plan.pattern import complete_patterns, is_pattern
 from tapc.plan.resolve import resolve_tap
 from tapc.plan.sharding import ModelDims, pp_stages, shard_points
 from tapc.plan.shards import PointShard
@@ -55,6 +56,9 @@ def build_plan(model: str, taps, *, max_num_batched_tokens: int = DEFAULT_MAX_NU
     tp, pp = sizes.tensor_parallel_size, sizes.pipeline_parallel_size
     specs = function_specs(functions)
     planned = complete_lens(complete_calls(planned, specs), tree, tp, pp)
+    if any(is_pattern(t) for t in planned):
+        dims = dims or ModelDims.of_model(model)
+        planned = complete_patterns(planned, dims.num_heads, (engine_args or {}).get("max_model_len"), tp, pp)
     params = _collect_params(planned)
     calls = [t for t in planned if t.action == "call"]
     if calls and tp * pp > 1:

@@ -12,8 +12,9 @@ import logging
 import re
 
 from tapc.errors import ResolveError
-from tapc.lang.edits import EDITS, LENS, check_at_point
+from tapc.lang.edits import EDITS, LENS, PATTERN, check_at_point
 from tapc.lang.syntax import Param, Slice, Star, TapSpec, parse_tap
+from tapc.plan.pattern import pattern_point
 from tapc.plan.tapplan import BLOCK, EDIT, ENGINE, READ, Arg, PlannedTap, Point, TapPlan
 from tapc.plan.tree import ModuleTree, Node
 
@@ -72,6 +73,12 @@ def notes(plan: TapPlan, tree: ModuleTree) -> list[str]:
             out.append(f"`{source}`: a decoder layer returns (hidden_states, residual), so its `.output` is "
                        "both tensors, captured as `.output[0]` and `.output[1]` (as nnsight reads it); "
                        "`.resid` is their sum, the residual stream")
+        patterns = [t for t in taps if t.point.site == PATTERN]
+        if patterns:
+            out.append(f"`{source}`: a pattern row is every asked head's weights over keys 0..keys-1 (zeros past its "
+                       f"position), float32, and each pool holds max_num_batched_tokens rows, so its buffer grows with "
+                       f"heads x keys; bound it with `| capture(heads=[...], keys=N)` or a smaller max_model_len. A "
+                       f"request's positions must lie below keys")
         if "routing" in both:
             out.append(f"`{source}`: an MoE router returns (topk_weights, topk_ids), so its `.output` is both, "
                        "captured as `.output[0]` (the weights, float32) and `.output[1]` (the expert ids, int32)")
@@ -172,6 +179,11 @@ def _point(spec: TapSpec, where: str, node: Node, tree: ModuleTree) -> list[tupl
         raise ResolveError(f"{where}: it runs inside vLLM's fused-MoE op (vllm::moe_forward), which the compiled "
                            "graph calls as one opaque op: the graph cannot be split there for a Python block. "
                            "Capture or edit it in-graph, or run the block at the MoE block's `.output`")
+    if spec.site == PATTERN:   # tapc/plan/pattern.py completes its width
+        if spec.action.op != "capture":
+            raise ResolveError(f"{where}: attention weights are read, not edited or handed to a block: capture "
+                               "`.pattern` (edit or run a block at the attention's `.input` or `.output` instead)")
+        return [(pattern_point(where, node, tree), 0)]
     if node.output == "routing" and spec.site == "output":
         return _routing_points(spec, where, node, el)
     if node.output == "heads" and spec.site in ("input", "output"):
@@ -333,9 +345,10 @@ def _planned(spec: TapSpec, point: Point, width: int, dtype: str, layer, kind: s
     if action.op == "block":
         return PlannedTap(source=spec.text, point=point, action="block", kind=kind or BLOCK,
                           block=action.block, width=width, dtype=dtype, layer=layer)
-    if action.op == "capture":
+    if action.op == "capture":   # arguments only at a pattern (heads, keys)
         return PlannedTap(source=spec.text, point=point, action="capture", kind=kind or READ,
-                          width=width, dtype=dtype, layer=layer)
+                          width=width, dtype=dtype, layer=layer,
+                          args=tuple(Arg(name=name, kind=name, value=value) for name, value in action.args))
     if point.site == "source" and point.io == "input":
         raise ResolveError(f"{_where(spec)}: an edit at a `.source` op's input cannot run in-graph (the "
                            "argument is shared with other uses); edit the output of the op that produces it, "

@@ -85,6 +85,26 @@ def unreached(positions, prompt_len: int, num_generated: int) -> tuple[int, ...]
     return tuple(int(p) for p in positions if p >= ran)
 
 
+def beyond_pattern(pattern_keys: dict[str, int], capture, positions, prompt_len: int, max_tokens: int) -> str | None:
+    """Why a request would ask an attention pattern for a row past the keys its rows hold
+    (`pattern_keys`: key -> keys a row, tapc/plan/pattern.py), which its weights would not fit;
+    None where none would."""
+    asked = [(pattern_keys[k], k) for k in capture if k in pattern_keys]
+    if not asked:
+        return None
+    reach = prompt_len + max_tokens - 2
+    if isinstance(positions, str):
+        lo, hi = interval(positions, prompt_len)
+        last = min(hi - 1, reach) if lo <= min(hi - 1, reach) else None
+    else:
+        last = max((int(p) for p in positions if p <= reach), default=None)
+    fits, key = min(asked)
+    if last is None or last < fits:
+        return None
+    return (f"{key} holds {fits} keys a row (positions 0..{fits - 1}); this request (a prompt of {prompt_len} "
+            f"tokens, max_tokens={max_tokens}) can ask for position {last}")
+
+
 def last_reachable(prompt_len: int | None, max_tokens: int | None, max_model_len: int | None):
     """(the last position a request can have a row at, why) from what is known before it runs:
     its prompt's length and max_tokens (P + max_tokens - 2), the engine's max_model_len (a

@@ -37,8 +37,10 @@ from typing import Callable
 import torch
 
 from tapc.errors import EngineError
+from tapc.kernels.ops import pattern as pattern_op   # importing the ops registers torch.ops.tapc.*
 from tapc.lang.edits import EDITS
 from tapc.plan.lens import HEAD, IDS, LOGITS, NORM, VOCAB_BLOCK, is_lens, scratch_columns, vocab_of
+from tapc.plan.pattern import CHILD, heads_of, is_pattern, keys_of
 from tapc.worker.calls import Call
 from tapc.worker.layout import Layout
 from tapc.worker.source import rewrite_forward
@@ -53,13 +55,13 @@ def install(model: torch.nn.Module, layout: Layout, buffers, functions: dict | N
     (capture pools) and `params.tables` (per-edit parameter tables); see `buffers.Buffers`.
     `functions`: the compiled functions of the plan's `call` taps, by name; `positions`: the
     runner's positions, one a row, which they see (None: they see none)."""
-    import tapc.kernels  # noqa: F401  registers torch.ops.tapc.*
-
     calls = _Functions(model, functions or {}, positions)
     lens = _Lens.of(model, layout, buffers)
     by_path: dict[str, list] = defaultdict(list)
     for c, tap in enumerate(layout.captures):
-        if tap.point.result is None:   # a function's results are captured by its call
+        if is_pattern(tap):   # inside vLLM's attention op, not around a forward
+            by_path[f"{tap.point.module}.{CHILD}"].append((tap, ("pattern", c)))
+        elif tap.point.result is None:   # a function's results are captured by its call
             by_path[tap.point.module].append((tap, ("capture", c)))
         elif is_lens(tap) and tap.point.result == IDS:   # the pair's one op, at the ids' place
             by_path[tap.point.module].append((tap, ("lens", c)))
@@ -173,6 +175,8 @@ def _bind(module: torch.nn.Module, i: str, tap, what: tuple[str, int], layout: L
 
     if kind == "capture":
         return capture(index)
+    if kind == "pattern":
+        return _Pattern(tap, capture(index), reg)
     if kind == "lens":
         logits = next(c for c, t in enumerate(layout.captures)
                       if is_lens(t) and t.point == dataclasses.replace(tap.point, result=LOGITS))
@@ -296,7 +300,69 @@ class _Capture:
            ring, pos, *(c._ring()[2] for c in caps))
 
 
+class _Pattern:
+    """An attention pattern capture: its op runs inside vLLM's attention op, after the attention
+    (tapc/kernels/pattern.py), on the query, the layer's key cache and its metadata, which exist
+    only there. The op is wrapped around the layer's backend `impl.forward`, which vLLM calls
+    eagerly between the compiled pieces and inside its FULL decode graphs, so its launch is
+    captured where the attention's kernels are. Only FlashAttention's cache layout is read."""
+
+    def __init__(self, tap, capture: _Capture, reg: Callable[[str, torch.Tensor], str]):
+        self.tap, self.capture = tap, capture
+        device = getattr(capture.module, capture.pool).device
+        self.heads = reg("pattern_heads", torch.tensor(heads_of(tap), dtype=torch.int32, device=device))
+        self.keys = keys_of(tap)
+
+    def wrap(self, attn: torch.nn.Module) -> None:
+        impl = getattr(attn, "impl", None)
+        why = _unreadable(impl)
+        if why is not None:
+            raise EngineError(f"`{self.tap.key}`: {why}")
+        if max(heads_of(self.tap)) >= impl.num_heads:
+            raise EngineError(f"`{self.tap.key}`: this engine's attention has {impl.num_heads} heads; the plan asks "
+                              f"for head {max(heads_of(self.tap))}")
+        original = impl.forward
+        module, cap, heads, keys, head_size, scale = attn, self.capture, self.heads, self.keys, impl.head_size, \
+            float(impl.scale)
+
+        def forward(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+            out = original(layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+            if attn_metadata is not None:   # None: vLLM's profiling run, no cache yet
+                # FlashAttention's cache is [blocks, kv_heads, block_size, 2 x head_size]: keys first
+                key_cache = kv_cache.transpose(1, 2)[..., :head_size]
+                ring, pos, stride = cap._ring()
+                pattern_op(query.view(query.shape[0], -1, head_size), key_cache, getattr(module, cap.dst),
+                           getattr(module, cap.pool), getattr(module, heads), attn_metadata.query_start_loc,
+                           attn_metadata.seq_lens, attn_metadata.block_table, scale, keys, ring, pos, stride)
+            return out
+
+        impl.forward = forward
+
+
+def _unreadable(impl) -> str | None:
+    """Why a layer's attention weights cannot be read as HF's eager attention computes them
+    from its cache (None: they can)."""
+    name = type(impl).__name__
+    if name != "FlashAttentionImpl":
+        return (f"attention patterns read the KV cache of vLLM's FlashAttention backend; this layer runs "
+                f"{name} (choose the backend with attention_config={{'backend': 'FLASH_ATTN'}})")
+    if getattr(impl, "kv_cache_dtype", "auto") != "auto":
+        return f"attention patterns read an unquantized KV cache; this engine's is {impl.kv_cache_dtype}"
+    for attr, what in (("sliding_window", "a sliding window"), ("logits_soft_cap", "a logit soft cap"),
+                       ("alibi_slopes", "ALiBi slopes"), ("sinks", "attention sinks")):
+        if getattr(impl, attr, None) not in (None, 0, 0.0, (-1, -1)):
+            return f"this layer's attention has {what}, which the pattern kernel does not apply"
+    if getattr(impl, "dcp_world_size", 1) > 1:
+        return "attention patterns are not read under decode context parallelism"
+    return None
+
+
 def _patch(target, method: str, path: str, taps: list, lead: "_Capture | None" = None) -> None:
+    patterns = [op for _, op in taps if isinstance(op, _Pattern)]
+    if patterns:   # an attention layer's patterns: around its backend's forward, not its own
+        for op in patterns:
+            op.wrap(target)
+        return
     if method in target.__dict__:
         raise EngineError(f"`{path}` already has a patched {method}: taps were installed twice on this model")
     source = [(tap, op) for tap, op in taps if tap.point.site == "source"]

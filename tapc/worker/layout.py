@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tapc.plan.pattern import is_pattern, keys_of
 from tapc.plan.ranks import local_args, rank_taps
 from tapc.plan.sizing import is_logit_edit
 from tapc.plan.tapplan import BLOCK, EDIT, ENGINE, READ, TapPlan
@@ -52,6 +53,8 @@ class Layout:
         self.engine = tuple(t for t in taps if t.kind == ENGINE)    # logits / samples: in the runner
         # Capture keys of the whole plan: a request may ask for one this GPU does not write.
         self.plan_captures = frozenset(t.key for t in plan.taps if t.action == "capture")
+        # attention patterns: the keys a row holds, which bound the positions a request may ask
+        self.pattern_keys = {t.key: keys_of(t) for t in plan.taps if is_pattern(t)}
         self.plan_order = {id(t): i for i, t in enumerate(taps)}
         self.cap_index = {t.key: i for i, t in enumerate(self.captures)}
         groups: dict[tuple[int, str], list[int]] = {}

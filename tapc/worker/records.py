@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from tapc.errors import RequestError
-from tapc.wire.positions import NO_END, expected_rows, interval
+from tapc.wire.positions import NO_END, beyond_pattern, expected_rows, interval
 from tapc.wire.protocol import WireRequest
 from tapc.worker.layout import Layout
 from tapc.worker.storage import Alloc, Store
@@ -26,6 +26,9 @@ class Record:
         wrong = [k for k in wire.ask.capture if k not in layout.plan_captures]
         if wrong:
             raise RequestError(f"capture {wrong[0]!r} is not in this engine's plan")
+        beyond = beyond_pattern(layout.pattern_keys, wire.ask.capture, self.positions, prompt_len, max_tokens)
+        if beyond is not None:
+            raise RequestError(beyond)
         # Under tensor / pipeline parallelism another GPU may write a key (layout.py).
         caps = np.array(sorted(layout.cap_index[k] for k in wire.ask.capture if k in layout.cap_index),
                         dtype=np.int64)
