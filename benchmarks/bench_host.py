@@ -33,7 +33,7 @@ from tapc.wire.protocol import WireRequest  # noqa: E402
 from tapc.api.requests import TapRequest, check  # noqa: E402
 from tapc.worker.fill import fill_step, tapped_of  # noqa: E402
 from tapc.worker.layout import Layout  # noqa: E402
-from tapc.worker.memcpy import Repeated, copy_segments  # noqa: E402
+from tapc.worker.segmentcopy import Repeated, copy_segments  # noqa: E402
 from tapc.worker.records import Record  # noqa: E402
 from tapc.worker.rings import Repeat  # noqa: E402
 from tapc.worker.step import StepBatch  # noqa: E402

@@ -81,7 +81,7 @@ class HookTimer:
     """Wall time and calls of tapc's per-step hooks (runner.py `RunnerHooks`) in a worker, by
     wrapping the bound methods the runner adapter calls, and of `end_step`'s parts: the copy-out
     (copyout.py `copy_out`), its direct path (`_copy_direct`, small steps), the segments' copies
-    (memcpy.py `copy_segments`: the host's address lists and the driver call) and the batched
+    (segmentcopy.py `copy_segments`: the host's address lists and the driver call) and the batched
     driver copy itself (memcpy.py `BatchCopy`), the step's event (`_recorded`, or the driver's,
     `DriverEvents.record`) and the table's upload (`upload`); what copy-out spends outside them is
     its stream calls. Each call's wall and CPU time are kept (`spread`): a part whose wall time is

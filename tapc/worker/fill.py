@@ -4,7 +4,7 @@ vLLM runs one flat `[num_tokens, width]` slab per step, requests back to back, p
 CUDA-graph size; a runner adapter (runner_v2.py) describes it as a `StepBatch`. `fill_step`
 writes one row of `table` per in-graph tap (layout.py says what the entries mean) for the
 tapped requests of the step, and returns the capture segments to copy out after the forward
-(memcpy.copy_segments). It works on host arrays only; tables.py uploads the table and runs the
+(segmentcopy.copy_segments). It works on host arrays only; tables.py uploads the table and runs the
 copies.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The first chunk is allocated when the request is admitted, sized for every row it can have;
 later chunks (rarely: a preempted request, or max_tokens unknown) grow it by at least
 `GROW_ROWS`. `take` makes room for a step's rows and `span` says where they are; the copy itself
-is memcpy.copy_segments.
+is segmentcopy.copy_segments.
 """
 from __future__ import annotations
 

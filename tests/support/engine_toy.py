@@ -26,7 +26,7 @@ from tapc import settings
 from tapc.wire.protocol import WireRequest
 from tapc.api.requests import TapRequest, check
 from tapc.worker.buffers import Buffers
-from tapc.worker.memcpy import Repeated, copy_segments
+from tapc.worker.segmentcopy import Repeated, copy_segments
 from tapc.worker.runner_v1 import V1Adapter
 from tapc.worker.runner_v2 import V2Adapter
 from tapc.plan.planner import build_plan

@@ -14,7 +14,7 @@ from tapc.worker.fill import fill_step, tapped_of
 from tapc.worker.rings import Repeat
 from tapc.kernels.capture import PHASES
 from tapc.worker.layout import Layout
-from tapc.worker.memcpy import copy_segments
+from tapc.worker.segmentcopy import copy_segments
 from tapc.wire.positions import expected_rows, interval, select
 from tapc.wire.protocol import WireRequest
 from tapc.worker.records import Record
