@@ -119,3 +119,10 @@ def test_the_lens_of_the_last_layer_is_the_models_own_next_token():
     rows = re.findall(r"its rank in each layer's lens ((?:[-\d]+ ?){4}); first best at layer (\w+)$", out, re.M)
     assert len(rows) == 4, out
     assert "checked: the last layer's lens is the model's own next-token logits" in out, out
+
+
+@example("induction")
+def test_the_induction_scores_come_from_patterns_equal_to_hf():
+    out = run("induction/induction.py")
+    assert len(re.findall(r"^layer \d: induction score per head( [\d.]+){8}$", out, re.M)) == 4, out
+    assert "checked: every row sums to 1 over its keys and equals HF's eager attention weights" in out, out
