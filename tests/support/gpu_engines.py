@@ -133,6 +133,23 @@ def hf_forward(path: str, tokens: list[int], hooks: Callable = lambda model: [])
             handle.remove()
 
 
+def random_prompts(n: int, seed: int, shared: list[int] = ()) -> list[dict]:
+    """`n` prompts of 20-89 random token ids of the small models' vocabulary, after `shared` (a
+    prefix they all start with, e.g. for the prefix cache)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": list(shared) + rng.integers(0, SMALL["vocab_size"], int(m)).tolist()}
+            for m in rng.integers(20, 90, n)]
+
+
+def greedy(max_tokens: int):
+    """Greedy sampling of exactly `max_tokens` tokens."""
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
 def shutdown(llm) -> None:
     """Stop an engine (a `tapc.VLLM` or a `vllm.LLM`) now: its core process exits and gives
     back its GPU memory before this returns (vLLM's `LLM` has no method for it: its core client's)."""

@@ -9,7 +9,7 @@ model's own next-token distribution, so at generated positions its best token is
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL, hf_model, llama_engine
+from gpu_engines import SMALL, greedy, hf_model, llama_engine, random_prompts
 from hf_checks import hf_reference
 
 import tapc
@@ -42,22 +42,10 @@ def check_rows(ids: torch.Tensor, logits: torch.Tensor, want: torch.Tensor, what
     assert (ids[:, 0] == want.argmax(-1)).float().mean() >= 0.9, f"{what}: top-1 agrees on under 90% of rows"
 
 
-def prompts(n: int, seed: int, shared: list[int] = ()):
-    rng = np.random.default_rng(seed)
-    return [{"prompt_token_ids": list(shared) + rng.integers(0, SMALL["vocab_size"], int(m)).tolist()}
-            for m in rng.integers(20, 90, n)]
-
-
-def greedy(n: int):
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
 def test_the_lens_of_every_layer_equals_hf_at_prompt_and_generated_positions(engine, path):
     asks = [tapc.TapRequest(capture="*"), tapc.TapRequest(capture="*", positions="last"),
             tapc.TapRequest(capture="*", positions="generated"), None, tapc.TapRequest(capture="*")]
-    outs = engine.generate(prompts(5, 1), greedy(6), taps=asks)
+    outs = engine.generate(random_prompts(5, 1), greedy(6), taps=asks)
     for i, (out, ask) in enumerate(zip(outs, asks)):
         if ask is None:
             assert out.taps.keys() == set()
@@ -83,8 +71,8 @@ def test_a_request_behind_a_cached_prefix_gets_its_own_rows(engine, path):
     """The second request's first 64 tokens are served from the prefix cache; its lens rows of
     the positions it computes equal HF's on its whole token list."""
     shared = np.random.default_rng(7).integers(0, SMALL["vocab_size"], 64).tolist()
-    engine.generate(prompts(1, 8, shared), greedy(2))
-    out = engine.generate(prompts(1, 9, shared), greedy(3), taps=tapc.TapRequest(capture="*", positions="generated"))[0]
+    engine.generate(random_prompts(1, 8, shared), greedy(2))
+    out = engine.generate(random_prompts(1, 9, shared), greedy(3), taps=tapc.TapRequest(capture="*", positions="generated"))[0]
     assert out.error is None, out.error
     tokens = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
     ref = hf_reference(path, tokens[:-1])

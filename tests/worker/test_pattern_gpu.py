@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from gpu_engines import SMALL, engine_args, shutdown
+from gpu_engines import SMALL, engine_args, greedy, random_prompts, shutdown
 
 import tapc
 from tapc.errors import RequestError
@@ -79,18 +79,6 @@ def check_rows(got: torch.Tensor, want: torch.Tensor, positions, heads, what: st
         assert same.all(), f"{what} position {p}: another most-attended key than HF's"
 
 
-def prompts(n: int, seed: int, shared: list[int] = ()):
-    rng = np.random.default_rng(seed)
-    return [{"prompt_token_ids": list(shared) + rng.integers(0, SMALL["vocab_size"], int(m)).tolist()}
-            for m in rng.integers(20, 90, n)]
-
-
-def greedy(n: int):
-    from vllm import SamplingParams
-
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
 def rows_of(ask, plen: int, total: int):
     pos = np.arange(total - 1)
     if not isinstance(ask.positions, str):
@@ -112,7 +100,7 @@ def check_out(out, ask, path: str, what: str) -> None:
 def test_patterns_equal_hf_at_prompt_and_generated_positions_in_a_batch(engine, arch_path):
     asks = [tapc.TapRequest(capture="*"), tapc.TapRequest(capture="*", positions="last"),
             tapc.TapRequest(capture="*", positions="generated"), None, tapc.TapRequest(capture="*", positions=[0, 7, 19])]
-    outs = engine.generate(prompts(5, 1), greedy(6), taps=asks)
+    outs = engine.generate(random_prompts(5, 1), greedy(6), taps=asks)
     for i, (out, ask) in enumerate(zip(outs, asks)):
         if ask is None:
             assert out.taps.keys() == set()
@@ -125,9 +113,9 @@ def test_a_request_behind_a_cached_prefix_attends_to_the_cached_keys(engine, arc
     those keys are read from blocks an earlier request wrote, and equal HF's on its whole list
     (a kernel that read only this request's own steps' keys would put none there)."""
     shared = np.random.default_rng(7).integers(0, SMALL["vocab_size"], 64).tolist()
-    engine.generate(prompts(1, 8, shared), greedy(2))
+    engine.generate(random_prompts(1, 8, shared), greedy(2))
     ask = tapc.TapRequest(capture="*", positions="generated")
-    out = engine.generate(prompts(1, 9, shared), greedy(4), taps=ask)[0]
+    out = engine.generate(random_prompts(1, 9, shared), greedy(4), taps=ask)[0]
     check_out(out, ask, arch_path, "behind a prefix")
     assert out.taps["model.layers.0.self_attn.pattern"][:, :, :64].sum() > 0.05
 
@@ -136,4 +124,4 @@ def test_a_request_that_would_pass_the_keys_is_refused_alone(engine):
     asks = [tapc.TapRequest(capture="*", positions="generated"), tapc.TapRequest(capture="*", positions="last")]
     long = {"prompt_token_ids": list(range(KEYS))}
     with pytest.raises(RequestError, match=f"holds {KEYS} keys a row"):
-        engine.generate([long, prompts(1, 3)[0]], greedy(4), taps=asks)
+        engine.generate([long, random_prompts(1, 3)[0]], greedy(4), taps=asks)
