@@ -173,6 +173,23 @@ vllm.model_executor.layers.fused_moe.runner.moe_runner:moe_forward | op | module
 # Layers the planner recognizes.
 vllm.model_executor.layers.linear:LinearBase | object | widths of linear outputs | tapc/plan/forwards.py
 vllm.model_executor.layers.vocab_parallel_embedding:VocabParallelEmbedding | object | widths of embeddings | tapc/plan/forwards.py
+# Attention patterns (worker/install.py `_Pattern`): the backend's forward is wrapped, its cache and metadata read.
+vllm.model_executor.layers.attention.attention:Attention.impl | field | attention patterns: the backend wrapped | tapc/worker/install.py
+vllm.v1.attention.backends.flash_attn:FlashAttentionImpl | object | attention patterns: the cache layout read | tapc/worker/install.py
+vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.forward | object | attention patterns, after the attention | tapc/worker/install.py
+vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.num_heads | field | attention patterns: heads | tapc/worker/install.py
+vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.head_size | field | attention patterns: keys in the cache | tapc/worker/install.py
+vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.scale | field | attention patterns: the logits' scale | tapc/worker/install.py
+vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.kv_cache_dtype | field | attention patterns refuse a quantized cache | tapc/worker/install.py
+vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.sliding_window | field | attention patterns refuse a window | tapc/worker/install.py
+vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.logits_soft_cap | field | attention patterns refuse a soft cap | tapc/worker/install.py
+vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.alibi_slopes | field | attention patterns refuse ALiBi | tapc/worker/install.py
+vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.sinks | field | attention patterns refuse sinks | tapc/worker/install.py
+vllm.v1.attention.backends.flash_attn:FlashAttentionImpl.dcp_world_size | field | attention patterns refuse decode context parallelism | tapc/worker/install.py
+vllm.v1.attention.backends.flash_attn:FlashAttentionMetadata.query_start_loc | field | attention patterns: each row's request | tapc/worker/install.py
+vllm.v1.attention.backends.flash_attn:FlashAttentionMetadata.seq_lens | field | attention patterns: each row's position | tapc/worker/install.py
+vllm.v1.attention.backends.flash_attn:FlashAttentionMetadata.block_table | field | attention patterns: where the keys lie | tapc/worker/install.py
+vllm.v1.attention.backends.flash_attn:FlashAttentionBackend.get_kv_cache_shape | object | attention patterns: [blocks, kv_heads, block_size, 2 x head_size] | tapc/worker/install.py
 vllm.model_executor.layers.attention.mla_attention:MLAAttention | object | MLA modules not run on every row | tapc/plan/metamodel.py
 vllm.model_executor.layers.attention.mla_attention:MLAAttention.kv_b_proj | field | prefill-only projection | tapc/plan/metamodel.py
 vllm.model_executor.layers.attention.mla_attention:get_attn_backend | object | a stand-in backend for MLA on meta | tapc/plan/metamodel.py
