@@ -1,7 +1,7 @@
 """Cost of interventions beyond the built-in edits, beside vanilla vLLM in the same process:
 Python blocks at graph boundaries, and compiled functions inside the graphs.
 
-    python3 benchmarks/bench_blocks.py [--shape 8b|1b] [--variants one all batched fn-noop fn-probe fn-sae lens-last lens-gen] --out bench_blocks.md
+    python3 benchmarks/bench_blocks.py [--shape 8b|1b] [--variants one all batched fn-noop fn-probe fn-sae lens-last lens-gen pattern-last] --out bench_blocks.md
 
 Engines (dummy weights, greedy, ignore_eos, token-id prompts; runs interleaved, the first round
 discarded as warmup): vanilla vLLM (defaults: compile, FULL_AND_PIECEWISE graphs); tapc with a
@@ -12,7 +12,8 @@ input, every request applies it) or a linear probe (`fn-probe`: hidden -> 16, si
 every request keeps every layer's scores at every position), or an SAE feature clamp (`fn-sae`:
 16k features on layer 16, every request steered, tapc/sae.py); the logit lens (`| lens(k=10)`) on
 every layer's resid, every request keeping its last prompt position's (`lens-last`) or every
-generated position's (`lens-gen`). Block engines split their graphs
+generated position's (`lens-gen`); attention patterns (`.pattern | capture(keys=512)`, every head)
+on 4 layers, every request keeping its last prompt position's (`pattern-last`). Block engines split their graphs
 at each block; function engines split none. Decode at batch 1 and 64, 512 prompt tokens, 128
 generated; output tokens/s and the ratio to vanilla.
 """
@@ -75,7 +76,8 @@ def main():
     ap.add_argument("--out", default="bench_blocks.md")
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the first is warmup")
     ap.add_argument("--variants", nargs="+",
-                    choices=("one", "all", "batched", "fn-noop", "fn-probe", "fn-sae", "lens-last", "lens-gen"),
+                    choices=("one", "all", "batched", "fn-noop", "fn-probe", "fn-sae", "lens-last", "lens-gen",
+                             "pattern-last"),
                     default=["one", "all", "batched", "fn-noop", "fn-probe", "fn-sae"],
                     help="the tapc engines beside vanilla")
     args = ap.parse_args()
@@ -117,13 +119,17 @@ def main():
                       lambda: VLLM(model, taps=["model.layers.*.resid | lens(k=10)"], **common)),
         "lens-gen": (f"tapc, logit lens (k=10) on all {layers} layers, every generated position",
                      lambda: VLLM(model, taps=["model.layers.*.resid | lens(k=10)"], **common)),
+        "pattern-last": (f"tapc, attention patterns (all heads, 512 keys) on 4 of {layers} layers, last prompt position",
+                         lambda: VLLM(model, taps=[f"model.layers[0:{layers}:{layers // 4}].self_attn.pattern | "
+                                                   "capture(keys=512)"], **common)),
     }
     # what each engine's requests ask: the probe's requests keep every layer's scores, the SAE's steer,
     # the lenses' their rows
     asks = {variants["fn-probe"][0]: TapRequest(capture="*"),
             variants["fn-sae"][0]: TapRequest(params={"feature": 1234, "value": 8.0}),
             variants["lens-last"][0]: TapRequest(capture="*", positions="last"),
-            variants["lens-gen"][0]: TapRequest(capture="*", positions="generated")}
+            variants["lens-gen"][0]: TapRequest(capture="*", positions="generated"),
+            variants["pattern-last"][0]: TapRequest(capture="*", positions="last")}
     for label, make in [("vanilla", lambda: LLM(model, **common))] + [variants[v] for v in args.variants]:
         t0 = time.perf_counter()
         engines[label] = make()
