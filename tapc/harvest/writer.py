@@ -285,7 +285,10 @@ class Writer:
         return None
 
     def _columns(self, taps: dict[str, torch.Tensor], index: np.ndarray) -> dict[str, torch.Tensor]:
+        """The shard's columns: each key's rows at their plan width (an attention pattern's
+        `[heads, keys]` rows flat, as the plan sizes them), and where each row came from."""
         dtype = self.layout.dtype
+        taps = {k: taps[k].flatten(1) for k in self.layout.keys}
         if self.layout.format == "arrow":
             cols = {name: taps[k].to(dtype)[None] for k, name in zip(self.layout.keys, self.layout.names)}
             cols["token_ids"] = torch.from_numpy(index[:, 0].astype(np.int32))[None]
