@@ -25,7 +25,8 @@ READS = {   # what each example reads from its requests' captures
     "moe-routing": lambda ex: [f"model.layers.{i}.mlp.experts.router.output[1]" for i in range(ex.LAYERS)],
     "lora": lambda ex: [f"{ex.QKV}.input", f"{ex.QKV}.output", f"{ex.DOWN}.input", f"{ex.DOWN}.output"],
     "lens": lambda ex: [f"model.layers.{i}.resid:lens.{r}" for i in range(ex.LAYERS) for r in ("ids", "logits")]
-    + ["logits"]}
+    + ["logits"],
+    "induction": lambda ex: [f"model.layers.{i}.self_attn.pattern" for i in range(ex.LAYERS)]}
 
 
 def load(name: str):

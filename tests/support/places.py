@@ -7,4 +7,4 @@ CONFIGS = SUPPORT / "configs"   # vLLM configs of small models, one folder each
 EXAMPLES = ROOT / "examples"
 SCRIPTS = {"sae": "sae/sae.py", "steer-served": "steer-served/steer_served.py", "probe": "probe/probe.py",
            "patching": "patching/patching.py", "moe-routing": "moe-routing/moe_routing.py", "lora": "lora/lora.py",
-           "lens": "lens/lens.py"}
+           "lens": "lens/lens.py", "induction": "induction/induction.py"}
