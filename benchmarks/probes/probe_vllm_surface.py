@@ -3,12 +3,17 @@ has, read from its source without installing it (a release may need another torc
 
     python3 benchmarks/probes/probe_vllm_surface.py vllm-X.Y.Z-...whl   # or an unpacked folder
 
+Its release is read from its `vllm/_version.py` (0.34.0: "0.34"). The entries whose `versions`
+mark that release are the ones tapc needs there: those missing are listed first. The entries
+marked for other releases only follow apart, each absent or present (present: its marks lack this
+release). A release that no entry is marked with has every entry read as needed.
+
 Each entry resolves statically: the module's file exists; the path's first name is defined in
 it (class, def, assignment) or imported into it (followed, relative imports too, and vLLM's
 lazy `MODULE_ATTRS` table); a member of a class is defined or annotated in its body, assigned
-to `self` in one of its methods, or found so in a base class; env vars are keys of
-`vllm/envs.py`; ops are `op_name="..."` in the module; `.source` calls are named as tapc names
-them (tapc/plan/forwards.py `named_calls`). A missing name is looked for elsewhere in the
+to `self` in one of its methods, or found so in a base class (generic ones too); env vars are
+keys of `vllm/envs.py`; ops are `op_name="..."` in the module; `.source` calls are named as tapc
+names them (tapc/plan/forwards.py `named_calls`). A missing name is looked for elsewhere in the
 release (`class`/`def`/`self.` of the same name): where it may have moved. A reading of the
 source, not a run: it says nothing about how the code behaves.
 """
@@ -22,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tapc.plan.forwards import named_calls
-from tapc.vllm_surface import INTERNALS
+from tapc.vllm_surface import INTERNALS, release as vllm_release
 
 
 class Release:
@@ -93,6 +98,8 @@ class Release:
                         and t.value.id == "self"):
                     return True
         for base in cls.bases:
+            if isinstance(base, ast.Subscript):   # a generic base: AttentionImplBase[T]
+                base = base.value
             if depth < 8 and isinstance(base, ast.Name):
                 found = self.lookup(module, base.id)
                 if found and isinstance(found[1], ast.ClassDef) and self.member(found[0], found[1], name, depth + 1):
@@ -126,6 +133,15 @@ class Release:
             return fn is not None and entry.path.rpartition(":")[2] in dict(named_calls(fn))
         return True
 
+    def version(self) -> str:
+        """vLLM's version, as the release's `vllm/_version.py` assigns `__version__`."""
+        tree = self.tree("vllm._version")
+        for node in ast.walk(tree) if tree else ():
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__version__"
+                                                    for t in node.targets):
+                return ast.literal_eval(node.value)
+        raise SystemExit("the release has no vllm/_version.py with its __version__")
+
     def elsewhere(self, name: str) -> list[str]:
         """Files of the release that define `name` (class, def or `self.` attribute)."""
         pattern = re.compile(rf"^\s*(class|def|async def)\s+{re.escape(name)}\b|self\.{re.escape(name)}\s*[:=]", re.MULTILINE)
@@ -140,14 +156,41 @@ def _absolute(node: ast.ImportFrom, package: str) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-if __name__ == "__main__":
-    release = Release(sys.argv[1])
-    missing = [e for e in INTERNALS if not release.resolves(e)]
-    print(f"{len(INTERNALS) - len(missing)} of {len(INTERNALS)} entries present, {len(missing)} missing")
+def report(release: Release) -> None:
+    """Which entries tapc needs on the release (those its `versions` mark with it) are missing;
+    then the entries marked for other releases only, each present or absent here."""
+    version = release.version()
+    on = vllm_release(version)
+    marked = [e for e in INTERNALS if on in e.versions]
+    if not marked:   # a release not read before: every entry is needed until it is marked
+        print(f"no entry of tapc/vllm_surface.py is marked {on}: all {len(INTERNALS)} are read as needed")
+    needed = marked or list(INTERNALS)
+    others = [e for e in INTERNALS if on not in e.versions] if marked else []
+    missing = [e for e in needed if not release.resolves(e)]
+    scope = f" marked {on}" if marked else ""
+    print(f"vLLM {version}: {len(needed) - len(missing)} of the {len(needed)} entries{scope} present, "
+          f"{len(missing)} missing")
     for e in missing:
-        parts = e.path.split(":")[0].split(".")
-        gone = release.file(e.module) is None
-        # where a missing class or function went; a member's name alone matches too much to say
-        seen = release.elsewhere(parts[0]) if e.kind == "object" and len(parts) == 1 else []
-        where = ("; module gone" if gone else "") + ("; defined in " + ", ".join(seen) if seen else "")
-        print(f"- missing: {e.dotted} [{e.kind}] ({e.use}: {e.user}){where}")
+        print(f"- missing: {_described(release, e)}")
+    if others:
+        marks = ", ".join(sorted({v for e in others for v in e.versions}))
+        print(f"{len(others)} entries marked only {marks}, not read as needed on {on}:")
+        for e in others:
+            present = release.resolves(e)   # present here: its `versions` lack this release
+            print(f"- {f'present, not marked {on}' if present else 'absent'}: {_described(release, e, present)}")
+
+
+def _described(release: Release, e, present: bool = False) -> str:
+    """The entry in one line; an absent one with where it may have gone."""
+    line = f"{e.dotted} [{e.kind}] ({e.use}: {e.user})"
+    if present:
+        return line
+    parts = e.path.split(":")[0].split(".")
+    gone = release.file(e.module) is None
+    # where a missing class or function went; a member's name alone matches too much to say
+    seen = release.elsewhere(parts[0]) if e.kind == "object" and len(parts) == 1 else []
+    return line + ("; module gone" if gone else "") + ("; defined in " + ", ".join(seen) if seen else "")
+
+
+if __name__ == "__main__":
+    report(Release(sys.argv[1]))

@@ -90,6 +90,7 @@ class RunnerHooks:
             if rec is not None:   # a start past 0: vLLM served the rest from its cache
                 self._admit(rec, getattr(req, "num_computed_tokens", 0))
         # V1 resumes a preempted request among the cached ones, from where its cache hit ends
+        # (vLLM 0.34, without V1, has no `resumed_req_ids`: none resume there)
         resumed = getattr(cached, "resumed_req_ids", ())
         if resumed:
             computed = dict(zip(cached.req_ids, cached.num_computed_tokens))
@@ -254,7 +255,8 @@ def _answers(components: list[StepComponent]) -> dict[str, Callable]:
 def row_positions(model_config, positions):
     """`positions`, the runner's buffer of the model's positions, where it holds one a row (the
     rings' capture kernels read it, tapc/kernels/capture.py); None under M-RoPE or XD-RoPE, whose
-    positions are elsewhere, several a row."""
-    if model_config.uses_mrope or model_config.uses_xdrope_dim > 0:
+    positions are elsewhere, several a row. vLLM 0.34's config has no `uses_xdrope_dim`: it reads
+    XD-RoPE's sections as M-RoPE's, so `uses_mrope` covers those models."""
+    if model_config.uses_mrope or getattr(model_config, "uses_xdrope_dim", 0) > 0:
         return None
     return positions

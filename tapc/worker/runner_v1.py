@@ -2,12 +2,15 @@
 `GPUModelRunner`) and the runner-independent hooks (runner.py): the only code that knows that
 runner's methods and its persistent `InputBatch`.
 
-vLLM runs MoE, hybrid and pooling models on V1, and dense models there too when
-`VLLM_USE_V2_MODEL_RUNNER=0`. Where V2 hands back a per-step batch from `prepare_inputs`, V1
-keeps one persistent batch (`runner.input_batch`: requests in slot order, condensed when some
-leave, reordered for the attention backend) and prepares the step in place; the forward is
-`_model_forward`, called inside the forward context once the step's layout is final
-(`query_start_loc`, positions, padding to a graph size). So:
+vLLM 0.26 runs MoE, hybrid and pooling models on V1, and dense models there too when
+`VLLM_USE_V2_MODEL_RUNNER=0`; 0.34 has no V1 runner, and the worker imports this module only
+where vLLM has one (worker.py `ADAPTERS`).
+
+Where V2 hands back a per-step batch from `prepare_inputs`, V1 keeps one persistent batch
+(`runner.input_batch`: requests in slot order, condensed when some leave, reordered for the
+attention backend) and prepares the step in place; the forward is `_model_forward`, called
+inside the forward context once the step's layout is final (`query_start_loc`, positions,
+padding to a graph size). So:
 - `execute_model(scheduler_output)` is one step: the hooks hear of new, finished, preempted and
   resumed requests before it, and start the captures' copies out after it;
 - `_model_forward(...)` reads the batch as a `StepBatch` (`step_batch`) and fills the tables
@@ -26,6 +29,7 @@ from tapc.worker.step import StepBatch
 
 
 class V1Adapter:
+    RUNNER = "V1 (vllm/v1/worker/gpu_model_runner.py)"   # as the worker's refusal names it
     METHODS = ("execute_model", "_model_forward", "_dummy_run")   # the runner's methods it replaces
 
     @staticmethod

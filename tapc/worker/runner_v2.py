@@ -14,6 +14,7 @@ from tapc.worker.step import StepBatch
 
 
 class V2Adapter:
+    RUNNER = "V2 (vllm/v1/worker/gpu/)"   # as the worker's refusal names it
     METHODS = ("execute_model", "prepare_inputs")   # the runner's methods it replaces
 
     @staticmethod

@@ -18,6 +18,7 @@ The `tapc_*` methods are the RPCs the API sends (vLLM's `collective_rpc`): the s
 """
 from __future__ import annotations
 
+import importlib.util
 import pickle
 
 import torch
@@ -34,9 +35,17 @@ from tapc.worker.copyout import CopyOut
 from tapc.worker.cugraph import Driver
 from tapc.worker.graphs import SegmentedGraph
 from tapc.worker.layout import Layout
-from tapc.worker.runner_v1 import V1Adapter
 from tapc.worker.runner_v2 import V2Adapter
 from tapc.worker.switch import SwitchedGraph
+
+# The runners the installed vLLM has: 0.26 runs MoE, hybrid and pooling models on its V1 runner;
+# 0.34 has no V1 runner (V2 runs every model), so V1's adapter is neither imported nor offered.
+if importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is not None:
+    from tapc.worker.runner_v1 import V1Adapter
+
+    ADAPTERS: tuple[type, ...] = (V2Adapter, V1Adapter)
+else:
+    ADAPTERS = (V2Adapter,)
 
 
 class TapWorker(Worker):
@@ -133,14 +142,15 @@ class TapWorker(Worker):
 
 
 def runner_adapter(runner):
-    """The adapter class for vLLM's model runner (V2 for dense models, V1 for MoE, hybrid and
-    pooling models or under VLLM_USE_V2_MODEL_RUNNER=0); any other runner is refused before
-    anything is allocated."""
-    for adapter in (V2Adapter, V1Adapter):
+    """The adapter class for vLLM's model runner, of those in `ADAPTERS` (vLLM 0.26: V2 for dense
+    models, V1 for MoE, hybrid and pooling models or under VLLM_USE_V2_MODEL_RUNNER=0); any other
+    runner is refused before anything is allocated."""
+    for adapter in ADAPTERS:
         if adapter.matches(runner):
             return adapter
-    raise EngineError(f"tapc instruments vLLM's V2 (vllm/v1/worker/gpu/) and V1 (vllm/v1/worker/gpu_model_runner.py) "
-                      f"model runners, but this engine runs {type(runner).__module__}.{type(runner).__name__}")
+    runners = " and ".join(adapter.RUNNER for adapter in ADAPTERS)
+    raise EngineError(f"tapc instruments vLLM's {runners} model runner{'s' if len(ADAPTERS) > 1 else ''}, but "
+                      f"this engine runs {type(runner).__module__}.{type(runner).__name__}")
 
 
 def _functions(path: str | None) -> dict:
