@@ -1,6 +1,6 @@
 """`<attention>.pattern` in the language, the plan, `explain` and the request checks."""
 import pytest
-from engine_toy import HIDDEN, LAYERS, mlp_nodes, toy_tree
+from engine_toy import LAYERS, attention_nodes, toy_tree
 
 from tapc.api.requests import TapRequest
 from tapc.api.session import TapSession
@@ -9,18 +9,10 @@ from tapc.plan.explain import render
 from tapc.plan.planner import build_plan
 from tapc.plan.sharding import ModelDims
 from tapc.plan.sizing import ITEMSIZE, small_snapshot_rows
-from tapc.plan.tree import Node
 from tapc.wire.positions import beyond_pattern
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 4
 DIMS = ModelDims(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
-
-
-def attention_nodes(p: str, i: int, inner: str = "Attention") -> list[Node]:
-    """A decoder layer's attention block as vLLM's Llama has it: its paged attention is `attn`."""
-    return [*mlp_nodes(p, i),
-            Node(f"model.layers.{i}.self_attn", "LlamaAttention", "tensor", HIDDEN, HIDDEN, layer=i),
-            Node(f"model.layers.{i}.self_attn.attn", inner, "tensor", HIDDEN, HIDDEN, layer=i)]
 
 
 def plan(taps, inner="Attention", rows=64, seqs=8, **engine_args):

@@ -124,6 +124,14 @@ def mlp_nodes(p: str, i: int) -> list[Node]:
             Node(f"{p}.down_proj", "Linear", "linear", INTER, HIDDEN, layer=i)]
 
 
+def attention_nodes(p: str, i: int, inner: str = "Attention") -> list[Node]:
+    """Layer i's MLP nodes and an attention block as vLLM's Llama has it, its paged attention
+    (class `inner`) at `self_attn.attn`: `toy_tree(mlp=attention_nodes)`."""
+    return [*mlp_nodes(p, i),
+            Node(f"model.layers.{i}.self_attn", "LlamaAttention", "tensor", HIDDEN, HIDDEN, layer=i),
+            Node(f"model.layers.{i}.self_attn.attn", inner, "tensor", HIDDEN, HIDDEN, layer=i)]
+
+
 def toy_tree(mlp=mlp_nodes, layers: int = LAYERS, arch: str = "ToyForCausalLM") -> ModuleTree:
     """The tree of `ToyModel(mlp=..., layers=...)`: `mlp(path, i)` gives layer i's MLP nodes."""
     nodes = [Node("model", "Inner", "tensor", HIDDEN, HIDDEN),
