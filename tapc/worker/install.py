@@ -345,7 +345,7 @@ def _unreadable(impl) -> str | None:
     name = type(impl).__name__
     if name != "FlashAttentionImpl":
         return (f"attention patterns read the KV cache of vLLM's FlashAttention backend; this layer runs "
-                f"{name} (choose the backend with attention_config={{'backend': 'FLASH_ATTN'}})")
+                f"{name} (start the engine with attention_backend=\"FLASH_ATTN\")")
     if getattr(impl, "kv_cache_dtype", "auto") != "auto":
         return f"attention patterns read an unquantized KV cache; this engine's is {impl.kv_cache_dtype}"
     for attr, what in (("sliding_window", "a sliding window"), ("logits_soft_cap", "a logit soft cap"),
