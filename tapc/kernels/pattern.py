@@ -27,6 +27,16 @@ SCAN = 128          # entries of query_start_loc a step of the request search re
 
 
 @triton.jit
+def _scores(q, table, k_head, j, p, d, dm, block_size, stride_kb, stride_ks, scale):
+    """q . k[j] * scale for the keys j (-inf past p), each read through the request's block table."""
+    ok = j <= p
+    blk = tl.load(table + j // block_size, mask=ok, other=0).to(tl.int64)
+    kk = tl.load(k_head + blk[:, None] * stride_kb + (j % block_size)[:, None] * stride_ks + d[None, :],
+                 mask=ok[:, None] & dm[None, :], other=0.0).to(tl.float32)
+    return tl.where(ok, tl.sum(kk * q[None, :], axis=1) * scale, float("-inf"))
+
+
+@triton.jit
 def _pattern_kernel(
     q_ptr, k_ptr, dst_ptr, out_ptr, heads_ptr, qsl_ptr, seq_lens_ptr, bt_ptr, n_reqs, scale, keys,
     block_size, group, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_out,
@@ -60,23 +70,15 @@ def _pattern_kernel(
         l_i = 0.0
         for n0 in range(0, p + 1, BLOCK_N):
             j = n0 + tl.arange(0, BLOCK_N)
-            ok = j <= p
-            blk = tl.load(table + j // block_size, mask=ok, other=0).to(tl.int64)
-            kk = tl.load(k_head + blk[:, None] * stride_kb + (j % block_size)[:, None] * stride_ks + d[None, :],
-                         mask=ok[:, None] & dm[None, :], other=0.0).to(tl.float32)
-            sc = tl.where(ok, tl.sum(kk * q[None, :], axis=1) * scale, float("-inf"))
+            sc = _scores(q, table, k_head, j, p, d, dm, block_size, stride_kb, stride_ks, scale)
             m_new = tl.maximum(m_i, tl.max(sc, axis=0))
             l_i = l_i * tl.exp(m_i - m_new) + tl.sum(tl.exp(sc - m_new), axis=0)
             m_i = m_new
         row = out_ptr + dst * stride_out + i * keys
         for n0 in range(0, keys, BLOCK_N):
             j = n0 + tl.arange(0, BLOCK_N)
-            ok = j <= p
-            blk = tl.load(table + j // block_size, mask=ok, other=0).to(tl.int64)
-            kk = tl.load(k_head + blk[:, None] * stride_kb + (j % block_size)[:, None] * stride_ks + d[None, :],
-                         mask=ok[:, None] & dm[None, :], other=0.0).to(tl.float32)
-            sc = tl.sum(kk * q[None, :], axis=1) * scale
-            w = tl.where(ok, tl.exp(sc - m_i) / l_i, 0.0)
+            sc = _scores(q, table, k_head, j, p, d, dm, block_size, stride_kb, stride_ks, scale)
+            w = tl.where(j <= p, tl.exp(sc - m_i) / l_i, 0.0)
             tl.store(row + j, w, mask=j < keys)
 
 
