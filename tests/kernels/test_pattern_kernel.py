@@ -2,7 +2,7 @@
 request's contiguous keys, written out before the keys were paged."""
 import pytest
 import torch
-from kernel_cases import DEVICE, seed
+from kernel_cases import DEVICE, paged_keys, seed
 
 from tapc.kernels.capture import PHASES
 from tapc.kernels.pattern import pattern, pattern_ref
@@ -10,32 +10,11 @@ from tapc.kernels.pattern import pattern, pattern_ref
 POISON = -7.0
 
 
-def paged(requests, kv_heads, head_dim, block_size, dtype, extra_blocks=3):
-    """Each request's keys `[seq_len, kv_heads, head_dim]` written into a paged cache through a
-    block table of shuffled blocks, in the layout vLLM's FlashAttention view gives (`[blocks,
-    block_size, kv_heads, head_dim]`, kv_heads apart from its neighbour by 2 x head_dim: the
-    keys and values side by side in one tensor)."""
-    per = [-(-len(k) // block_size) for k in requests]
-    n_blocks = sum(per) + extra_blocks
-    both = torch.randn(n_blocks, kv_heads, block_size, 2 * head_dim, device=DEVICE).to(dtype)
-    cache = both.transpose(1, 2)[..., :head_dim]
-    order = torch.randperm(n_blocks, device=DEVICE)
-    table = torch.zeros(len(requests), max(per) + 2, dtype=torch.int32, device=DEVICE)
-    at = 0
-    for s, keys in enumerate(requests):
-        for b in range(per[s]):
-            blk = int(order[at])
-            at += 1
-            table[s, b] = blk
-            rows = keys[b * block_size: (b + 1) * block_size]
-            cache[blk, : len(rows)] = rows
-    return cache, table
-
-
 def case(seq_lens, query_lens, heads, kv_heads, head_dim, block_size, dtype, asked_every=2):
     """A step of requests each with `query_lens[s]` new rows at the end of `seq_lens[s]` keys."""
     keys = [torch.randn(n, kv_heads, head_dim, device=DEVICE).to(dtype) for n in seq_lens]
-    cache, table = paged(keys, kv_heads, head_dim, block_size, dtype)
+    kv_cache, table = paged_keys(keys, block_size, extra_blocks=3)
+    cache = kv_cache.transpose(1, 2)[..., :head_dim]   # the keys, as vLLM's FlashAttention views them
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     n = int(qsl[-1])
     q = torch.randn(n + 2, heads, head_dim, device=DEVICE).to(dtype)   # 2 padded rows past the batch

@@ -79,3 +79,23 @@ def assert_rows_untouched(new: torch.Tensor, old: torch.Tensor, rows: torch.Tens
     same = (a == b) | (a.isnan() & b.isnan())
     bad = rows.nonzero().squeeze(1)[~same.all(dim=1)]
     assert bad.numel() == 0, f"{what}: rows {bad.tolist()[:10]} were written but must not be"
+
+
+def paged_keys(keys: list[torch.Tensor], block_size: int, extra_blocks: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's keys `[seq_len, kv_heads, head_dim]` paged through shuffled blocks into a
+    KV cache of vLLM's FlashAttention layout, `[blocks, kv_heads, block_size, 2 x head_dim]` (a
+    token's keys, then its values), with values and unused slots random: (the cache, the int32
+    block table, a row a request)."""
+    kv_heads, head_dim = keys[0].shape[1:]
+    per = [-(-len(k) // block_size) for k in keys]
+    n_blocks = sum(per) + extra_blocks
+    cache = torch.randn(n_blocks, kv_heads, block_size, 2 * head_dim, device=DEVICE).to(keys[0].dtype)
+    order = torch.randperm(n_blocks).tolist()
+    table = torch.zeros(len(keys), max(per) + 2, dtype=torch.int32, device=DEVICE)
+    for s, k in enumerate(keys):
+        for b in range(per[s]):
+            blk = order.pop()
+            table[s, b] = blk
+            rows = k[b * block_size: (b + 1) * block_size]
+            cache[blk, :, : len(rows), :head_dim] = rows.transpose(0, 1)
+    return cache, table

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from engine_toy import LAYERS, attention_nodes, toy_buffers, toy_tree
+from kernel_cases import paged_keys
 
 from tapc.errors import EngineError
 from tapc.plan.planner import build_plan
@@ -58,19 +59,9 @@ def planned(tap: str):
 
 
 def step(seq_lens, query_lens):
-    """One step of requests with contiguous keys, paged into FlashAttention's cache layout
-    ([blocks, kv_heads, block_size, 2 x head_dim], keys first) through shuffled blocks."""
+    """One step of requests with contiguous keys, paged into FlashAttention's cache layout."""
     keys = [torch.randn(n, KV_HEADS, HEAD_DIM) for n in seq_lens]
-    n_blocks = sum(-(-n // BLOCK) for n in seq_lens) + 2
-    kv_cache = torch.randn(n_blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM)
-    order = torch.randperm(n_blocks).tolist()
-    table = torch.zeros(len(seq_lens), 8, dtype=torch.int32)
-    for s, k in enumerate(keys):
-        for b in range(-(-len(k) // BLOCK)):
-            blk = order.pop()
-            table[s, b] = blk
-            rows = k[b * BLOCK: (b + 1) * BLOCK]
-            kv_cache[blk, :, : len(rows), :HEAD_DIM] = rows.transpose(0, 1)
+    kv_cache, table = paged_keys(keys, BLOCK)
     qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
     meta = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_table=table)
     q = torch.randn(int(qsl[-1]), HEADS * HEAD_DIM)
