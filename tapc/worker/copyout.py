@@ -19,7 +19,7 @@ event is made.
 from __future__ import annotations
 
 from collections.abc import Collection
-from operator import le, mul
+from operator import mul
 from typing import NamedTuple
 
 import torch
@@ -145,8 +145,9 @@ class CopyOut:
         (a ring's, fill.py `Repeat`)."""
         small = self._small
         pending = [name for name, snap in ((BIG, self._big), (SMALL, small)) if snap is not None and _pending(snap)]
-        way = route(sum(map(mul, used, self._row_bytes)), steps, small is not None and all(map(le, used, small.rows)),
-                    pending, self._counting, self._events is not None, self.direct_bytes)
+        fits_small = small is not None and all(n <= len(t) for n, t in zip(used, small.tensors))
+        way = route(sum(map(mul, used, self._row_bytes)), steps, fits_small, pending, self._counting,
+                    self._events is not None, self.direct_bytes)
         joins = [self._snapshot(name) for name in way.joins]
         if way.source == POOLS:
             return self._copy_direct(segments, used, way.event == DRIVER, joins)
@@ -246,7 +247,6 @@ class _Snapshot:
     recorded after its last copies (None: none pending)."""
 
     def __init__(self, pools: list[torch.Tensor], rows: list[int], device: torch.device):
-        self.rows = rows
         self.tensors = [torch.empty(n, p.shape[1], dtype=p.dtype, device=device) for n, p in zip(rows, pools)]
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.freed: torch.cuda.Event | None = None
